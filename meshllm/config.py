@@ -1,0 +1,297 @@
+"""Typed, validated configuration: cluster files and node files (BRIEF schema).
+
+YAML is read and checked once, here; everything downstream trusts these frozen
+dataclasses. Every error is a ConfigError naming the file, the field and the
+problem (the CLI turns it into one line and exit code 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshllm.device import DeviceProfile, load_device
+from meshllm.errors import ConfigError
+
+ROLES = ("drafter", "prefill", "decode", "gateway")
+QUANTS = ("w4a16", "w8a16", "none")
+SPEC_MODES = ("async", "sync", "off")
+DISTS = ("fixed", "uniform", "lognormal")
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    quant: str = "w4a16"
+    group_size: int = 64
+
+
+@dataclass(frozen=True)
+class SpeculationSpec:
+    mode: str = "async"
+    gamma: int = 4
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    id: str
+    device: DeviceProfile
+    zone: str
+    roles: tuple[str, ...] | None = None  # None: the planner decides
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    zones: tuple[str, str]
+    rtt_ms: float
+    bandwidth_mbps: float
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    mean: float
+    dist: str = "lognormal"
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: tuple[str, ...] = ()
+    max_tokens: int = 48
+    temperature: float = 0.0
+    arrival_rate_per_s: float = 0.0
+    requests: int = 0
+    input_tokens: LengthDist = LengthDist(512)
+    output_tokens: LengthDist = LengthDist(128)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    source: str
+    model: str
+    nodes: tuple[NodeSpec, ...]
+    links: tuple[LinkSpec, ...] = ()
+    draft: DraftSpec = DraftSpec()
+    speculation: SpeculationSpec = SpeculationSpec()
+    workload: Workload = Workload()
+
+    def link(self, zone_a: str, zone_b: str) -> LinkSpec | None:
+        for ln in self.links:
+            if set(ln.zones) == {zone_a, zone_b}:
+                return ln
+        return None
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    source: str
+    id: str
+    device: DeviceProfile
+    zone: str = "default"
+    listen: str = "127.0.0.1:7700"
+    advertise: str | None = None
+    seeds: tuple[str, ...] = ()
+    mdns: bool = True
+    model: str = "smollm2-135m"
+    roles: tuple[str, ...] | None = None
+    cluster_key: str | None = None
+    links: tuple[LinkSpec, ...] = ()  # only set by the emulator
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def advertise_address(self) -> str:
+        if self.advertise:
+            return self.advertise
+        host, port = split_hostport(self.listen, self.source, "listen")
+        if host in ("0.0.0.0", "*", "::"):
+            raise ConfigError(self.source, "advertise", "required when listen binds all interfaces")
+        return f"{host}:{port}"
+
+
+# -- helpers ------------------------------------------------------------------------------
+def read_yaml(path: str | Path) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(path), "(file)", "no such file")
+    try:
+        with open(p) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "(file)"
+        raise ConfigError(str(path), where, f"invalid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "(top level)", "expected a mapping")
+    return data
+
+
+def split_hostport(s: Any, src: str, fld: str) -> tuple[str, int]:
+    if not isinstance(s, str) or ":" not in s:
+        raise ConfigError(src, fld, f"expected HOST:PORT, got {s!r}")
+    host, _, port = s.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(src, fld, f"expected HOST:PORT with a port in 1..65535, got {s!r}")
+    return host, int(port)
+
+
+def _check_keys(d: Any, allowed: set[str], required: set[str], src: str, prefix: str) -> dict:
+    if not isinstance(d, dict):
+        raise ConfigError(src, prefix or "(top level)", f"expected a mapping, got {type(d).__name__}")
+    for k in d:
+        if k not in allowed:
+            raise ConfigError(src, f"{prefix}{k}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+    for k in sorted(required):
+        if k not in d:
+            raise ConfigError(src, f"{prefix}{k}", "missing required field")
+    return d
+
+
+def _num(v: Any, src: str, fld: str, *, lo: float = 0.0, integer: bool = False, strict: bool = False) -> float:
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or v < lo or (strict and v == lo):
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(src, fld, f"must be {kind} {'>' if strict else '>='} {lo:g}, got {v!r}")
+    return v
+
+
+def _choice(v: Any, choices: tuple[str, ...], src: str, fld: str) -> str:
+    if v not in choices:
+        raise ConfigError(src, fld, f"must be one of {', '.join(choices)}, got {v!r}")
+    return v
+
+
+def _roles(v: Any, src: str, fld: str) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v:
+        raise ConfigError(src, fld, "must be a non-empty list")
+    return tuple(_choice(r, ROLES, src, f"{fld}[{i}]") for i, r in enumerate(v))
+
+
+def _model(v: Any, src: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(src, "model", "must be a registry name or a path")
+    return v
+
+
+# -- cluster file ---------------------------------------------------------------------------
+def parse_cluster(data: dict, src: str) -> ClusterConfig:
+    _check_keys(data, {"model", "draft", "speculation", "nodes", "links", "workload"}, {"model", "nodes"}, src, "")
+    nodes_raw = data["nodes"]
+    if not isinstance(nodes_raw, list) or not nodes_raw:
+        raise ConfigError(src, "nodes", "must be a non-empty list")
+    nodes, seen = [], set()
+    for i, n in enumerate(nodes_raw):
+        p = f"nodes[{i}]."
+        _check_keys(n, {"id", "device", "zone", "roles"}, {"id", "device", "zone"}, src, p)
+        nid = n["id"]
+        if not isinstance(nid, str) or not nid:
+            raise ConfigError(src, p + "id", "must be a non-empty string")
+        if nid in seen:
+            raise ConfigError(src, p + "id", f"duplicate node id {nid!r}")
+        seen.add(nid)
+        dev = load_device(n["device"], f"{src}: {p}device")
+        nodes.append(NodeSpec(nid, dev, str(n["zone"]), _roles(n.get("roles"), src, p + "roles")))
+    zones = {n.zone for n in nodes}
+    links = tuple(_link(ln, i, src, zones) for i, ln in enumerate(data.get("links") or []))
+    return ClusterConfig(
+        source=src, model=_model(data["model"], src), nodes=tuple(nodes), links=links,
+        draft=_draft(data.get("draft") or {}, src), speculation=_spec(data.get("speculation") or {}, src),
+        workload=_workload(data.get("workload") or {}, src),
+    )
+
+
+def _link(ln: Any, i: int, src: str, zones: set[str] | None) -> LinkSpec:
+    p = f"links[{i}]."
+    _check_keys(ln, {"zones", "rtt_ms", "bandwidth_mbps"}, {"zones", "rtt_ms", "bandwidth_mbps"}, src, p)
+    z = ln["zones"]
+    if not isinstance(z, list) or len(z) != 2:
+        raise ConfigError(src, p + "zones", "must be a list of two zone names")
+    for zz in z:
+        if zones is not None and zz not in zones:
+            raise ConfigError(src, p + "zones", f"zone {zz!r} has no nodes (zones: {', '.join(sorted(zones))})")
+    return LinkSpec((str(z[0]), str(z[1])), float(_num(ln["rtt_ms"], src, p + "rtt_ms")),
+                    float(_num(ln["bandwidth_mbps"], src, p + "bandwidth_mbps", strict=True)))
+
+
+def _draft(d: Any, src: str) -> DraftSpec:
+    _check_keys(d, {"quant", "group_size"}, set(), src, "draft.")
+    gs = int(_num(d.get("group_size", 64), src, "draft.group_size", lo=1, integer=True))
+    if gs % 32:
+        raise ConfigError(src, "draft.group_size", f"must be a multiple of 32, got {gs}")
+    return DraftSpec(_choice(d.get("quant", "w4a16"), QUANTS, src, "draft.quant"), gs)
+
+
+def _spec(d: Any, src: str) -> SpeculationSpec:
+    _check_keys(d, {"mode", "gamma"}, set(), src, "speculation.")
+    return SpeculationSpec(_choice(d.get("mode", "async"), SPEC_MODES, src, "speculation.mode"),
+                           int(_num(d.get("gamma", 4), src, "speculation.gamma", lo=1, integer=True)))
+
+
+def _dist(d: Any, src: str, fld: str, default: float) -> LengthDist:
+    if d is None:
+        return LengthDist(default)
+    _check_keys(d, {"mean", "dist"}, {"mean"}, src, fld + ".")
+    return LengthDist(float(_num(d["mean"], src, fld + ".mean", strict=True)),
+                      _choice(d.get("dist", "lognormal"), DISTS, src, fld + ".dist"))
+
+
+def _workload(d: Any, src: str) -> Workload:
+    allowed = {"prompts", "max_tokens", "temperature", "arrival_rate_per_s", "requests", "input_tokens",
+               "output_tokens"}
+    _check_keys(d, allowed, set(), src, "workload.")
+    prompts = d.get("prompts") or []
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ConfigError(src, "workload.prompts", "must be a list of strings")
+    return Workload(
+        prompts=tuple(prompts),
+        max_tokens=int(_num(d.get("max_tokens", 48), src, "workload.max_tokens", lo=1, integer=True)),
+        temperature=float(_num(d.get("temperature", 0.0), src, "workload.temperature")),
+        arrival_rate_per_s=float(_num(d.get("arrival_rate_per_s", 0.0), src, "workload.arrival_rate_per_s")),
+        requests=int(_num(d.get("requests", 0), src, "workload.requests", integer=True)),
+        input_tokens=_dist(d.get("input_tokens"), src, "workload.input_tokens", 512),
+        output_tokens=_dist(d.get("output_tokens"), src, "workload.output_tokens", 128),
+    )
+
+
+def load_cluster(path: str | Path) -> ClusterConfig:
+    return parse_cluster(read_yaml(path), str(path))
+
+
+# -- node file ------------------------------------------------------------------------------
+NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "model", "roles", "cluster_key",
+             "links"}
+
+
+def parse_node(data: dict, src: str) -> NodeConfig:
+    _check_keys(data, NODE_KEYS, {"id", "device", "listen"}, src, "")
+    if not isinstance(data["id"], str) or not data["id"]:
+        raise ConfigError(src, "id", "must be a non-empty string")
+    split_hostport(data["listen"], src, "listen")
+    if data.get("advertise") is not None:
+        split_hostport(data["advertise"], src, "advertise")
+    seeds = data.get("seeds") or []
+    if not isinstance(seeds, list):
+        raise ConfigError(src, "seeds", "must be a list of HOST:PORT")
+    for i, s in enumerate(seeds):
+        split_hostport(s, src, f"seeds[{i}]")
+    mdns = data.get("mdns", True)
+    if not isinstance(mdns, bool):
+        raise ConfigError(src, "mdns", f"must be true or false, got {mdns!r}")
+    key = data.get("cluster_key")
+    if key is not None and not Path(str(key)).is_file():
+        raise ConfigError(src, "cluster_key", f"no such file {key!r}")
+    # Links in a node file (written by the emulator) name zones of other nodes: no zone check here.
+    links = tuple(_link(ln, i, src, None) for i, ln in enumerate(data.get("links") or []))
+    return NodeConfig(
+        source=src, id=data["id"], device=load_device(data["device"], f"{src}: device"),
+        zone=str(data.get("zone", "default")), listen=data["listen"], advertise=data.get("advertise"),
+        seeds=tuple(seeds), mdns=mdns, model=_model(data.get("model", "smollm2-135m"), src),
+        roles=_roles(data.get("roles"), src, "roles"), cluster_key=None if key is None else str(key), links=links,
+    )
+
+
+def load_node(path: str | Path) -> NodeConfig:
+    return parse_node(read_yaml(path), str(path))

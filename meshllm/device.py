@@ -1,0 +1,95 @@
+"""Device profiles: the hardware figures the planner, emulator and simulator use.
+
+A profile comes from `devices/NAME.yaml`, from an inline mapping in a config
+file, or from `auto` (a psutil probe of this machine). Every shipped profile
+cites its `source:`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DEVICES_DIR = Path(__file__).resolve().parent.parent / "devices"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    memory_gb: float  # memory usable for weights + KV
+    compute_tflops: float  # dense fp16/bf16 (or fp32 on CPUs) peak the runtime can use
+    memory_bandwidth_gbps: float  # GB/s
+    network_mbps: float  # the device's network port, shared by all its transfers
+    source: str = ""
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+
+_REQUIRED = ("memory_gb", "compute_tflops", "memory_bandwidth_gbps", "network_mbps")
+
+
+def device_from_mapping(name: str, data: dict, where: str) -> DeviceProfile:
+    """Validate a profile mapping; `where` names the file/field for errors."""
+    from meshllm.errors import ConfigError
+
+    if not isinstance(data, dict):
+        raise ConfigError(where, "device", f"expected a mapping, got {type(data).__name__}")
+    allowed = {f.name for f in fields(DeviceProfile)}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ConfigError(where, f"device.{unknown[0]}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise ConfigError(where, f"device.{missing[0]}", "missing required field")
+    values = {}
+    for k in _REQUIRED:
+        v = data[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ConfigError(where, f"device.{k}", f"must be a positive number, got {v!r}")
+        values[k] = float(v)
+    return DeviceProfile(name=str(data.get("name", name)), source=str(data.get("source", "")), **values)
+
+
+def known_devices(devices_dir: Path = DEVICES_DIR) -> list[str]:
+    return sorted(p.stem for p in devices_dir.glob("*.yaml"))
+
+
+def load_device(spec: str | dict, where: str = "<config>", devices_dir: Path = DEVICES_DIR) -> DeviceProfile:
+    """`spec` is a profile name in devices/, an inline mapping, or 'auto'."""
+    import yaml
+
+    from meshllm.errors import ConfigError
+
+    if isinstance(spec, dict):
+        return device_from_mapping(str(spec.get("name", "inline")), spec, where)
+    if spec == "auto":
+        return probe_this_machine()
+    path = devices_dir / f"{spec}.yaml"
+    if not isinstance(spec, str) or not path.is_file():
+        raise ConfigError(where, "device", f"unknown device {spec!r}; known: {', '.join(known_devices(devices_dir))}, "
+                                           "auto, or an inline mapping")
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    return device_from_mapping(spec, data, str(path))
+
+
+def probe_this_machine() -> DeviceProfile:
+    """Rough profile of this machine from psutil. Compute and bandwidth are estimates:
+    ~16 fp32 FLOP/cycle/core (AVX2 FMA) at the max clock, and ~10 GB/s per memory channel
+    guess of 2 channels; the runtime's own calibration (partition/cost.py) refines them."""
+    import psutil
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (psutil.cpu_count() or 1)
+    freq = psutil.cpu_freq()
+    ghz = (freq.max or freq.current) / 1000 if freq and (freq.max or freq.current) else 2.5
+    return DeviceProfile(
+        name="auto",
+        memory_gb=round(psutil.virtual_memory().available / 1e9, 2),
+        compute_tflops=round(cores * ghz * 16 / 1000, 4),
+        memory_bandwidth_gbps=20.0,
+        network_mbps=1000.0,
+        source=f"psutil probe of this machine ({cores} cores at ~{ghz:.1f} GHz); bandwidth and network assumed",
+    )

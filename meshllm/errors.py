@@ -1,0 +1,17 @@
+"""Exceptions for bad external input. The CLI maps InputError to exit code 2."""
+
+
+class InputError(ValueError):
+    """Bad user input (arguments, YAML, a model path): one actionable line, no traceback."""
+
+
+class ConfigError(InputError):
+    """A YAML config file (cluster, node, device) is invalid. The message names file and field."""
+
+    def __init__(self, source: str, field: str, problem: str):
+        self.source, self.field, self.problem = source, field, problem
+        super().__init__(f"{source}: {field}: {problem}")
+
+
+class ModelFileError(InputError):
+    """A model path is missing, not a model file, or not a Llama-family model."""

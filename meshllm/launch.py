@@ -1,0 +1,156 @@
+"""The meshllm command line: the only place that reads argv.
+
+Run `python launch.py --help` (or the `meshllm` console script). Modes:
+
+    --node-config NODE.yaml     run one node until SIGINT/SIGTERM
+    --cluster CLUSTER.yaml      emulate a whole cluster locally, run its workload, tear down
+    --plan CLUSTER.yaml         planner only (--json, --png FILE)
+    --simulate CLUSTER.yaml     discrete-event simulation with baselines (--json, --rate R)
+    --reference                 single-process reference generation (the oracle)
+    --status HOST:PORT          ask a running node for its view of the mesh
+
+Exit codes: 0 success, 2 bad input (one line naming file/field/problem), 1 runtime failure.
+With --json exactly one JSON object goes to stdout; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from meshllm.errors import InputError
+
+log = logging.getLogger("meshllm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshllm", description="Serve an LLM on a ZeroMQ mesh of edge/fog devices.")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--node-config", metavar="NODE.yaml", help="run one node until SIGINT/SIGTERM")
+    mode.add_argument("--cluster", metavar="CLUSTER.yaml", help="emulate a cluster locally and run its workload")
+    mode.add_argument("--plan", metavar="CLUSTER.yaml", help="planner only")
+    mode.add_argument("--simulate", metavar="CLUSTER.yaml", help="discrete-event simulation with baselines")
+    mode.add_argument("--reference", action="store_true", help="single-process reference generation")
+    mode.add_argument("--status", metavar="HOST:PORT", help="ask a running node for its view of the mesh")
+    p.add_argument("--model", default=None, help="registry name, .gguf file or HF safetensors dir")
+    p.add_argument("--draft", default=None, help="reference: run the quantized draft instead (w4a16|w8a16)")
+    p.add_argument("--group-size", type=int, default=64, help="draft quantization group size (default 64)")
+    p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 48)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling / planner seed")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.add_argument("--png", metavar="FILE", help="plan: draw the plan to FILE")
+    p.add_argument("--rate", type=float, default=None, help="simulate: override the arrival rate (req/s)")
+    p.add_argument("--timeout", type=float, default=None, help="status/cluster: seconds to wait")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def _emit(obj: dict, as_json: bool, text: str | None = None) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(obj) + "\n")
+    else:
+        sys.stdout.write((text if text is not None else json.dumps(obj, indent=2)) + "\n")
+    sys.stdout.flush()
+
+
+def cmd_reference(a: argparse.Namespace) -> int:
+    from meshllm.generate import GenerationOptions, reference_main
+
+    opts = GenerationOptions(
+        max_tokens=48 if a.max_tokens is None else a.max_tokens,
+        temperature=a.temperature or 0.0, top_k=a.top_k, top_p=a.top_p, seed=a.seed, chat=a.chat,
+    )
+    if opts.max_tokens < 1:
+        raise InputError(f"--max-tokens must be >= 1, got {opts.max_tokens}")
+    result, text = reference_main(a.model or "smollm2-135m", a.prompt or ["The capital of France is"], opts,
+                                  draft=a.draft, group_size=a.group_size, dtype=a.dtype)
+    _emit(result, a.json, text)
+    return 0
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from meshllm.config import load_cluster
+    from meshllm.partition.plan import plan_cluster, render_png
+
+    cfg = load_cluster(a.plan)
+    plan = plan_cluster(cfg, seed=a.seed)
+    if a.png:
+        render_png(plan, cfg, a.png)
+    _emit(plan.to_json(), a.json, plan.describe())
+    return 0
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from meshllm.config import load_cluster
+    from meshllm.sim import simulate_policies
+
+    cfg = load_cluster(a.simulate)
+    if a.rate is not None and a.rate <= 0:
+        raise InputError(f"--rate must be > 0, got {a.rate}")
+    _emit(simulate_policies(cfg, rate=a.rate, seed=a.seed), a.json)
+    return 0
+
+
+def cmd_node(a: argparse.Namespace) -> int:
+    from meshllm.config import load_node
+    from meshllm.node import run_node
+
+    return run_node(load_node(a.node_config))
+
+
+def cmd_cluster(a: argparse.Namespace) -> int:
+    from meshllm.config import load_cluster
+    from meshllm.emulate import run_cluster
+
+    result = run_cluster(load_cluster(a.cluster), a)
+    _emit(result, a.json)
+    return 0
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from meshllm.config import split_hostport
+    from meshllm.node import query_status
+
+    split_hostport(a.status, "--status", "HOST:PORT")
+    _emit(query_status(a.status, timeout_s=a.timeout or 3.0), a.json)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    handlers = {"node_config": cmd_node, "cluster": cmd_cluster, "plan": cmd_plan, "simulate": cmd_simulate,
+                "reference": cmd_reference, "status": cmd_status}
+    mode = next(k for k in handlers if getattr(a, k))
+    try:
+        return handlers[mode](a)
+    except InputError as e:
+        print(f"meshllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("meshllm: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a runtime failure: one line, the traceback only with -v
+        if a.verbose or os.environ.get("MESHLLM_DEBUG"):
+            log.exception("runtime failure")
+        print(f"meshllm: runtime error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
