@@ -187,9 +187,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(start, end))
         self.norm = RMSNorm(args.dim, args.norm_eps) if self.has_head else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if self.has_head else None
-        cos, sin = rope_tables(args, args.max_seq_len)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 tables, built on first use
 
     def new_cache(self, dtype: torch.dtype | None = None) -> KVCache:
         dtype = dtype or next(self.parameters()).dtype
@@ -212,7 +210,10 @@ class Transformer(nn.Module):
             total = s.start_pos + s.n_tokens
             masks.append(None if s.n_tokens == 1 else torch.arange(total)[None, :] <= p[:, None])
         positions = torch.cat(pos)
-        return _BatchContext(spans, rows, masks, self.rope_cos[positions], self.rope_sin[positions], cache)
+        if self._rope is None:
+            self._rope = rope_tables(self.args, self.args.max_seq_len)
+        cos, sin = self._rope
+        return _BatchContext(spans, rows, masks, cos[positions], sin[positions], cache)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, spans: list[SeqSpan], cache: KVCache,

@@ -1,0 +1,114 @@
+"""Single-process generation: the reference oracle every mesh test compares against.
+
+`prefill` and `decode_one_token` are short free functions over the one shard
+Transformer (here holding all layers), in the manner of gpt-fast's generate.py.
+`python launch.py --reference --prompt TEXT [--chat] [--json]` runs `reference_main`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from meshllm.errors import InputError
+from meshllm.kvcache import KVCache
+from meshllm.model import SeqSpan, Transformer, last_rows
+from meshllm.sampling import SamplingParams, margins, sample
+
+log = logging.getLogger("meshllm.generate")
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    max_tokens: int = 48
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    chat: bool = False
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class GenResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    margins: list[float]
+    finish_reason: str  # "length" | "stop"
+
+
+def prefill(model: Transformer, cache: KVCache, seq_id: int, ids: list[int]) -> torch.Tensor:
+    """Run the prompt; returns the logits (1, V) after its last token."""
+    spans = [SeqSpan(seq_id, cache.length(seq_id), len(ids))]
+    return model(torch.tensor(ids), spans, cache, logits_rows=last_rows(spans))
+
+
+def decode_one_token(model: Transformer, cache: KVCache, seq_id: int, token: int) -> torch.Tensor:
+    return model(torch.tensor([token]), [SeqSpan(seq_id, cache.length(seq_id), 1)], cache)
+
+
+def generate(model: Transformer, prompt_ids: list[int], opts: GenerationOptions,
+             eos_ids: set[int] = frozenset()) -> GenResult:
+    if not prompt_ids:
+        raise InputError("the prompt encodes to zero tokens")
+    room = model.args.max_seq_len - len(prompt_ids)
+    if room < 1:
+        raise InputError(f"prompt of {len(prompt_ids)} tokens exceeds the context of {model.args.max_seq_len}")
+    cache = model.new_cache()
+    cache.allocate(0, len(prompt_ids) + opts.max_tokens)
+    gen = torch.Generator().manual_seed(opts.seed)
+    logits = prefill(model, cache, 0, prompt_ids)
+    out, marg, reason = [], [], "length"
+    for _ in range(min(opts.max_tokens, room)):
+        tok = int(sample(logits, opts.sampling, gen)[0])
+        out.append(tok)
+        marg.append(float(margins(logits)[0]))
+        if tok in eos_ids:
+            reason = "stop"
+            break
+        if len(out) == min(opts.max_tokens, room):
+            break
+        logits = decode_one_token(model, cache, 0, tok)
+    return GenResult(list(prompt_ids), out, marg, reason)
+
+
+def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtype: str):
+    """(model, tokenizer) for the reference: the target, or its quantized draft."""
+    from meshllm.quant import quantize_model
+    from meshllm.tokenizer import load_tokenizer
+    from meshllm.weights import load_transformer, resolve_model
+
+    if draft not in (None, "none", "w4a16", "w8a16"):
+        raise InputError(f"unknown draft {draft!r}; known: w4a16, w8a16, none")
+    if group_size < 32 or group_size % 32:
+        raise InputError(f"--group-size must be a positive multiple of 32, got {group_size}")
+    src = resolve_model(model_spec)
+    tok = load_tokenizer(src)
+    t0 = time.perf_counter()
+    model = load_transformer(src, dtype=torch.float32 if draft or dtype == "float32" else torch.bfloat16)
+    if draft and draft != "none":
+        quantize_model(model, draft, group_size)
+    log.info("loaded %s%s in %.1f s", src.name, f" ({draft} g{group_size} draft)" if draft else "",
+             time.perf_counter() - t0)
+    return model, tok
+
+
+def reference_main(model_spec: str, prompts: list[str], opts: GenerationOptions, draft: str | None = None,
+                   group_size: int = 64, dtype: str = "float32") -> tuple[dict, str]:
+    """Run the reference; returns (the BRIEF's JSON object, human-readable text)."""
+    model, tok = load_for_reference(model_spec, draft, group_size, dtype)
+    results = []
+    for p in prompts:
+        text = tok.render_chat([{"role": "user", "content": p}]) if opts.chat else p
+        r = generate(model, tok.encode(text), opts, tok.eos_ids)
+        shown = [t for t in r.token_ids if t not in tok.eos_ids]
+        results.append({"prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids, "margins": r.margins,
+                        "text": tok.decode(shown), "finish_reason": r.finish_reason})
+    obj = results[0] if len(results) == 1 else {"results": results}
+    return obj, "\n---\n".join(r["text"] for r in results)

@@ -1,0 +1,124 @@
+"""A small, fast GGUF reader: metadata + memory-mapped tensor data.
+
+`gguf.GGUFReader` builds numpy views for every metadata string and takes ~5 s
+on SmolLM2's 49k-token vocabulary; this parser reads the same header with
+`struct` in ~0.1 s. Dequantization is still the `gguf` package's
+(`gguf.quants.dequantize`), so every tensor type it knows is supported.
+
+Layout (GGUF v2/v3, little-endian): "GGUF", u32 version, u64 n_tensors,
+u64 n_kv; n_kv x (string key, u32 type, value); n_tensors x (string name,
+u32 n_dims, u64 dims[n_dims] (ne0 first), u32 ggml_type, u64 offset); then
+tensor data at the next multiple of `general.alignment` (default 32).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from meshllm.errors import ModelFileError
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+       7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order: (rows, ..., ne0)
+    ggml_type: int
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class GGUFFile:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as e:
+            raise ModelFileError(f"{path}: cannot open: {e}") from None
+        if bytes(self._mm[:4]) != b"GGUF":
+            raise ModelFileError(f"{path}: not a GGUF file (bad magic)")
+        self._buf = memoryview(self._mm)
+        self._pos = 4
+        try:
+            self._parse()
+        except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
+            raise ModelFileError(f"{path}: truncated or corrupt GGUF header ({e})") from None
+
+    # -- parsing ------------------------------------------------------------------------
+    def _read(self, fmt: str):
+        v = struct.unpack_from(fmt, self._buf, self._pos)[0]
+        self._pos += struct.calcsize(fmt)
+        return v
+
+    def _str(self) -> str:
+        n = self._read("<Q")
+        s = bytes(self._buf[self._pos:self._pos + n]).decode("utf-8")
+        if len(s.encode()) != n:
+            raise ValueError("string runs past the end of the file")
+        self._pos += n
+        return s
+
+    def _value(self, vtype: int):
+        if vtype == _STRING:
+            return self._str()
+        if vtype in _SCALARS:
+            return self._read(_SCALARS[vtype])
+        if vtype == _ARRAY:
+            itype, n = self._read("<I"), self._read("<Q")
+            if itype in _NP:
+                arr = np.frombuffer(self._buf, dtype=_NP[itype], count=n, offset=self._pos)
+                self._pos += arr.nbytes
+                return arr.tolist()
+            return [self._value(itype) for _ in range(n)]
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+    def _parse(self) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        version = self._read("<I")
+        if version not in (2, 3):
+            raise ModelFileError(f"{self.path}: GGUF version {version} is not supported (2, 3)")
+        n_tensors, n_kv = self._read("<Q"), self._read("<Q")
+        self.fields: dict[str, object] = {}
+        for _ in range(n_kv):
+            key = self._str()
+            self.fields[key] = self._value(self._read("<I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = self._str()
+            dims = [self._read("<Q") for _ in range(self._read("<I"))]
+            infos.append((name, tuple(reversed(dims)), self._read("<I"), self._read("<Q")))
+        align = int(self.fields.get("general.alignment", 32))
+        data_start = (self._pos + align - 1) // align * align
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, shape, gtype, off in infos:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
+            n = int(np.prod(shape))
+            info = TensorInfo(name, shape, gtype, data_start + off, n // block * size)
+            if info.offset + info.nbytes > len(self._mm):
+                raise ModelFileError(f"{self.path}: tensor {name} runs past the end of the file (truncated?)")
+            self.tensors[name] = info
+
+    # -- tensors --------------------------------------------------------------------------
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes, shaped (rows, bytes_per_row) (memory-mapped, read-only)."""
+        t = self.tensors[name]
+        rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
+        return self._mm[t.offset:t.offset + t.nbytes].reshape(rows, -1)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """fp32 array in torch order (rows, ..., ne0)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t = self.tensors[name]
+        arr = dequantize(self.raw(name), GGMLQuantizationType(t.ggml_type))
+        return np.array(arr, dtype=np.float32).reshape(t.shape)  # a writable copy

@@ -1,0 +1,86 @@
+"""Logits -> tokens, and the speculative acceptance rules. Pure functions.
+
+Greedy is argmax (ties -> lowest id, torch's rule). Sampling applies
+temperature, then top-k, then top-p, and draws with a caller-seeded
+torch.Generator, so a (seed, logits) pair always gives the same token.
+
+Speculative verification (Leviathan et al. / Chen et al.), lossless:
+- greedy: accept draft tokens while they equal the target's argmax; the first
+  mismatch is replaced by the target's token; if all γ match, the target's
+  token after the block is a bonus.
+- sampled: accept token x with probability min(1, p(x)/q(x)); on rejection
+  draw from normalize(max(0, p - q)). The output has exactly the target's
+  distribution p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = all
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def margins(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit per row: (R, V) -> (R,). The evidence for numerical ties."""
+    top2 = logits.float().topk(2, dim=-1).values
+    return top2[..., 0] - top2[..., 1]
+
+
+def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """(R, V) logits -> (R, V) probabilities after temperature, top-k and top-p."""
+    x = logits.float() / max(p.temperature, 1e-6)
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = x.topk(p.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, idx = x.sort(dim=-1, descending=True)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        drop = cum - sorted_x.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_x)
+    return x.softmax(-1)
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None = None) -> torch.Tensor:
+    """(R, V) -> (R,) token ids."""
+    if p.greedy:
+        return logits.argmax(-1)
+    return torch.multinomial(probs(logits, p), 1, generator=gen).squeeze(-1)
+
+
+def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """draft: (γ,) ids; target_logits: (γ+1, V), row i predicts the token after draft[:i].
+
+    Returns (n_accepted, next_token): the output extends by draft[:n_accepted] + [next_token].
+    """
+    tgt = target_logits.argmax(-1)
+    match = (tgt[: draft.shape[0]] == draft).int()
+    n = int(match.cumprod(0).sum())
+    return n, int(tgt[n])
+
+
+def verify_sampled(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                   gen: torch.Generator | None = None) -> tuple[int, int]:
+    """Lossless rejection sampling. draft_probs: (γ, V) = q; target_probs: (γ+1, V) = p."""
+    g = draft.shape[0]
+    for i in range(g):
+        x = int(draft[i])
+        px, qx = float(target_probs[i, x]), float(draft_probs[i, x])
+        u = float(torch.rand((), generator=gen))
+        if qx > 0 and u < min(1.0, px / qx):
+            continue
+        resid = (target_probs[i] - draft_probs[i]).clamp(min=0)
+        resid = resid / resid.sum() if resid.sum() > 0 else target_probs[i]
+        return i, int(torch.multinomial(resid, 1, generator=gen))
+    return g, int(torch.multinomial(target_probs[g], 1, generator=gen))

@@ -1,0 +1,105 @@
+"""Tokenizer from GGUF metadata (or an HF tokenizer.json), plus the chat template.
+
+GGUF `gpt2`-model tokenizers are byte-level BPE: `tokenizer.ggml.tokens` are the
+byte-level-encoded strings, `tokenizer.ggml.merges` the merge list, and
+token_type 3 marks control (special) tokens, which we register as special so
+that "<|im_start|>" in text maps to its single id. The pre-tokenizer follows
+llama.cpp's `tokenizer.ggml.pre`: `smollm` (and the starcoder family) isolate
+every digit before the GPT-2 split regex.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshllm.errors import ModelFileError
+
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_CONTROL = 3
+
+
+class Tokenizer:
+    def __init__(self, tok, eos_ids: set[int], bos_id: int | None, chat_template: str | None):
+        self._tok = tok
+        self.eos_ids = eos_ids
+        self.bos_id = bos_id
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        if not self.chat_template:
+            raise ModelFileError("this model has no chat template; drop --chat")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                          bos_token="", eos_token="")
+
+
+def tokenizer_from_gguf(reader) -> Tokenizer:
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    def field(key, default=None):
+        return reader.fields.get(key, default)
+
+    kind = field("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelFileError(f"tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE)")
+    tokens = field("tokenizer.ggml.tokens")
+    types = field("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if field("tokenizer.ggml.pre", "default") in _DIGIT_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+    tok.add_special_tokens(specials)
+    eos = field("tokenizer.ggml.eos_token_id")
+    eos_ids = {int(eos)} if eos is not None else set()
+    for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        if name in vocab and types[vocab[name]] == _CONTROL:
+            eos_ids.add(vocab[name])
+    bos = field("tokenizer.ggml.bos_token_id")
+    return Tokenizer(tok, eos_ids, None if bos is None else int(bos), field("tokenizer.chat_template"))
+
+
+def tokenizer_from_hf_dir(d: Path) -> Tokenizer:
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = d / "tokenizer.json"
+    if not path.is_file():
+        raise ModelFileError(f"{d}: no tokenizer.json")
+    tok = HFTokenizer.from_file(str(path))
+    cfg = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() else {}
+    mcfg = json.loads((d / "config.json").read_text())
+    eos = mcfg.get("eos_token_id")
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return Tokenizer(tok, eos_ids, mcfg.get("bos_token_id"), cfg.get("chat_template"))
+
+
+def load_tokenizer(src) -> Tokenizer:
+    """`src` is a weights.ModelSource with a file behind it."""
+    if src.kind == "hf":
+        return tokenizer_from_hf_dir(src.path)
+    if src.kind == "gguf":
+        from meshllm.weights import _gguf_reader
+
+        return tokenizer_from_gguf(_gguf_reader(src.path))
+    raise ModelFileError(f"model {src.name!r} has random test weights and no tokenizer; pass token ids")
