@@ -1,0 +1,167 @@
+"""Oracle tests of the shard transformer and the KV cache (tiny random model and SmolLM2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshllm.model import SeqSpan, Transformer, model_args
+from meshllm.weights import load_transformer
+
+SPLITS_TINY = [(0, 1), (1, 3), (3, 4)]
+SPLITS_SMOL = [(0, 7), (7, 19), (19, 30)]
+
+
+def run_whole(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    cache = model.new_cache()
+    cache.allocate(0)
+    return model(ids, [SeqSpan(0, 0, len(ids))], cache)
+
+
+def run_chain(shards: list[Transformer], ids: torch.Tensor) -> torch.Tensor:
+    x = ids
+    for s in shards:
+        cache = s.new_cache()
+        cache.allocate(0)
+        x = s(x, [SeqSpan(0, 0, len(ids))], cache)
+    return x
+
+
+@pytest.mark.parametrize("name,splits", [("tiny", SPLITS_TINY), ("tiny-untied", [(0, 2), (2, 5), (5, 6)])])
+def test_shard_chain_equals_whole_tiny(name, splits):
+    whole = load_transformer(name)
+    shards = [load_transformer(name, a, b) for a, b in splits]
+    assert [s.has_embed for s in shards] == [True, False, False]
+    assert [s.has_head for s in shards] == [False, False, True]
+    ids = torch.randint(0, whole.args.vocab_size, (11,), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(run_chain(shards, ids), run_whole(whole, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_shard_chain_equals_whole_smollm2(smollm2):
+    shards = [load_transformer("smollm2-135m", a, b) for a, b in SPLITS_SMOL]
+    ids = torch.tensor([504, 3575, 282, 4649, 314, 7042, 30, 198, 216, 33, 34])
+    torch.testing.assert_close(run_chain(shards, ids), run_whole(smollm2, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_shard_loads_only_its_layers(monkeypatch):
+    """A stage holding layers 10-20 must not dequantize (materialize) the other layers."""
+    from meshllm.gguf_file import GGUFFile
+
+    touched = []
+    orig = GGUFFile.dequantize
+    monkeypatch.setattr(GGUFFile, "dequantize", lambda self, n: touched.append(n) or orig(self, n))
+    shard = load_transformer("smollm2-135m", 10, 20)
+    layers = {int(n.split(".")[1]) for n in touched if n.startswith("blk.")}
+    assert layers == set(range(10, 20))
+    assert not any(n.startswith(("token_embd", "output")) for n in touched)
+    assert shard.tok_embeddings is None and shard.output is None
+    assert len(shard.layers) == 10
+
+
+def _ragged_check(model: Transformer, seed: int = 0) -> None:
+    """Batch = seq A extends by 1 at pos 7, seq B by 5 at pos 3, seq C by 1 at pos 12, seq D prefill 4."""
+    g = torch.Generator().manual_seed(seed)
+    V = model.args.vocab_size
+    history = {0: 7, 1: 3, 2: 12, 3: 0}
+    new = {0: 1, 1: 5, 2: 1, 3: 4}
+    toks = {s: torch.randint(0, V, (history[s] + new[s],), generator=g) for s in history}
+    batched_cache, single_cache = model.new_cache(), model.new_cache()
+    for s, n in history.items():
+        for c in (batched_cache, single_cache):
+            c.allocate(s)
+            if n:
+                model(toks[s][:n], [SeqSpan(s, 0, n)], c)
+    spans = [SeqSpan(s, history[s], new[s]) for s in history]
+    x = torch.cat([toks[s][history[s]:] for s in history])
+    batched = model(x, spans, batched_cache)
+    singles = torch.cat([model(toks[s][history[s]:], [SeqSpan(s, history[s], new[s])], single_cache)
+                         for s in history])
+    torch.testing.assert_close(batched, singles, rtol=1e-4, atol=1e-4)
+    for s in history:
+        assert batched_cache.length(s) == history[s] + new[s]
+
+
+def test_ragged_batch_equals_per_sequence_tiny(tiny_model):
+    _ragged_check(tiny_model)
+
+
+def test_ragged_batch_equals_per_sequence_smollm2(smollm2):
+    _ragged_check(smollm2, seed=3)
+
+
+def test_no_cross_sequence_leak(tiny_model):
+    """Changing another sequence's tokens must not change this sequence's logits at all."""
+    m = tiny_model
+    a = torch.tensor([5, 6, 7])
+    outs = []
+    for other in (torch.tensor([1, 2, 3, 4, 5]), torch.tensor([9, 9, 9, 9, 9])):
+        c = m.new_cache()
+        c.allocate(0)
+        c.allocate(1)
+        outs.append(m(torch.cat([a, other]), [SeqSpan(0, 0, 3), SeqSpan(1, 0, 5)], c)[:3])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_truncate_then_reextend_equals_fresh(smollm2):
+    m = smollm2
+    ids = torch.tensor([504, 3575, 282, 4649, 314, 7042, 30, 198])
+    wrong = torch.tensor([11, 12, 13])
+    c = m.new_cache()
+    c.allocate(0)
+    m(ids[:5], [SeqSpan(0, 0, 5)], c)
+    m(wrong, [SeqSpan(0, 5, 3)], c)  # a rejected draft block
+    c.truncate(0, 5)
+    got = m(ids[5:], [SeqSpan(0, 5, 3)], c)
+    want = run_whole(m, ids)[5:]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError):
+        c.truncate(0, 99)
+
+
+def test_export_import_continues_identically(smollm2):
+    m = smollm2
+    ids = torch.tensor([504, 3575, 282, 4649, 314, 7042, 30, 198, 216, 33])
+    src = m.new_cache()
+    src.allocate(7)
+    m(ids[:6], [SeqSpan(7, 0, 6)], src)
+    dst = m.new_cache()
+    for a, b in [(0, 12), (12, 30)]:  # arrives in two parts, as from two prefill stages
+        k, v = src.export(7, (a, b))
+        assert k.shape == (b - a, 3, 6, 64)
+        dst.import_seq(42, k.clone(), v.clone(), layer_start=a)
+    assert dst.length(42) == 6
+    got = m(ids[6:], [SeqSpan(42, 6, 4)], dst)
+    want = m(ids[6:], [SeqSpan(7, 6, 4)], src)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_kv_cache_errors_are_specific(tiny_model):
+    c = tiny_model.new_cache()
+    with pytest.raises(KeyError, match="no KV slot"):
+        c.length(3)
+    c.allocate(3)
+    with pytest.raises(KeyError, match="already"):
+        c.allocate(3)
+    with pytest.raises(ValueError, match="starts at 2"):
+        tiny_model(torch.tensor([1]), [SeqSpan(3, 2, 1)], c)
+    k = torch.zeros(2, 2, 5, 16)
+    with pytest.raises(ValueError, match="not inside"):
+        c.import_seq(9, k, k, layer_start=3)
+
+
+def test_cache_grows_past_initial_capacity(tiny_model):
+    m = tiny_model
+    ids = torch.randint(0, m.args.vocab_size, (150,), generator=torch.Generator().manual_seed(0))
+    c = m.new_cache()
+    c.allocate(0, capacity=4)
+    step = [m(ids[i:i + 30], [SeqSpan(0, i, 30)], c) for i in range(0, 150, 30)]
+    torch.testing.assert_close(torch.cat(step), run_whole(m, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_registry_and_bad_ranges():
+    assert model_args("smollm2-135m").n_layers == 30
+    assert model_args("llama-2-70b").n_kv_heads == 8
+    with pytest.raises(ValueError, match="known:"):
+        model_args("gpt-5")
+    with pytest.raises(ValueError, match="bad layer range"):
+        Transformer(model_args("tiny"), 3, 2)

@@ -1,0 +1,67 @@
+"""The --reference oracle through the public CLI, and bad input -> exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshllm.weights import load_transformer
+from tests.conftest import run_cli, write_gguf_model, write_hf_model
+
+
+@pytest.mark.slow
+def test_reference_paris_is_deterministic():
+    args = ["--reference", "--chat", "--prompt", "What is the capital of France?", "--json", "--max-tokens", "16"]
+    runs = [run_cli(*args) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    objs = [json.loads(r.stdout) for r in runs]
+    assert objs[0] == objs[1]
+    o = objs[0]
+    assert "Paris" in o["text"]
+    assert set(o) == {"prompt_token_ids", "token_ids", "margins", "text", "finish_reason"}
+    assert len(o["margins"]) == len(o["token_ids"]) and o["finish_reason"] in ("stop", "length")
+    assert o["prompt_token_ids"][0] == 1  # <|im_start|> from the chat template
+
+
+@pytest.mark.slow
+def test_reference_several_prompts_and_draft():
+    r = run_cli("--reference", "--prompt", "One, two,", "--prompt", "Hello", "--max-tokens", "4", "--json",
+                "--draft", "w4a16")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)["results"]
+    assert len(res) == 2 and all(len(x["token_ids"]) == 4 for x in res)
+
+
+def test_reference_tiny_hf_model_end_to_end(tmp_path):
+    d = write_hf_model(load_transformer("tiny"), tmp_path / "hf")
+    outs = []
+    for seed in (0, 0):
+        r = run_cli("--reference", "--model", str(d), "--prompt", "the tin", "--chat", "--max-tokens", "6",
+                    "--json", "--seed", str(seed), "--temperature", "0.7")
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout))
+    assert outs[0] == outs[1] and len(outs[0]["token_ids"]) >= 1
+
+
+def _one_line_error(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert "Traceback" not in r.stderr
+    assert any(all(n in ln for n in needles) for ln in lines), r.stderr
+    assert r.stdout == ""
+
+
+def test_bad_inputs_exit_2(tmp_path):
+    _one_line_error(run_cli("--reference", "--model", str(tmp_path / "missing.gguf")), "missing.gguf", "no such")
+    junk = tmp_path / "junk.gguf"
+    junk.write_text("hello")
+    _one_line_error(run_cli("--reference", "--model", str(junk)), "junk.gguf", "not a GGUF")
+    gpt2 = write_gguf_model(load_transformer("tiny"), tmp_path / "gpt2.gguf", arch="gpt2")
+    _one_line_error(run_cli("--reference", "--model", str(gpt2)), "gpt2", "not Llama-family")
+    _one_line_error(run_cli("--reference", "--draft", "w3a16"), "unknown draft", "w3a16")
+    _one_line_error(run_cli("--reference", "--model", "llama-2-70b"), "shape-only")
+    _one_line_error(run_cli("--reference", "--max-tokens", "0"), "--max-tokens")
+    r = run_cli("--reference", "--bogus-flag")
+    assert r.returncode == 2 and "unrecognized arguments" in r.stderr

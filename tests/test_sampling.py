@@ -1,0 +1,55 @@
+"""Pure tests of sampling and the speculative acceptance rules."""
+
+from __future__ import annotations
+
+import torch
+
+from meshllm.sampling import SamplingParams, margins, probs, sample, verify_greedy, verify_sampled
+
+
+def test_greedy_and_margins():
+    lg = torch.tensor([[1.0, 3.0, 2.5], [0.0, -1.0, 4.0]])
+    assert sample(lg, SamplingParams()).tolist() == [1, 2]
+    torch.testing.assert_close(margins(lg), torch.tensor([0.5, 4.0]))
+
+
+def test_seeded_sampling_is_deterministic_and_respects_top_k_top_p():
+    lg = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=0.8, top_k=5)
+    a = [int(sample(lg, p, torch.Generator().manual_seed(7))) for _ in range(3)]
+    assert len(set(a)) == 1
+    top5 = set(lg.topk(5).indices[0].tolist())
+    g = torch.Generator().manual_seed(1)
+    assert all(int(sample(lg, p, g)) in top5 for _ in range(200))
+    pr = probs(lg, SamplingParams(temperature=1.0, top_p=0.5))[0]
+    kept = (pr > 0).sum().item()
+    sorted_p = lg.softmax(-1)[0].sort(descending=True).values
+    need = int((sorted_p.cumsum(0) < 0.5).sum()) + 1
+    assert kept == need
+    torch.testing.assert_close(pr.sum(), torch.tensor(1.0))
+
+
+def test_verify_greedy():
+    V = 10
+    tgt = torch.full((4, V), -5.0)
+    for i, t in enumerate([3, 4, 7, 9]):
+        tgt[i, t] = 5.0
+    assert verify_greedy(torch.tensor([3, 4, 7]), tgt) == (3, 9)  # all accepted + bonus
+    assert verify_greedy(torch.tensor([3, 5, 7]), tgt) == (1, 4)  # correction at the first mismatch
+    assert verify_greedy(torch.tensor([0, 4, 7]), tgt) == (0, 3)
+
+
+def test_verify_sampled_is_lossless_in_distribution():
+    """The first emitted token follows the target distribution p whatever the draft q is."""
+    V = 4
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.7, 0.1, 0.1, 0.1]])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V)
+    n = 20000
+    for _ in range(n):
+        x = torch.multinomial(q[0], 1, generator=g)
+        k, nxt = verify_sampled(x, q, p, g)
+        counts[int(x[0]) if k == 1 else nxt] += 1
+    freq = counts / n
+    assert (freq - p[0]).abs().max() < 0.015, freq

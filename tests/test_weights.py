@@ -1,0 +1,102 @@
+"""Loading real and test-written model files; tokenizer and forward-pass oracles from llama.cpp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshllm.errors import ModelFileError
+from meshllm.model import SeqSpan
+from meshllm.weights import hf_to_interleaved, interleaved_to_hf, load_transformer, resolve_model
+from tests.conftest import write_gguf_model, write_hf_model
+
+
+def logits_of(model, ids: list[int]) -> torch.Tensor:
+    c = model.new_cache()
+    c.allocate(0)
+    return model(torch.tensor(ids), [SeqSpan(0, 0, len(ids))], c)
+
+
+def test_tokenizer_matches_llamacpp(smollm2_tokenizer, fixture_json):
+    cases = fixture_json("smollm2_tokenizer.json")["cases"]
+    assert len(cases) >= 20
+    for c in cases:
+        assert smollm2_tokenizer.encode(c["text"]) == c["ids"], c["text"]
+        assert smollm2_tokenizer.decode(c["ids"]) == c["text"]
+
+
+def test_tokenizer_special_tokens_and_digits(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert tok.encode("<|im_start|>") == [1]
+    assert tok.encode("2026") == [tok.encode(d)[0] for d in "2026"]
+    assert {0, 2} <= tok.eos_ids
+    chat = tok.render_chat([{"role": "user", "content": "hi"}])
+    assert chat.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in chat
+
+
+def test_forward_matches_llamacpp_logits(smollm2, fixture_json):
+    data = fixture_json("smollm2_logits_llamacpp.json")
+    assert len(data["cases"]) == 3
+    for case in data["cases"]:
+        lg = logits_of(smollm2, case["ids"])
+        ref_top1 = [row[0] for row in case["top5_ids"]]
+        ours = lg.argmax(-1).tolist()
+        agree = sum(a == b for a, b in zip(ours, ref_top1)) / len(ref_top1)
+        diffs = [abs(lg[i, t].item() - case["top5_logits"][i][0]) for i, t in enumerate(ref_top1)]
+        assert agree >= 0.9, f"top-1 agreement {agree:.2f}"
+        assert max(diffs) <= 1.5, f"max |logit diff| at llama.cpp top-1 = {max(diffs):.3f}"
+
+
+def test_embedded_model_metadata():
+    src = resolve_model("smollm2-135m")
+    a = src.args
+    assert (a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.vocab_size, a.tie_embeddings) == (
+        30, 576, 9, 3, 49152, True)
+
+
+def test_hf_permutation_roundtrip():
+    w = torch.randn(12, 5)
+    torch.testing.assert_close(hf_to_interleaved(interleaved_to_hf(w, 3), 3), w)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-untied"])
+def test_hf_safetensors_loads_same_logits(tmp_path, name):
+    ref = load_transformer(name)
+    d = write_hf_model(ref, tmp_path / "hf")
+    loaded = load_transformer(str(d))
+    ids = [3, 17, 42, 99, 5, 7, 250]
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(ref, ids), rtol=1e-5, atol=1e-5)
+    shard = load_transformer(str(d), 1, 3)
+    assert shard.start == 1 and len(shard.layers) == 2
+
+
+def test_gguf_tensor_types_load(tmp_path):
+    """F32, F16 and Q8_0 tensors written with the gguf package load back (Q4_1/Q8_0: the real file)."""
+    ref = load_transformer("tiny")
+    path = write_gguf_model(ref, tmp_path / "t.gguf", qtypes={"attn_q": "F16", "ffn_": "Q8_0"})
+    loaded = load_transformer(str(path))
+    ids = [3, 17, 42, 99]
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(ref, ids), rtol=0.05, atol=0.05)
+    exact = write_gguf_model(ref, tmp_path / "f32.gguf")
+    torch.testing.assert_close(logits_of(load_transformer(str(exact)), ids), logits_of(ref, ids))
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(ModelFileError, match="no such file"):
+        resolve_model(str(tmp_path / "nope.gguf"))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all")
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        resolve_model(str(junk))
+    trunc = tmp_path / "trunc.gguf"
+    trunc.write_bytes(b"GGUF\x03\x00\x00\x00\x05")
+    with pytest.raises(ModelFileError, match="corrupt"):
+        resolve_model(str(trunc))
+    other = write_gguf_model(load_transformer("tiny"), tmp_path / "g.gguf", arch="gpt2")
+    with pytest.raises(ModelFileError, match="not Llama-family"):
+        resolve_model(str(other))
+    with pytest.raises(ModelFileError, match="shape-only"):
+        resolve_model("llama-2-70b")
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(ModelFileError, match="config.json"):
+        resolve_model(str(tmp_path / "emptydir"))
