@@ -1,0 +1,98 @@
+"""Cluster and node file validation: every error names the file, the field and the problem."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from meshllm.config import load_cluster, load_node, parse_cluster
+from meshllm.errors import ConfigError
+from tests.conftest import run_cli
+
+DEV = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}
+BASE = {
+    "model": "smollm2-135m",
+    "nodes": [{"id": "a", "device": DEV, "zone": "fog"}, {"id": "b", "device": DEV, "zone": "edge"}],
+    "links": [{"zones": ["edge", "fog"], "rtt_ms": 80, "bandwidth_mbps": 50}],
+}
+
+
+def _with(**changes):
+    d = yaml.safe_load(yaml.safe_dump(BASE))
+    for path, value in changes.items():
+        cur = d
+        keys = path.split("__")
+        for k in keys[:-1]:
+            cur = cur[int(k)] if isinstance(cur, list) else cur[k]
+        last = keys[-1]
+        if value is KeyError:
+            del cur[last]
+        elif isinstance(cur, list):
+            cur[int(last)] = value
+        else:
+            cur[last] = value
+    return d
+
+
+def test_valid_cluster_defaults():
+    c = parse_cluster(_with(), "c.yaml")
+    assert c.draft.quant == "w4a16" and c.draft.group_size == 64
+    assert c.speculation.mode == "async" and c.workload.max_tokens == 48
+    assert c.link("fog", "edge").rtt_ms == 80 and c.link("fog", "fog") is None
+
+
+@pytest.mark.parametrize("changes,field,problem", [
+    ({"colour": "red"}, "colour", "unknown key"),
+    ({"model": KeyError}, "model", "missing required field"),
+    ({"nodes__1__id": "a"}, "nodes[1].id", "duplicate"),
+    ({"nodes__0__device": "toaster-9000"}, "device", "unknown device"),
+    ({"nodes__0__device": {"memory_gb": 8}}, "device.compute_tflops", "missing"),
+    ({"nodes__0__device": {**DEV, "memory_gb": -1}}, "device.memory_gb", "positive"),
+    ({"nodes__0__roles": ["cook"]}, "nodes[0].roles[0]", "must be one of"),
+    ({"links__0__zones": ["edge", "moon"]}, "links[0].zones", "moon"),
+    ({"links__0__bandwidth_mbps": 0}, "links[0].bandwidth_mbps", "> 0"),
+    ({"draft": {"quant": "w3a16"}}, "draft.quant", "must be one of"),
+    ({"draft": {"group_size": 48}}, "draft.group_size", "multiple of 32"),
+    ({"speculation": {"mode": "eager"}}, "speculation.mode", "must be one of"),
+    ({"workload": {"max_tokens": 0}}, "workload.max_tokens", ">= 1"),
+    ({"workload": {"input_tokens": {"mean": 5, "dist": "zipf"}}}, "workload.input_tokens.dist", "zipf"),
+    ({"nodes": []}, "nodes", "non-empty"),
+])
+def test_cluster_errors_name_field(changes, field, problem):
+    with pytest.raises(ConfigError) as e:
+        parse_cluster(_with(**changes), "c.yaml")
+    msg = str(e.value)
+    assert msg.startswith("c.yaml") and field in msg and problem in msg, msg
+
+
+def test_yaml_syntax_error_and_missing_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: line \d+: invalid YAML"):
+        load_cluster(p)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_cluster(tmp_path / "none.yaml")
+    p.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_cluster(p)
+
+
+def test_node_file(tmp_path):
+    p = tmp_path / "n.yaml"
+    p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "0.0.0.0:7700",
+                                 "advertise": "127.0.0.1:7700", "seeds": ["127.0.0.1:7800"], "mdns": False}))
+    n = load_node(p)
+    assert n.advertise_address == "127.0.0.1:7700" and n.seeds == ("127.0.0.1:7800",)
+    for bad, field in [({"listen": "nowhere"}, "listen"), ({"seeds": ["x:99999"]}, "seeds[0]"),
+                       ({"mdns": "yes"}, "mdns"), ({"cluster_key": str(tmp_path / "k")}, "cluster_key")]:
+        p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700", **bad}))
+        with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            load_node(p)
+
+
+def test_cli_bad_cluster_file_exit_2(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(_with(nodes__0__device="toaster-9000")))
+    r = run_cli("--plan", str(p))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "c.yaml" in r.stderr and "toaster-9000" in r.stderr
