@@ -17,6 +17,7 @@ from meshllm.errors import ConfigError
 ROLES = ("drafter", "prefill", "decode", "gateway")
 QUANTS = ("w4a16", "w8a16", "none")
 SPEC_MODES = ("async", "sync", "off")
+WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")  # served target weights (planner/simulator input)
 DISTS = ("fixed", "uniform", "lognormal")
 
 
@@ -73,6 +74,7 @@ class ClusterConfig:
     draft: DraftSpec = DraftSpec()
     speculation: SpeculationSpec = SpeculationSpec()
     workload: Workload = Workload()
+    weights_dtype: str = "fp16"
 
     def link(self, zone_a: str, zone_b: str) -> LinkSpec | None:
         for ln in self.links:
@@ -95,6 +97,8 @@ class NodeConfig:
     roles: tuple[str, ...] | None = None
     cluster_key: str | None = None
     links: tuple[LinkSpec, ...] = ()  # only set by the emulator
+    heartbeat_interval_s: float = 0.5  # liveness: see meshllm/membership.py
+    failure_timeout_s: float = 2.5  # a peer silent this long is dead
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -178,7 +182,8 @@ def _model(v: Any, src: str) -> str:
 
 # -- cluster file ---------------------------------------------------------------------------
 def parse_cluster(data: dict, src: str) -> ClusterConfig:
-    _check_keys(data, {"model", "draft", "speculation", "nodes", "links", "workload"}, {"model", "nodes"}, src, "")
+    _check_keys(data, {"model", "draft", "speculation", "nodes", "links", "workload", "weights_dtype"},
+                {"model", "nodes"}, src, "")
     nodes_raw = data["nodes"]
     if not isinstance(nodes_raw, list) or not nodes_raw:
         raise ConfigError(src, "nodes", "must be a non-empty list")
@@ -200,6 +205,7 @@ def parse_cluster(data: dict, src: str) -> ClusterConfig:
         source=src, model=_model(data["model"], src), nodes=tuple(nodes), links=links,
         draft=_draft(data.get("draft") or {}, src), speculation=_spec(data.get("speculation") or {}, src),
         workload=_workload(data.get("workload") or {}, src),
+        weights_dtype=_choice(data.get("weights_dtype", "fp16"), WEIGHT_DTYPES, src, "weights_dtype"),
     )
 
 
@@ -226,7 +232,9 @@ def _draft(d: Any, src: str) -> DraftSpec:
 
 def _spec(d: Any, src: str) -> SpeculationSpec:
     _check_keys(d, {"mode", "gamma"}, set(), src, "speculation.")
-    return SpeculationSpec(_choice(d.get("mode", "async"), SPEC_MODES, src, "speculation.mode"),
+    mode = d.get("mode", "async")
+    mode = "off" if mode is False else mode  # YAML 1.1 reads a bare `off` as false
+    return SpeculationSpec(_choice(mode, SPEC_MODES, src, "speculation.mode"),
                            int(_num(d.get("gamma", 4), src, "speculation.gamma", lo=1, integer=True)))
 
 
@@ -262,7 +270,7 @@ def load_cluster(path: str | Path) -> ClusterConfig:
 
 # -- node file ------------------------------------------------------------------------------
 NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "model", "roles", "cluster_key",
-             "links"}
+             "links", "heartbeat_interval_s", "failure_timeout_s"}
 
 
 def parse_node(data: dict, src: str) -> NodeConfig:
@@ -285,11 +293,16 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         raise ConfigError(src, "cluster_key", f"no such file {key!r}")
     # Links in a node file (written by the emulator) name zones of other nodes: no zone check here.
     links = tuple(_link(ln, i, src, None) for i, ln in enumerate(data.get("links") or []))
+    hb = float(_num(data.get("heartbeat_interval_s", 0.5), src, "heartbeat_interval_s", strict=True))
+    fail = float(_num(data.get("failure_timeout_s", 2.5), src, "failure_timeout_s", strict=True))
+    if fail <= hb:
+        raise ConfigError(src, "failure_timeout_s", f"must be larger than heartbeat_interval_s ({hb:g}), got {fail:g}")
     return NodeConfig(
         source=src, id=data["id"], device=load_device(data["device"], f"{src}: device"),
         zone=str(data.get("zone", "default")), listen=data["listen"], advertise=data.get("advertise"),
         seeds=tuple(seeds), mdns=mdns, model=_model(data.get("model", "smollm2-135m"), src),
         roles=_roles(data.get("roles"), src, "roles"), cluster_key=None if key is None else str(key), links=links,
+        heartbeat_interval_s=hb, failure_timeout_s=fail,
     )
 
 

@@ -119,10 +119,11 @@ def cmd_cluster(a: argparse.Namespace) -> int:
 
 def cmd_status(a: argparse.Namespace) -> int:
     from meshllm.config import split_hostport
-    from meshllm.node import query_status
+    from meshllm.node import format_status, query_status
 
     split_hostport(a.status, "--status", "HOST:PORT")
-    _emit(query_status(a.status, timeout_s=a.timeout or 3.0), a.json)
+    st = query_status(a.status, timeout_s=a.timeout or 3.0)
+    _emit(st, a.json, None if a.json else format_status(st))
     return 0
 
 

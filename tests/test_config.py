@@ -65,6 +65,12 @@ def test_cluster_errors_name_field(changes, field, problem):
     assert msg.startswith("c.yaml") and field in msg and problem in msg, msg
 
 
+def test_bare_off_means_speculation_off(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(_with()) + "speculation: {mode: off}\n")
+    assert load_cluster(p).speculation.mode == "off"
+
+
 def test_yaml_syntax_error_and_missing_file(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model: [unclosed\n")

@@ -1,0 +1,216 @@
+"""How nodes find each other: a `seeds:` list plus peer-list gossip, and mDNS/DNS-SD.
+
+Seeds and gossip. A node sends HELLO (its id, address, zone, device, roles,
+incarnation) to each seed until one answers, retrying with capped exponential
+backoff. The answer is PEERS: the seed's own entry plus every live peer it
+knows. Every node also broadcasts PEERS on its PUB every GOSSIP_INTERVAL_S, and
+says HELLO directly to each peer it learns of, so one seed is enough and a
+newcomer is known to all within about one round trip.
+
+Duplicate ids. A node that receives a HELLO claiming its own id, or the id of a
+live peer at another address, answers ERROR code "duplicate_id" and logs it; the
+newcomer logs the refusal and stops (exit code 1). The node that started first
+(smaller incarnation) keeps the id, whoever greets whom: a newcomer greeted by
+the older holder (mDNS finds both ways) refuses itself, and a refusal naming a
+holder younger than us is ignored. zeroconf's own name probe is a third check.
+
+mDNS. With `mdns: true` a node registers `<id>._meshllm._tcp.local.` (address,
+port, and a TXT record with id/zone) with zeroconf and browses the same type;
+each service found is greeted with a HELLO, so the seed path above does the rest.
+It binds the advertise address's interface (127.0.0.1 in local emulation).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from meshllm.membership import Membership, PeerInfo, PeerState, Transition
+from meshllm.protocol import Message, MsgType, make
+from meshllm.transport import Transport
+
+log = logging.getLogger("meshllm.discovery")
+
+GOSSIP_INTERVAL_S = 1.0
+JOIN_RETRY_MIN_S = 0.25  # first HELLO retry to an unanswered seed
+JOIN_RETRY_MAX_S = 4.0  # backoff cap
+SERVICE_TYPE = "_meshllm._tcp.local."
+MDNS_RESOLVE_TIMEOUT_MS = 3000
+MDNS_LISTEN_FIRST_S = 0.3  # browse this long before registering our own name
+
+
+class Gossip:
+    """HELLO/PEERS handling and seed joining. Runs on the transport's I/O thread."""
+
+    def __init__(self, transport: Transport, members: Membership, me: PeerInfo, seeds: tuple[str, ...],
+                 on_change: Callable[[Transition], None], on_refused: Callable[[str], None]):
+        self.t, self.members, self.me = transport, members, me
+        self.on_change, self.on_refused = on_change, on_refused
+        now = time.monotonic()
+        # seed address -> [next attempt (monotonic s), current backoff (s)]
+        self._seeds = {s: [now, JOIN_RETRY_MIN_S] for s in seeds if s != me.address}
+        self.joined = not self._seeds  # a node without seeds is a mesh of its own
+        transport.on(MsgType.HELLO, self._on_hello)
+        transport.on(MsgType.PEERS, self._on_peers)
+        transport.on(MsgType.ERROR, self._on_error)
+        transport.every(JOIN_RETRY_MIN_S, self._retry_seeds)
+        transport.every(GOSSIP_INTERVAL_S, self._broadcast)
+
+    def hello_msg(self) -> Message:
+        m = self.me
+        return make(MsgType.HELLO, node=m.id, incarnation=m.incarnation, address=m.address,
+                    device=dict(m.device), roles=list(m.roles))
+
+    def greet(self, address: str) -> None:
+        """Say HELLO to `address` (I/O thread)."""
+        if address != self.me.address:
+            self.t.send(address, self.hello_msg())
+
+    def peers_msg(self) -> Message:
+        entries = [self.me.to_wire()] + [p.info.to_wire() for p in self.members.live()]
+        return make(MsgType.PEERS, node=self.me.id, peers=entries)
+
+    def _retry_seeds(self) -> None:
+        now = time.monotonic()
+        for addr, slot in self._seeds.items():
+            if now >= slot[0] and not self._knows_address(addr):
+                self.greet(addr)
+                slot[1] = min(slot[1] * 2, JOIN_RETRY_MAX_S)
+                slot[0] = now + slot[1]
+
+    def _knows_address(self, address: str) -> bool:
+        return any(p.info.address == address for p in self.members.live())
+
+    def _broadcast(self) -> None:
+        if self.members.live():
+            self.t.publish(self.peers_msg())
+
+    def _on_hello(self, msg: Message, reply: Callable[[Message], None]) -> None:
+        info = PeerInfo(msg["node"], msg["address"], msg.zone, dict(msg["device"]),
+                        tuple(str(r) for r in msg["roles"]), msg["incarnation"])
+        if self.members.conflicts(info):
+            holder = self.me if info.id == self.me.id else self.members.get(info.id).info
+            if holder is self.me and info.incarnation < self.me.incarnation:
+                # it was here first (e.g. it found us by mDNS): we are the newcomer
+                self.on_refused(f"node id {info.id!r} is already used by the node at {info.address}")
+                return
+            log.error("%s: refusing newcomer at %s: node id %r is already used by the node at %s",
+                      self.me.id, info.address, info.id, holder.address)
+            reply(make(MsgType.ERROR, code="duplicate_id", holder_incarnation=holder.incarnation,
+                       message=f"node id {info.id!r} is already used by the node at {holder.address}"))
+            return
+        self._learn(info, first_hand=True)
+        reply(self.peers_msg())
+
+    def _on_peers(self, msg: Message, reply: Callable[[Message], None]) -> None:
+        self.joined = True
+        for entry in msg["peers"]:
+            try:
+                info = PeerInfo.from_wire(entry)
+            except ValueError as e:
+                log.warning("%s: ignoring a gossip entry from %r: %s", self.me.id, msg.src, e)
+                continue
+            if info.id == self.me.id:
+                if info.address != self.me.address:
+                    log.warning("%s: %r gossips another node with my id at %s", self.me.id, msg.src, info.address)
+                continue
+            self._learn(info, first_hand=info.id == msg.src)
+
+    def _on_error(self, msg: Message, reply: Callable[[Message], None]) -> None:
+        older = msg.fields.get("holder_incarnation")
+        if msg["code"] == "duplicate_id" and isinstance(older, int) and older > self.me.incarnation:
+            log.warning("%s: %r calls us a duplicate, but the other holder started later: ignored", self.me.id,
+                        msg.src)
+        elif msg["code"] == "duplicate_id":
+            self.on_refused(f"refused by {msg.src!r}: {msg['message']}")
+        else:
+            log.warning("%s: error from %r: %s: %s", self.me.id, msg.src, msg["code"], msg["message"])
+
+    def _learn(self, info: PeerInfo, first_hand: bool) -> None:
+        tr = self.members.observe(info, time.monotonic(), first_hand=first_hand)
+        if tr is None:
+            return
+        if tr.new is PeerState.ALIVE:
+            self.t.subscribe(info.address)
+            if not first_hand:
+                self.greet(info.address)  # so it learns of us at once, not at its next gossip
+        self.on_change(tr)
+
+
+class MdnsDiscovery:
+    """Register this node with zeroconf and greet every `_meshllm._tcp` service found."""
+
+    def __init__(self, me: PeerInfo, on_found: Callable[[str, str], None], on_conflict: Callable[[str], None]):
+        self.me, self.on_found, self.on_conflict = me, on_found, on_conflict
+        self._names: queue.Queue[str | None] = queue.Queue()
+        self._zc = None
+        self._info = None
+        self._browser = None
+        self._my_name = f"{me.id}.{SERVICE_TYPE}"
+        self._worker = threading.Thread(target=self._run, name=f"mdns-{me.id}", daemon=True)
+
+    def start(self) -> None:
+        self._worker.start()
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except OSError as e:  # no usable multicast interface, socket errors
+            log.error("%s: mDNS discovery stopped: %s; seeds and gossip still work", self.me.id, e)
+
+    def _serve(self) -> None:
+        from zeroconf import IPVersion, NonUniqueNameException, ServiceBrowser, ServiceInfo, Zeroconf
+
+        host, _, port = self.me.address.rpartition(":")
+        ip = socket.gethostbyname(host)
+        ifaces = [ip] if ip.startswith("127.") else None
+        self._zc = Zeroconf(interfaces=ifaces, ip_version=IPVersion.V4Only) if ifaces else Zeroconf()
+        self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._on_service])
+        info = ServiceInfo(SERVICE_TYPE, self._my_name, addresses=[socket.inet_aton(ip)], port=int(port),
+                           properties={"id": self.me.id, "zone": self.me.zone})
+        self._drain(MDNS_LISTEN_FIRST_S)  # greet who is already there: a duplicate id is refused by HELLO
+        try:
+            self._zc.register_service(info, allow_name_change=False)
+            self._info = info
+        except NonUniqueNameException:
+            self.on_conflict(f"node id {self.me.id!r} is already announced on mDNS by another live node")
+        self._drain(None)
+
+    def _drain(self, for_s: float | None) -> None:
+        """Resolve found services for `for_s` seconds (None: until close)."""
+        end = None if for_s is None else time.monotonic() + for_s
+        while end is None or (left := end - time.monotonic()) > 0:
+            try:
+                name = self._names.get(timeout=None if end is None else left)
+            except queue.Empty:
+                return
+            if name is None:
+                self._names.put(None)  # keep the stop mark for the outer drain
+                return
+            self._resolve(name)
+
+    def _on_service(self, zeroconf, service_type: str, name: str, state_change) -> None:
+        if state_change.name in ("Added", "Updated"):
+            self._names.put(name)
+
+    def _resolve(self, name: str) -> None:
+        info = self._zc.get_service_info(SERVICE_TYPE, name, timeout=MDNS_RESOLVE_TIMEOUT_MS)
+        if info is None or not info.parsed_addresses():
+            log.debug("%s: mdns could not resolve %s", self.me.id, name)
+            return
+        address = f"{info.parsed_addresses()[0]}:{info.port}"
+        if address != self.me.address:
+            self.on_found(name, address)
+
+    def close(self) -> None:
+        self._names.put(None)
+        if self._worker.is_alive():
+            self._worker.join(timeout=5.0)
+        if self._zc is not None:
+            if self._info is not None:
+                self._zc.unregister_service(self._info)
+            self._zc.close()

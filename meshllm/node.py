@@ -1,0 +1,133 @@
+"""One mesh node in one process: composes transport, membership, discovery and roles.
+
+`run_node(cfg)` is what `python launch.py --node-config NODE.yaml` runs: it joins
+the mesh (seeds and/or mDNS), heartbeats, answers `--status`, and on SIGINT or
+SIGTERM tells its peers it is leaving and exits 0. A node refused for a
+duplicate id exits 1. Nothing here imports torch: a node starts in well under a
+second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from meshllm.config import NodeConfig
+from meshllm.discovery import Gossip, MdnsDiscovery
+from meshllm.membership import Membership, PeerInfo
+from meshllm.protocol import MsgType, ProtocolError, decode, encode, make
+from meshllm.roles.mesh import MeshAgent
+from meshllm.sockets import CurveKeys, endpoint, make_socket
+from meshllm.transport import LinkShaper, Transport
+
+log = logging.getLogger("meshllm.node")
+
+EXIT_OK, EXIT_REFUSED = 0, 1
+
+
+def self_info(cfg: NodeConfig) -> PeerInfo:
+    device = {k: v for k, v in dataclasses.asdict(cfg.device).items() if k != "source"}
+    return PeerInfo(cfg.id, cfg.advertise_address, cfg.zone, device, tuple(cfg.roles or ()),
+                    incarnation=time.time_ns() // 1_000_000)
+
+
+class Node:
+    """A started node. `stop()` leaves the mesh and closes every socket."""
+
+    def __init__(self, cfg: NodeConfig):
+        self.cfg = cfg
+        self.me = self_info(cfg)
+        self.refused: str | None = None
+        self.stopped = threading.Event()
+        self.members = Membership(cfg.id, heartbeat_interval_s=cfg.heartbeat_interval_s,
+                                  failure_timeout_s=cfg.failure_timeout_s)
+        self.transport = Transport(cfg.id, cfg.zone, cfg.listen, LinkShaper(cfg.zone, cfg.links),
+                                   curve=CurveKeys.from_file(cfg.cluster_key))
+        self.mesh = MeshAgent(self.transport, self.members, self.me, tuple(cfg.roles or ()))
+        self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
+        self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None
+
+    def start(self) -> Node:
+        self.transport.start()
+        if self.mdns is not None:
+            self.mdns.start()
+        log.info("%s: listening on %s (zone %s, incarnation %d)", self.me.id, self.me.address, self.me.zone,
+                 self.me.incarnation)
+        return self
+
+    def stop(self, leave: bool = True) -> None:
+        if leave and self.refused is None:
+            self.mesh.leave()
+        self.transport.close()
+        if self.mdns is not None:
+            self.mdns.close()
+        self.stopped.set()
+
+    def _refuse(self, why: str) -> None:
+        log.error("%s: %s; this node will not join", self.me.id, why)
+        self.refused = why  # run_node sees it and stops
+
+    def _mdns_found(self, name: str, address: str) -> None:
+        log.debug("%s: mdns found %s at %s", self.me.id, name, address)
+        self.transport.call_soon(lambda: self.gossip.greet(address))
+
+
+def run_node(cfg: NodeConfig) -> int:
+    """Run until SIGINT/SIGTERM (exit 0) or a duplicate-id refusal (exit 1)."""
+    stop = threading.Event()
+    node = Node(cfg)  # binds the sockets: a port in use fails here, before any signal handling
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        node.start()
+        while not stop.is_set() and node.refused is None:
+            stop.wait(0.2)
+    finally:
+        node.stop(leave=True)
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if node.refused is not None:
+        log.error("%s: refused to join the mesh: %s", cfg.id, node.refused)
+        return EXIT_REFUSED
+    log.info("%s: left the mesh", cfg.id)
+    return EXIT_OK
+
+
+def query_status(addr: str, timeout_s: float = 3.0, cluster_key: str | None = None) -> dict[str, Any]:
+    """Ask the node at HOST:PORT for its view of the mesh (the `--status` JSON object).
+    `cluster_key` (default: $MESHLLM_CLUSTER_KEY) is needed for a mesh that uses CURVE."""
+    curve = CurveKeys.from_file(cluster_key or os.environ.get("MESHLLM_CLUSTER_KEY"))
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, curve)
+    try:
+        sock.connect(endpoint(addr))
+        sock.send_multipart(encode(make(MsgType.STATUS_REQ)))
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000) + 1):
+                continue
+            try:
+                reply = decode(sock.recv_multipart())
+            except ProtocolError as e:
+                raise RuntimeError(f"{addr} answered with a malformed message: {e}") from None
+            if reply.type is MsgType.STATUS_REP:
+                return reply["status"]
+        raise TimeoutError(f"no status reply from {addr} within {timeout_s:g} s (is a node running there? "
+                           "a mesh with a cluster_key also needs MESHLLM_CLUSTER_KEY)")
+    finally:
+        sock.close(linger=0)
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """A human-readable table of a `--status` reply."""
+    lines = [f"node {st['node']}  plan v{st['plan_version']}  roles {','.join(st['roles']) or '-'}",
+             f"{'PEER':<16}{'STATE':<9}{'ADDRESS':<22}{'ZONE':<10}DEVICE"]
+    for p in st["peers"]:
+        dev = p["device"].get("name", "?") if isinstance(p["device"], dict) else p["device"]
+        lines.append(f"{p['id']:<16}{p['state']:<9}{p['address']:<22}{p.get('zone', ''):<10}{dev}")
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""The mesh role every node runs: heartbeats, failure detection, graceful leave, status.
+
+All of it runs on the transport's I/O thread, never on a compute thread, so a
+long forward pass cannot make a node look dead (ZeroMQ guide, Paranoid Pirate).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from meshllm.membership import Membership, PeerInfo, PeerState, Transition
+from meshllm.protocol import Message, MsgType, make
+from meshllm.transport import Transport
+
+log = logging.getLogger("meshllm.mesh")
+
+LEAVE_FLUSH_S = 0.2  # time for LEAVE messages to reach the wire before the sockets close
+
+
+class MeshAgent:
+    def __init__(self, transport: Transport, members: Membership, me: PeerInfo,
+                 roles: tuple[str, ...] = (), load: Callable[[], dict[str, Any]] | None = None):
+        self.t, self.members, self.me, self.roles = transport, members, me, roles
+        self.plan_version = 0
+        self._load = load or (lambda: {})
+        self._seq = 0
+        self._started = time.monotonic()
+        transport.on(MsgType.HEARTBEAT, self._on_heartbeat)
+        transport.on(MsgType.LEAVE, self._on_leave)
+        transport.on(MsgType.STATUS_REQ, self._on_status)
+        transport.on(MsgType.PING, lambda msg, reply: reply(make(MsgType.PONG)))
+        transport.every(members.heartbeat_interval_s, self._beat)
+        transport.every(min(0.1, members.heartbeat_interval_s / 2), self._tick)
+
+    def on_change(self, tr: Transition) -> None:
+        """Log a peer state change and release the sockets of peers that left."""
+        peer = self.members.get(tr.peer)
+        where = peer.info.address if peer else "?"
+        log.info("%s: peer %s (%s) %s -> %s", self.me.id, tr.peer, where, tr.old.value if tr.old else "new",
+                 tr.new.value)
+        if tr.new is PeerState.LEFT and peer is not None:
+            self.t.forget(peer.info.address)
+
+    def load(self) -> dict[str, Any]:
+        return {"uptime_s": round(time.monotonic() - self._started, 3), "heartbeat_seq": self._seq,
+                "dropped_messages": self.t.dropped, **self._load()}
+
+    def status(self) -> dict[str, Any]:
+        peers = [{"id": p.info.id, "state": p.state.value, "address": p.info.address, "device": p.info.device,
+                  "zone": p.info.zone, "roles": list(p.info.roles), "incarnation": p.info.incarnation}
+                 for p in self.members.peers()]
+        return {"node": self.me.id, "address": self.me.address, "zone": self.me.zone, "device": self.me.device,
+                "incarnation": self.me.incarnation, "peers": peers, "plan_version": self.plan_version,
+                "roles": list(self.roles), "load": self.load()}
+
+    def leave(self) -> None:
+        """Tell every peer we are leaving (PUB and a direct message each), from any thread."""
+        def send_all() -> None:
+            msg = make(MsgType.LEAVE, node=self.me.id, incarnation=self.me.incarnation)
+            self.t.publish(msg)
+            for p in self.members.live():
+                self.t.send(p.info.address, make(MsgType.LEAVE, node=self.me.id, incarnation=self.me.incarnation))
+        self.t.call_soon(send_all)
+        time.sleep(LEAVE_FLUSH_S)
+
+    # -- I/O thread -------------------------------------------------------------------------
+    def _beat(self) -> None:
+        self._seq += 1
+        self.t.publish(make(MsgType.HEARTBEAT, node=self.me.id, incarnation=self.me.incarnation, seq=self._seq,
+                            load=self.load()))
+
+    def _tick(self) -> None:
+        for tr in self.members.tick(time.monotonic()):
+            self.on_change(tr)
+
+    def _on_heartbeat(self, msg: Message, reply: Callable[[Message], None]) -> None:
+        tr = self.members.heartbeat(msg["node"], msg["incarnation"], time.monotonic(), msg["load"])
+        if tr is not None:
+            self.on_change(tr)
+
+    def _on_leave(self, msg: Message, reply: Callable[[Message], None]) -> None:
+        tr = self.members.leave(msg["node"], msg["incarnation"], time.monotonic())
+        if tr is not None:
+            self.on_change(tr)
+
+    def _on_status(self, msg: Message, reply: Callable[[Message], None]) -> None:
+        reply(make(MsgType.STATUS_REP, status=self.status()))

@@ -1,0 +1,324 @@
+"""The thin ZeroMQ layer of one node, plus link shaping for local emulation.
+
+Sockets of a node listening on HOST:PORT:
+    ROUTER  bound on tcp://HOST:PORT     point-to-point requests and replies
+    PUB     bound on tcp://HOST:PORT+1   broadcasts (heartbeats, gossip, capacity, drafts)
+    SUB     connected to every peer's PUB
+    DEALER  one per peer address for the I/O thread's own requests (HELLO, LEAVE), and one
+            per peer and calling thread for `request`/`send` from compute threads (sockets.py)
+
+One I/O thread owns ROUTER, PUB, SUB and the control DEALERs. It runs the
+handlers (which must not block: heartbeats, gossip, status are answered here, so
+a long forward pass on a compute thread never looks like a death) and the
+timers. Other threads hand it work with `call_soon` (a deque plus a wake-up
+pipe). Every socket has linger=0. A malformed frame is logged and dropped. With
+a `cluster_key` every socket uses CURVE (sockets.CurveKeys).
+
+Link shaping (emulation only): with links configured, a message from a node in
+zone A to this node in zone B is held back on arrival until
+    max(arrival, link_busy_until) + bytes * 8 / bandwidth + rtt / 2
+(FIFO per incoming link), so a request/reply over an 80 ms link costs 80 ms.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from meshllm.protocol import Message, MsgType, ProtocolError, decode, encode
+from meshllm.sockets import CurveKeys, Requester, endpoint, make_socket, nbytes
+
+log = logging.getLogger("meshllm.transport")
+
+POLL_MAX_S = 0.1  # the I/O loop wakes at least this often
+RECV_BUDGET = 256  # messages read from one socket per loop turn, so timers still run under load
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: IntFlag ops are slow
+Handler = Callable[[Message, Callable[[Message], None]], None]
+
+
+class LinkShaper:
+    """Delays incoming messages as the emulated link from the sender's zone would. Thread-safe."""
+
+    def __init__(self, my_zone: str, links: tuple = ()):
+        self.my_zone = my_zone
+        # src zone -> (one-way delay s, bytes per s); links are symmetric
+        self._links: dict[str, tuple[float, float]] = {}
+        for ln in links:
+            a, b = ln.zones
+            for src, dst in ((a, b), (b, a)):
+                if dst == my_zone:
+                    self._links[src] = (ln.rtt_ms / 2000.0, ln.bandwidth_mbps * 1e6 / 8.0)
+        self._busy_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._links)
+
+    def due(self, src_zone: str, nbytes: int, now: float) -> float:
+        """Monotonic time at which a message of `nbytes` that arrived `now` is delivered."""
+        link = self._links.get(src_zone) if src_zone else None
+        if link is None:
+            return now
+        one_way_s, bytes_per_s = link
+        with self._lock:
+            departed = max(now, self._busy_until.get(src_zone, 0.0)) + nbytes / bytes_per_s
+            self._busy_until[src_zone] = departed
+        return departed + one_way_s
+
+
+def guard(fn: Callable[[], Any], who: str) -> None:
+    """Run a handler or timer; a bug in one must not kill the I/O thread (and with it the heartbeats).
+    The error is logged with its traceback, never swallowed."""
+    try:
+        fn()
+    except (ProtocolError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s: handler failed on bad input: %s: %s", who, type(e).__name__, e)
+    except Exception:
+        log.exception("%s: handler crashed; the node keeps serving", who)
+
+
+class IOLoop:
+    """The bookkeeping of one I/O thread: timers, calls from other threads, held deliveries."""
+
+    def __init__(self, who: str):
+        self.who = who
+        self.thread: threading.Thread | None = None
+        self._timers: list[list] = []  # [next_due, interval_s, fn]
+        self._calls: deque[Callable[[], None]] = deque()
+        self._held: list[tuple] = []  # heap of (due, seq, item) waiting for their emulated link
+        self._seq = itertools.count()
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self.thread
+
+    def every(self, interval_s: float, fn: Callable[[], None]) -> None:
+        self._timers.append([time.monotonic(), interval_s, fn])
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the I/O thread (at once if called from it)."""
+        if self.in_loop():
+            fn()
+        else:
+            self._calls.append(fn)
+            self.wake()
+
+    def hold(self, due: float, item: Any) -> None:
+        heapq.heappush(self._held, (due, next(self._seq), item))
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or closed at shutdown
+
+    def drain_wake(self) -> None:
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass  # drained
+
+    def timeout_ms(self) -> int:
+        now = time.monotonic()
+        nxt = now + POLL_MAX_S
+        if self._timers:
+            nxt = min(nxt, min(t[0] for t in self._timers))
+        if self._held:
+            nxt = min(nxt, self._held[0][0])
+        return max(0, int((nxt - now) * 1000) + 1) if nxt > now else 0
+
+    def run_due(self, deliver: Callable[[Any], None]) -> None:
+        """Run queued calls, deliver held items whose time has come, fire due timers."""
+        while self._calls:
+            guard(self._calls.popleft(), self.who)
+        now = time.monotonic()
+        while self._held and self._held[0][0] <= now:
+            deliver(heapq.heappop(self._held)[2])
+        for t in self._timers:
+            if t[0] <= now:
+                t[0] = now + t[1]
+                guard(t[2], self.who)
+
+    def close(self) -> None:
+        os.close(self.wake_fd)
+        os.close(self._wake_w)
+
+
+class Transport:
+    """Sockets + I/O thread of one node. Start with `start()`, stop with `close()`."""
+
+    def __init__(self, node_id: str, zone: str, listen: str, shaper: LinkShaper | None = None,
+                 ctx: zmq.Context | None = None, curve: CurveKeys | None = None):
+        self.node_id, self.zone, self.curve = node_id, zone, curve
+        self.shaper = shaper or LinkShaper(zone)
+        self.ctx = ctx or zmq.Context.instance()
+        self.dropped = 0  # malformed messages dropped
+        self.loop = IOLoop(node_id)
+        self.client = Requester(self.ctx, curve, self._stamp, self._decode, self.shaper)
+        self._handlers: dict[MsgType, Handler] = {}
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._subscribed: set[str] = set()
+        self._poller = zmq.Poller()
+        self._stop = threading.Event()
+        self.router, self.pub, self.sub = (make_socket(self.ctx, k, curve) for k in (zmq.ROUTER, zmq.PUB, zmq.SUB))
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for sock, offset in ((self.router, 0), (self.pub, 1)):
+            try:
+                sock.bind(endpoint(listen, offset))
+            except zmq.ZMQError as e:
+                for s in (self.router, self.pub, self.sub):
+                    s.close(linger=0)
+                self.loop.close()
+                raise OSError(f"cannot listen on {endpoint(listen, offset)} (ROUTER on PORT, PUB on PORT+1): "
+                              f"{e}") from None
+        self.loop.thread = threading.Thread(target=self._run, name=f"mesh-io-{node_id}", daemon=True)
+
+    # -- setup --------------------------------------------------------------------------------
+    def on(self, mtype: MsgType, handler: Handler) -> None:
+        """Run `handler(msg, reply)` on the I/O thread for each `mtype` message. `reply` is thread-safe."""
+        self._handlers[mtype] = handler
+
+    def every(self, interval_s: float, fn: Callable[[], None]) -> None:
+        self.loop.every(interval_s, fn)
+
+    def start(self) -> None:
+        self.loop.thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.loop.wake()
+        if self.loop.thread.is_alive():
+            self.loop.thread.join(timeout=5.0)
+        for s in (self.router, self.pub, self.sub, *self._dealers.values()):
+            s.close(linger=0)
+        self._dealers.clear()
+        self.loop.close()
+
+    # -- any thread -------------------------------------------------------------------------
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        self.loop.call_soon(fn)
+
+    def publish(self, msg: Message) -> None:
+        self.loop.call_soon(lambda: self._send(self.pub, msg))
+
+    def send(self, address: str, msg: Message) -> None:
+        """Fire-and-forget to a peer's ROUTER. From the I/O thread it goes out on the control DEALER
+        (replies reach this node's handlers); from any other thread on that thread's own DEALER,
+        blocking while the peer's queue is full (back-pressure), and replies to it are not read."""
+        if self.loop.in_loop() or not self.loop.thread.is_alive():
+            self.loop.call_soon(lambda: self._send(self._dealer(address), msg))
+        else:
+            self.client.send(address, msg)
+
+    def request(self, address: str, msg: Message, timeout_s: float) -> Message:
+        """Blocking request/reply from a non-I/O thread. Raises TimeoutError."""
+        assert not self.loop.in_loop(), "the I/O thread must never block"
+        return self.client.request(address, msg, timeout_s)
+
+    def close_thread_sockets(self) -> None:
+        self.client.close_thread_sockets()
+
+    def subscribe(self, address: str) -> None:
+        self.loop.call_soon(lambda: self._sub(address, True))
+
+    def forget(self, address: str) -> None:
+        """Drop the SUB connection and the control DEALER to a peer that left."""
+        self.loop.call_soon(lambda: self._sub(address, False))
+
+    # -- I/O thread -------------------------------------------------------------------------
+    def _stamp(self, msg: Message) -> None:
+        msg.src, msg.zone = self.node_id, self.zone
+
+    def _send(self, sock: zmq.Socket, msg: Message, ident: bytes | None = None) -> None:
+        self._stamp(msg)
+        frames = encode(msg)
+        try:
+            sock.send_multipart(([ident] if ident is not None else []) + frames, _NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("%s: send queue full, dropped %s", self.node_id, msg.type.name)
+        except zmq.ZMQError as e:
+            log.warning("%s: cannot send %s: %s", self.node_id, msg.type.name, e)
+
+    def _dealer(self, address: str) -> zmq.Socket:
+        sock = self._dealers.get(address)
+        if sock is None:
+            sock = self._dealers[address] = make_socket(self.ctx, zmq.DEALER, self.curve)
+            sock.connect(endpoint(address))
+            self._poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _sub(self, address: str, on: bool) -> None:
+        if on and address not in self._subscribed:
+            self.sub.connect(endpoint(address, 1))
+            self._subscribed.add(address)
+        elif not on and address in self._subscribed:
+            self._subscribed.discard(address)
+            self.sub.disconnect(endpoint(address, 1))
+            dealer = self._dealers.pop(address, None)
+            if dealer is not None:
+                self._poller.unregister(dealer)
+                dealer.close(linger=0)
+
+    def _decode(self, frames: list) -> Message | None:
+        try:
+            return decode(frames)
+        except ProtocolError as e:
+            self.dropped += 1
+            log.warning("%s: dropped a malformed message: %s", self.node_id, e)
+            return None
+
+    def _run(self) -> None:
+        for s in (self.router, self.sub):
+            self._poller.register(s, zmq.POLLIN)
+        self._poller.register(self.loop.wake_fd, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in self._poller.poll(self.loop.timeout_ms()):
+                if sock == self.loop.wake_fd:
+                    self.loop.drain_wake()
+                else:
+                    self._receive(sock)
+            self.loop.run_due(lambda item: self._dispatch(*item))
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        """Read up to RECV_BUDGET ready messages from `sock`; hold back those on an emulated link."""
+        from_router = sock is self.router
+        for _ in range(RECV_BUDGET):
+            if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:  # cheaper than a recv raising Again
+                return
+            frames = sock.recv_multipart(_NOBLOCK, copy=False)
+            arrived = time.monotonic()
+            ident, body = (frames[0].bytes, frames[1:]) if from_router else (None, frames)
+            msg = self._decode(body)
+            if msg is None:
+                continue
+            due = self.shaper.due(msg.zone, nbytes(body), arrived) if self.shaper.active else arrived
+            if due > arrived:
+                self.loop.hold(due, (msg, ident))
+            else:
+                self._dispatch(msg, ident)
+
+    def _dispatch(self, msg: Message, ident: bytes | None) -> None:
+        handler = self._handlers.get(msg.type)
+        if handler is None:
+            log.debug("%s: no handler for %s from %r", self.node_id, msg.type.name, msg.src)
+            return
+
+        def reply(r: Message, _rid: int = msg.rid) -> None:
+            if ident is None:
+                return  # a broadcast or a reply: nothing to answer
+            r.rid = _rid
+            self.loop.call_soon(lambda: self._send(self.router, r, ident))
+
+        guard(lambda: handler(msg, reply), self.node_id)

@@ -1,0 +1,174 @@
+"""Local emulation: node files, device-speed pacing, and `--cluster` without orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from meshllm.config import parse_cluster, parse_node
+from meshllm.emulate import METRIC_KEYS, Pacer, node_file
+from tests.conftest import REPO, run_cli
+
+DEV = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}
+
+
+def cluster_yaml(tmp: Path, n: int = 3, **extra) -> Path:
+    data = {"model": "smollm2-135m",
+            "nodes": [{"id": f"n{i}", "device": DEV, "zone": "edge" if i == 0 else "fog"} for i in range(n)],
+            "links": [{"zones": ["edge", "fog"], "rtt_ms": 20, "bandwidth_mbps": 100}], **extra}
+    path = tmp / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.t += s
+
+
+def test_pacer_sleeps_the_difference_only_when_faster_than_predicted() -> None:
+    clk = FakeClock()
+    pacer = Pacer(clock=clk, sleep=clk.sleep)
+    start = clk()
+    clk.t += 0.010  # measured 10 ms
+    assert pacer.pace(0.050, start) == pytest.approx(0.040)
+    assert clk() - start == pytest.approx(0.050)  # the step took what the device would take
+    start = clk()
+    clk.t += 0.080  # slower than predicted: not stretched
+    assert pacer.pace(0.050, start) == 0.0
+    assert pacer.steps == 2 and pacer.slept_s == pytest.approx(0.040) and pacer.overrun_s == pytest.approx(0.030)
+    off = Pacer(enabled=False, clock=clk, sleep=clk.sleep)
+    assert off.pace(1.0, clk()) == 0.0
+
+
+def test_pacer_step_uses_the_injected_cost_model() -> None:
+    clk = FakeClock()
+    pacer = Pacer(lambda layers, tokens: layers * tokens * 1e-3, clock=clk, sleep=clk.sleep)
+    with pacer.step(10, 5):
+        clk.t += 0.02
+    assert clk.slept == [pytest.approx(0.03)]
+
+
+def test_pacer_real_clock_slows_a_fast_step() -> None:
+    pacer = Pacer()
+    t0 = time.perf_counter()
+    pacer.pace(0.05, t0)
+    assert time.perf_counter() - t0 >= 0.05
+
+
+def test_generated_node_files_are_valid_node_configs(tmp_path: Path) -> None:
+    cfg = parse_cluster(yaml.safe_load(cluster_yaml(tmp_path).read_text()), "c.yaml")
+    for spec in cfg.nodes:
+        nc = parse_node(node_file(spec, cfg, "127.0.0.1:7000", "127.0.0.1:7100"), "gen.yaml")
+        assert (nc.id, nc.zone, nc.device, nc.mdns, nc.seeds) == (spec.id, spec.zone, spec.device, False,
+                                                                   ("127.0.0.1:7100",))
+        assert nc.links == cfg.links
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_cluster_reports_the_mesh_and_leaves_no_process(tmp_path: Path) -> None:
+    r = run_cli("--cluster", str(cluster_yaml(tmp_path, 4)), "--json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # exactly one JSON object on stdout
+    assert out["results"] == [] and set(out["metrics"]) == set(METRIC_KEYS) and out["plan"] is None
+    nodes = out["mesh"]["nodes"]
+    assert [n["id"] for n in nodes] == ["n0", "n1", "n2", "n3"]
+    for n in nodes:
+        assert sorted(n["peers"]) == sorted({"n0", "n1", "n2", "n3"} - {n["id"]})
+        assert n["address"].startswith("127.0.0.1:")
+    assert out["mesh"]["formation_s"] > 0
+    assert gone([n["pid"] for n in nodes])
+
+
+def spawn_cluster(path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """Start `--cluster` and return once its node processes exist (before the mesh forms)."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--cluster", str(path), "--json"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    kids: list[int] = []
+    while time.monotonic() < deadline and len(kids) < 6 and proc.poll() is None:
+        kids = children_of(proc.pid)
+        time.sleep(0.01)
+    assert len(kids) == 6, proc.communicate(timeout=60)
+    return proc, kids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
+def test_interrupt_tears_everything_down(tmp_path: Path, sig: int, code: int) -> None:
+    proc, kids = spawn_cluster(cluster_yaml(tmp_path, 6))
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err  # the signal lands long before 6 interpreters have started
+    assert gone(kids), [p for p in kids if psutil.pid_exists(p)]
+
+
+@pytest.mark.slow
+def test_nodes_die_with_a_killed_emulator(tmp_path: Path) -> None:
+    proc, kids = spawn_cluster(cluster_yaml(tmp_path, 6))
+    os.kill(proc.pid, signal.SIGKILL)  # no teardown code runs: PR_SET_PDEATHSIG must do it
+    proc.communicate(timeout=60)
+    assert gone(kids), [p for p in kids if psutil.pid_exists(p)]
+
+
+@pytest.mark.parametrize("data, where", [
+    ({"model": "m", "nodes": [{"id": "a", "device": DEV, "zone": "z", "colour": 1}]}, "nodes[0].colour"),
+    ({"model": "m", "nodes": [{"id": "a", "zone": "z"}]}, "nodes[0].device"),
+    ({"model": "m", "nodes": [{"id": "a", "device": "no-such-device", "zone": "z"}]}, "unknown device"),
+    ({"model": "m", "nodes": [{"id": "a", "device": DEV, "zone": "z"}],
+      "links": [{"zones": ["z", "mars"], "rtt_ms": 1, "bandwidth_mbps": 1}]}, "links[0].zones"),
+])
+def test_bad_cluster_yaml_exits_2_with_one_line(tmp_path: Path, data: dict, where: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    r = run_cli("--cluster", str(path), "--json", timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and where in lines[0], r.stderr
+
+
+@pytest.mark.slow
+def test_formation_timeout_is_a_runtime_error_without_orphans(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--cluster", str(cluster_yaml(tmp_path, 6)),
+                             "--json", "--timeout", "0.01"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    kids: list[int] = []
+    while proc.poll() is None:  # collect the node pids while they live
+        kids = sorted(set(kids) | set(children_of(proc.pid)))
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and out == "" and "did not form" in err
+    assert kids and gone(kids)

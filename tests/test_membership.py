@@ -1,0 +1,113 @@
+"""Membership with a fake clock: join, missed heartbeats -> suspect -> dead, leave, rejoin."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshllm.membership import FAILURE_TIMEOUT_S, Membership, PeerInfo, PeerState
+
+
+def info(pid: str = "b", inc: int = 1, address: str = "127.0.0.1:7702") -> PeerInfo:
+    return PeerInfo(pid, address, "fog", {"memory_gb": 8.0}, ("decode",), inc)
+
+
+def table(**kw) -> Membership:
+    return Membership("a", heartbeat_interval_s=0.5, failure_timeout_s=2.5, **kw)
+
+
+def test_default_failure_detection_is_at_most_3_s() -> None:
+    assert FAILURE_TIMEOUT_S <= 3.0
+    assert Membership("a").failure_timeout_s <= 3.0
+
+
+def test_join_then_heartbeats_keep_alive() -> None:
+    m = table()
+    tr = m.observe(info(), 0.0, first_hand=True)
+    assert tr is not None and tr.old is None and tr.new is PeerState.ALIVE
+    for k in range(1, 20):
+        assert m.heartbeat("b", 1, k * 0.5, {"queue": k}) is None
+        assert m.tick(k * 0.5 + 0.1) == []
+    assert m.get("b").state is PeerState.ALIVE and m.get("b").load == {"queue": 19}
+
+
+def test_missed_heartbeats_suspect_then_dead() -> None:
+    m = table()
+    m.observe(info(), 0.0, first_hand=True)
+    assert m.tick(0.9) == []
+    [tr] = m.tick(1.0)  # two intervals of silence
+    assert (tr.old, tr.new) == (PeerState.ALIVE, PeerState.SUSPECT)
+    assert m.tick(2.4) == []
+    [tr] = m.tick(2.5)
+    assert (tr.old, tr.new) == (PeerState.SUSPECT, PeerState.DEAD)
+    assert m.tick(100.0) == [] and m.live() == []
+
+
+def test_suspect_recovers_on_heartbeat() -> None:
+    m = table()
+    m.observe(info(), 0.0, first_hand=True)
+    m.tick(1.2)
+    tr = m.heartbeat("b", 1, 1.3)
+    assert tr is not None and (tr.old, tr.new) == (PeerState.SUSPECT, PeerState.ALIVE)
+
+
+def test_clean_leave_is_immediate_and_sticky() -> None:
+    m = table()
+    m.observe(info(), 0.0, first_hand=True)
+    tr = m.leave("b", 1, 0.1)
+    assert tr is not None and tr.new is PeerState.LEFT
+    assert m.heartbeat("b", 1, 0.2) is None  # a heartbeat already in flight does not revive it
+    assert m.observe(info(), 0.3, first_hand=True) is None
+    assert m.tick(10.0) == [] and m.get("b").state is PeerState.LEFT
+
+
+def test_rejoin_after_restart_with_new_incarnation() -> None:
+    m = table()
+    m.observe(info(inc=1), 0.0, first_hand=True)
+    m.tick(3.0)
+    assert m.get("b").state is PeerState.DEAD
+    assert m.heartbeat("b", 2, 3.1) is None  # a new life must HELLO first
+    tr = m.observe(info(inc=2), 3.2, first_hand=False)  # even gossip of a newer incarnation is news
+    assert tr is not None and (tr.old, tr.new) == (PeerState.DEAD, PeerState.ALIVE)
+    assert m.get("b").info.incarnation == 2
+    assert m.heartbeat("b", 1, 3.3) is None  # the old life is ignored
+    assert m.leave("b", 1, 3.4) is None and m.get("b").state is PeerState.ALIVE
+
+
+def test_gossip_does_not_revive_a_dead_peer() -> None:
+    m = table()
+    m.observe(info(), 0.0, first_hand=True)
+    m.tick(3.0)
+    assert m.observe(info(), 3.1, first_hand=False) is None
+    assert m.get("b").state is PeerState.DEAD
+    tr = m.observe(info(), 3.2, first_hand=True)  # but it talking to us does
+    assert tr is not None and tr.new is PeerState.ALIVE
+
+
+def test_duplicate_id_conflicts() -> None:
+    m = table()
+    m.observe(info(), 0.0, first_hand=True)
+    assert m.conflicts(info("a", address="h:1"))  # our own id
+    assert m.conflicts(info("b", inc=5, address="127.0.0.1:9999"))  # a live peer's id elsewhere
+    assert not m.conflicts(info("b", inc=5))  # the same node restarted at its address
+    assert not m.conflicts(info("c"))
+    m.tick(3.0)
+    assert not m.conflicts(info("b", inc=5, address="127.0.0.1:9999"))  # the old one is dead: take over
+
+
+def test_self_is_never_a_peer_and_timeouts_are_configurable() -> None:
+    m = Membership("a", heartbeat_interval_s=0.1, failure_timeout_s=0.4)
+    assert m.observe(info("a"), 0.0, first_hand=True) is None and m.peers() == []
+    m.observe(info(), 0.0, first_hand=True)
+    assert [t.new for t in m.tick(0.25)] == [PeerState.SUSPECT]
+    assert [t.new for t in m.tick(0.4)] == [PeerState.DEAD]
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        Membership("a", heartbeat_interval_s=1.0, failure_timeout_s=0.5)
+
+
+def test_peer_info_from_wire_rejects_malformed_entries() -> None:
+    assert PeerInfo.from_wire(info().to_wire()) == info()
+    for bad in [None, {}, {"id": "", "address": "h:1", "incarnation": 1}, {"id": "b", "address": 3, "incarnation": 1},
+                {"id": "b", "address": "h:1", "incarnation": "1"}, {"id": "b", "address": "h:1", "incarnation": 1,
+                                                                      "device": []}]:
+        with pytest.raises(ValueError):
+            PeerInfo.from_wire(bad)

@@ -1,0 +1,274 @@
+"""Multi-process mesh tests through the public CLI: each node is `launch.py --node-config`.
+
+All on 127.0.0.1 with random free ports. Every wait is bounded; the limits the
+issue sets (formation in 5 s, death noticed within the failure timeout, a clean
+leave seen at once) are asserted from when the nodes are up, so a slow machine
+only slows the test down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshllm.membership import FAILURE_TIMEOUT_S
+from meshllm.node import query_status
+from meshllm.sockets import endpoint, free_port_pair
+from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow
+
+DEVICE = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}
+N_NODES = 6
+STARTUP_LIMIT_S = 60.0  # generous: 6 interpreters starting on a 2-core box
+FORMATION_LIMIT_S = 5.0
+
+
+class Mesh:
+    """Node processes started from generated node files; killed (process groups) on exit."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.addrs: dict[str, str] = {}
+
+    def start(self, nid: str, *, seeds: list[str] | None = None, mdns: bool = False, port: int | None = None,
+              **extra) -> subprocess.Popen:
+        address = f"127.0.0.1:{port or free_port_pair()}"
+        cfg = {"id": nid, "device": DEVICE, "zone": "z", "listen": address, "seeds": seeds or [], "mdns": mdns,
+               **extra}
+        path = self.tmp / f"{nid}-{len(self.procs)}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        log = open(self.tmp / f"{nid}-{len(self.procs)}.log", "w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--node-config", str(path)], cwd=REPO,
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self.procs[f"{nid}@{address}"] = proc
+        self.addrs.setdefault(nid, address)
+        return proc
+
+    def status(self, nid: str, timeout_s: float = 2.0) -> dict | None:
+        try:
+            return query_status(self.addrs[nid], timeout_s=timeout_s)
+        except TimeoutError:
+            return None
+
+    def states(self, nid: str) -> dict[str, str]:
+        st = self.status(nid)
+        return {} if st is None else {p["id"]: p["state"] for p in st["peers"]}
+
+    def wait_up(self) -> None:
+        assert wait_for(lambda: all(self.status(n, 0.5) for n in self.addrs), STARTUP_LIMIT_S), self.logs()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait(timeout=30)
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float, every_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(every_s)
+    return pred()
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Iterator[Mesh]:
+    m = Mesh(tmp_path)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def ids() -> list[str]:
+    return [f"n{i}" for i in range(N_NODES)]
+
+
+def fully_formed(m: Mesh, nodes: list[str]) -> bool:
+    for n in nodes:
+        st = m.states(n)
+        if any(st.get(o) != "alive" for o in nodes if o != n):
+            return False
+    return True
+
+
+def start_seeded(m: Mesh) -> float:
+    """Six nodes, all seeded with n0 only (mdns off); returns seconds from all-up to formed."""
+    seed_port = free_port_pair()
+    seed = f"127.0.0.1:{seed_port}"
+    for i, n in enumerate(ids()):
+        m.start(n, seeds=[seed], port=seed_port if i == 0 else None)
+    m.wait_up()
+    t0 = time.monotonic()
+    assert wait_for(lambda: fully_formed(m, ids()), 30.0), m.logs()
+    return time.monotonic() - t0
+
+
+def test_six_nodes_with_seeds_form_a_mesh(mesh: Mesh) -> None:
+    formed_s = start_seeded(mesh)
+    assert formed_s <= FORMATION_LIMIT_S
+    r = run_cli("--status", mesh.addrs["n3"], "--json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["node"] == "n3" and isinstance(st["plan_version"], int) and isinstance(st["load"], dict)
+    assert isinstance(st["roles"], list)
+    assert sorted(p["id"] for p in st["peers"]) == ["n0", "n1", "n2", "n4", "n5"]
+    for p in st["peers"]:
+        assert p["state"] == "alive" and p["address"] == mesh.addrs[p["id"]]
+        assert p["device"]["memory_gb"] == 8.0
+
+
+def test_six_nodes_with_mdns_only(mesh: Mesh) -> None:
+    for n in ids():
+        mesh.start(n, mdns=True)
+    mesh.wait_up()
+    t0 = time.monotonic()
+    assert wait_for(lambda: fully_formed(mesh, ids()), 30.0), mesh.logs()
+    assert time.monotonic() - t0 <= FORMATION_LIMIT_S
+
+
+def test_kill_9_is_noticed_within_the_failure_timeout(mesh: Mesh) -> None:
+    start_seeded(mesh)
+    victim = next(p for k, p in mesh.procs.items() if k.startswith("n2@"))
+    os.killpg(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    survivors = [n for n in ids() if n != "n2"]
+    assert wait_for(lambda: all(mesh.states(n).get("n2") == "dead" for n in survivors), 30.0), mesh.logs()
+    assert time.monotonic() - t0 <= max(3.0, FAILURE_TIMEOUT_S + 0.5)
+    assert all(mesh.states(n)["n1"] == "alive" for n in survivors if n != "n1")
+    # a restart at the same address is a new incarnation: everyone sees it alive again
+    old_inc = next(p for p in mesh.status("n0")["peers"] if p["id"] == "n2")["incarnation"]
+    mesh.start("n2", seeds=[mesh.addrs["n0"]], port=int(mesh.addrs["n2"].rsplit(":", 1)[1]))
+    assert wait_for(lambda: all(mesh.states(n).get("n2") == "alive" for n in survivors), 30.0), mesh.logs()
+    assert next(p for p in mesh.status("n0")["peers"] if p["id"] == "n2")["incarnation"] > old_inc
+
+
+def test_sigterm_is_a_clean_leave_seen_at_once(mesh: Mesh) -> None:
+    start_seeded(mesh)
+    leaver = next(p for k, p in mesh.procs.items() if k.startswith("n4@"))
+    leaver.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    survivors = [n for n in ids() if n != "n4"]
+    assert wait_for(lambda: all(mesh.states(n).get("n4") == "left" for n in survivors), 30.0), mesh.logs()
+    assert time.monotonic() - t0 <= 1.0  # well under the failure timeout: not a death
+    assert leaver.wait(timeout=30) == 0
+
+
+def test_duplicate_id_is_refused(mesh: Mesh) -> None:
+    start_seeded(mesh)
+    dup = mesh.start("n3", seeds=[mesh.addrs["n0"]], port=free_port_pair())
+    assert dup.wait(timeout=60) == 1
+    out = next(p for p in sorted(mesh.tmp.glob("n3-*.log")) if p.name != "n3-3.log").read_text()
+    assert "already used by the node at " + mesh.addrs["n3"] in out
+    st = mesh.status("n0")
+    entry = next(p for p in st["peers"] if p["id"] == "n3")
+    assert entry["state"] == "alive" and entry["address"] == mesh.addrs["n3"]
+
+
+def test_duplicate_id_is_refused_with_mdns_only(mesh: Mesh) -> None:
+    for n in ("m0", "m1"):
+        mesh.start(n, mdns=True)
+    mesh.wait_up()
+    assert wait_for(lambda: fully_formed(mesh, ["m0", "m1"]), 30.0), mesh.logs()
+    dup = mesh.start("m1", mdns=True)
+    assert dup.wait(timeout=60) == 1
+    assert "refused" in mesh.logs()
+    assert mesh.states("m0")["m1"] == "alive"
+
+
+def test_port_in_use_is_a_one_line_runtime_error(mesh: Mesh, tmp_path: Path) -> None:
+    mesh.start("first")
+    mesh.wait_up()
+    path = tmp_path / "second.yaml"
+    path.write_text(yaml.safe_dump({**GOOD, "listen": mesh.addrs["first"]}))
+    r = run_cli("--node-config", str(path), timeout=60)
+    assert r.returncode == 1 and "cannot listen on" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_malformed_frame_is_dropped_and_status_still_answers(mesh: Mesh) -> None:
+    import zmq
+
+    mesh.start("solo")
+    mesh.wait_up()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint(mesh.addrs["solo"]))
+    sock.send_multipart([b"MLLM\x01\x02\x00\x00\xc1garbage"])
+    sock.send_multipart([b"not a meshllm message", b"\x00" * 100])
+    sock.close(linger=5000)  # let the junk reach the node
+    assert wait_for(lambda: (mesh.status("solo") or {}).get("load", {}).get("dropped_messages") == 2, 10.0)
+    r = run_cli("--status", mesh.addrs["solo"], "--json", timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["node"] == "solo"
+    assert "dropped a malformed message" in mesh.logs()
+
+
+def test_status_of_nothing_is_a_runtime_error() -> None:
+    r = run_cli("--status", f"127.0.0.1:{free_port_pair()}", "--timeout", "0.5", timeout=60)
+    assert r.returncode == 1 and "no status reply" in r.stderr
+
+
+GOOD = {"id": "x", "device": DEVICE, "listen": "127.0.0.1:7700", "mdns": False}
+
+
+@pytest.mark.parametrize("change, field, problem", [
+    ({"colour": "blue"}, "colour", "unknown key"),
+    ({"id": ""}, "id", "must be a non-empty string"),
+    ({"device": "no-such-device"}, "device", "unknown device"),
+    ({"listen": "localhost"}, "listen", "expected HOST:PORT"),
+    ({"seeds": ["1.2.3.4:99999"]}, "seeds[0]", "port in 1..65535"),
+    ({"failure_timeout_s": 0.1, "heartbeat_interval_s": 0.5}, "failure_timeout_s", "larger than"),
+])
+def test_bad_node_yaml_exits_2_with_one_line(tmp_path: Path, change: dict, field: str, problem: str) -> None:
+    cfg = {**GOOD, **change}
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = run_cli("--node-config", str(path), timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and field in lines[0] and problem in lines[0], r.stderr
+
+
+def test_missing_required_field_exits_2(tmp_path: Path) -> None:
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump({"id": "x", "device": DEVICE}))
+    r = run_cli("--node-config", str(path), timeout=60)
+    assert r.returncode == 2 and "listen: missing required field" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cluster_key_mesh_needs_the_key_for_status(mesh: Mesh, tmp_path: Path) -> None:
+    key = tmp_path / "cluster.key"
+    key.write_bytes(os.urandom(32))
+    port = free_port_pair()
+    mesh.start("k0", port=port, cluster_key=str(key))
+    mesh.start("k1", seeds=[f"127.0.0.1:{port}"], cluster_key=str(key))
+
+    def peers(nid: str) -> list[str]:
+        try:
+            st = query_status(mesh.addrs[nid], timeout_s=0.5, cluster_key=str(key))
+        except TimeoutError:
+            return []
+        return [p["id"] for p in st["peers"] if p["state"] == "alive"]
+
+    assert wait_for(lambda: peers("k0") == ["k1"] and peers("k1") == ["k0"], STARTUP_LIMIT_S), mesh.logs()
+    assert mesh.status("k0", timeout_s=0.5) is None  # no key, no answer
+    r = run_cli("--status", mesh.addrs["k1"], "--json", env={"MESHLLM_CLUSTER_KEY": str(key)}, timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["node"] == "k1"

@@ -1,0 +1,216 @@
+"""Wire protocol: round-trips of every message type and tensor dtype; decode fuzzing."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshllm import protocol as p
+from meshllm.protocol import MsgType, ProtocolError, decode, encode, make
+
+DEVICE = {"name": "inline", "memory_gb": 8.0, "compute_tflops": 1.0, "memory_bandwidth_gbps": 50.0,
+          "network_mbps": 1000.0}
+
+
+def sample(mtype: MsgType) -> p.Message:
+    """One valid message of each type, with tensors where the type carries them."""
+    t = {
+        MsgType.HELLO: lambda: make(mtype, node="a", incarnation=7, address="127.0.0.1:7700", device=DEVICE,
+                                    roles=["decode"]),
+        MsgType.PEERS: lambda: make(mtype, node="a", peers=[{"id": "b", "address": "h:1", "incarnation": 3}]),
+        MsgType.HEARTBEAT: lambda: make(mtype, node="a", incarnation=7, seq=12, load={"queue": 0}),
+        MsgType.LEAVE: lambda: make(mtype, node="a", incarnation=7),
+        MsgType.STATUS_REQ: lambda: make(mtype),
+        MsgType.STATUS_REP: lambda: make(mtype, status={"node": "a", "peers": []}),
+        MsgType.ERROR: lambda: make(mtype, code="duplicate_id", message="id 'a' is taken"),
+        MsgType.PING: lambda: make(mtype),
+        MsgType.PONG: lambda: make(mtype),
+        MsgType.ACTIVATIONS: lambda: make(mtype, tensors={"hidden": torch.randn(5, 16)}, plan_version=2, layer=10,
+                                          spans=[["s1", 0, 3], ["s2", 7, 2]]),
+        MsgType.KV_TRANSFER: lambda: make(mtype, tensors={"k": torch.randn(2, 3, 4, 8).to(torch.bfloat16),
+                                                          "v": torch.randn(2, 3, 4, 8).to(torch.bfloat16)},
+                                          seq_id="s1", layers=[0, 2], length=4),
+        MsgType.DRAFT: lambda: make(mtype, tensors={"probs": np.random.rand(4, 32).astype(np.float16)},
+                                    tenant="t1", seq_id="s1", block=3, start=17, tokens=[1, 2, 3, 4]),
+        MsgType.VERDICT: lambda: make(mtype, tenant="t1", seq_id="s1", block=3, accepted=2, correction=99),
+        MsgType.CAPACITY: lambda: make(mtype, node="d1", free_slots=4, queue=1, plan_version=2),
+        MsgType.GENERATE_REQ: lambda: make(mtype, request_id="r1", prompt="hi", prompt_token_ids=[], max_tokens=8,
+                                           temperature=0.0, seed=0),
+        MsgType.TOKENS: lambda: make(mtype, request_id="r1", token_ids=[5, 6], finished=True,
+                                     finish_reason="length"),
+    }
+    return t[mtype]()
+
+
+def roundtrip(msg: p.Message) -> p.Message:
+    return decode([bytes(f) for f in encode(msg)])
+
+
+@pytest.mark.parametrize("mtype", list(MsgType))
+def test_every_type_roundtrips(mtype: MsgType) -> None:
+    msg = sample(mtype)
+    msg.src, msg.zone, msg.rid = "node-x", "fog", 42
+    back = roundtrip(msg)
+    assert back.type is mtype and back.fields == msg.fields
+    assert (back.src, back.zone, back.rid) == ("node-x", "fog", 42)
+    assert back.tensors.keys() == msg.tensors.keys()
+    for name, buf in msg.tensors.items():
+        assert back.tensors[name].dtype == buf.dtype and back.tensors[name].shape == buf.shape
+        assert bytes(back.tensors[name].data) == bytes(buf.data)
+
+
+def test_schema_covers_every_type() -> None:
+    assert set(p.SCHEMAS) == set(MsgType)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
+def test_torch_tensors_of_each_dtype(dtype: torch.dtype) -> None:
+    x = (torch.randn(3, 4, 5) * 50).to(dtype)
+    msg = make(MsgType.ACTIVATIONS, tensors={"hidden": x}, plan_version=0, layer=0, spans=[])
+    y = roundtrip(msg).tensors["hidden"].torch()
+    assert y.dtype == dtype and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int64", "int32", "int8", "uint8", "uint16",
+                                   "bool"])
+def test_numpy_tensors_of_each_dtype(dtype: str) -> None:
+    x = (np.random.rand(2, 7) * 100).astype(dtype)
+    back = roundtrip(make(MsgType.DRAFT, tensors={"probs": x}, tenant="t", seq_id="s", block=0, start=0, tokens=[]))
+    np.testing.assert_array_equal(back.tensors["probs"].numpy(), x)
+
+
+def test_empty_and_noncontiguous_tensors() -> None:
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()  # not contiguous
+    back = roundtrip(make(MsgType.KV_TRANSFER, tensors={"k": x, "v": torch.zeros(0, 3)}, seq_id="s",
+                          layers=[0, 1], length=0))
+    assert torch.equal(back.tensors["k"].torch(), x) and back.tensors["v"].torch().shape == (0, 3)
+
+
+def test_tensor_frames_are_zero_copy() -> None:
+    x = np.ones((1024,), dtype=np.float32)
+    frames = encode(make(MsgType.ACTIVATIONS, tensors={"hidden": x}, plan_version=0, layer=0, spans=[]))
+    x[0] = 5.0
+    assert np.frombuffer(frames[1], dtype=np.float32)[0] == 5.0
+
+
+def test_make_checks_fields_and_tensors() -> None:
+    with pytest.raises(ProtocolError, match="missing field 'seq'"):
+        make(MsgType.HEARTBEAT, node="a", incarnation=1, load={})
+    with pytest.raises(ProtocolError, match="field 'incarnation' has type str"):
+        make(MsgType.LEAVE, node="a", incarnation="1")
+    with pytest.raises(ProtocolError, match="tensors must be"):
+        make(MsgType.ACTIVATIONS, plan_version=0, layer=0, spans=[])
+    with pytest.raises(ProtocolError, match="reserved"):
+        make(MsgType.PING, zone="x")
+
+
+def frames_of(mtype: MsgType = MsgType.HEARTBEAT) -> list[bytes]:
+    return [bytes(f) for f in encode(sample(mtype))]
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda f: [], "no frames"),
+    (lambda f: [b"MLL"], "shorter than"),
+    (lambda f: [b"XXXX" + f[0][4:]], "bad magic"),
+    (lambda f: [f[0][:4] + bytes([9]) + f[0][5:]], "unsupported protocol version 9"),
+    (lambda f: [f[0][:5] + bytes([200]) + f[0][6:]], "unknown message type 200"),
+    (lambda f: [f[0][:8] + b"\xc1"], "not valid msgpack"),
+    (lambda f: [f[0][:8] + msgpack.packb([1, 2])], "must be a msgpack map"),
+    (lambda f: [f[0], b"extra"], "preamble says 0 tensor frames, got 1"),
+    (lambda f: [f[0][:6] + struct.pack(">H", 999) + f[0][8:]], "exceeds MAX_TENSORS"),
+])
+def test_decode_errors_say_what_is_wrong(mutate, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode(mutate(frames_of()))
+
+
+def test_decode_rejects_bad_tensor_descriptors() -> None:
+    f = frames_of(MsgType.ACTIVATIONS)
+    with pytest.raises(ProtocolError, match="needs .* bytes, frame has"):
+        decode([f[0], f[1][:-4]])
+    head = msgpack.unpackb(f[0][8:])
+    for bad, match in [({"dtype": "complex64", "shape": [5, 16]}, "unknown dtype"),
+                       ({"dtype": "float32", "shape": [-1, 16]}, "non-negative"),
+                       ({"dtype": "float32", "shape": [2**40, 2**40]}, "larger than MAX_MESSAGE_BYTES"),
+                       ("nope", "descriptor must be a map")]:
+        h = dict(head, t=[bad])
+        with pytest.raises(ProtocolError, match=match):
+            decode([f[0][:8] + msgpack.packb(h), f[1]])
+
+
+def test_size_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(p, "MAX_MESSAGE_BYTES", 1000)
+    big = make(MsgType.ACTIVATIONS, tensors={"hidden": np.zeros(1000, np.float32)}, plan_version=0, layer=0,
+               spans=[])
+    with pytest.raises(ProtocolError, match="exceeds MAX_MESSAGE_BYTES"):
+        encode(big)
+    with pytest.raises(ProtocolError, match="exceeds MAX_MESSAGE_BYTES"):
+        decode([b"MLLM" + b"\0" * 2000])
+
+
+def test_never_unpickles() -> None:
+    import pickle
+
+    evil = pickle.dumps({"x": 1})
+    with pytest.raises(ProtocolError):
+        decode([evil])
+    f = frames_of()
+    with pytest.raises(ProtocolError):  # msgpack ext types (where pickles could hide) are refused
+        decode([f[0][:8] + msgpack.packb({"node": msgpack.ExtType(1, evil)})])
+
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=256), max_size=4))
+def test_fuzz_random_bytes(frames: list[bytes]) -> None:
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+@FUZZ
+@given(st.sampled_from(list(MsgType)), st.data())
+def test_fuzz_mutated_valid_frames(mtype: MsgType, data: st.DataObject) -> None:
+    frames = frames_of(mtype)
+    i = data.draw(st.integers(0, len(frames) - 1))
+    raw = bytearray(frames[i])
+    for _ in range(data.draw(st.integers(1, 8))):
+        if not raw:
+            break
+        pos = data.draw(st.integers(0, len(raw) - 1))
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if op == "flip":
+            raw[pos] ^= data.draw(st.integers(1, 255))
+        elif op == "cut":
+            del raw[pos:pos + data.draw(st.integers(1, 16))]
+        else:
+            raw[pos:pos] = data.draw(st.binary(min_size=1, max_size=8))
+    frames[i] = bytes(raw)
+    if data.draw(st.booleans()):
+        frames = frames[: data.draw(st.integers(0, len(frames)))]
+    try:
+        msg = decode(frames)
+    except ProtocolError:
+        return
+    assert isinstance(msg, p.Message)  # a mutation can still be a valid message; then it decodes cleanly
+
+
+@FUZZ
+@given(st.dictionaries(st.text(max_size=8), st.one_of(st.none(), st.integers(-2**63, 2**63 - 1), st.text(max_size=8),
+                                                     st.lists(st.booleans(), max_size=3)), max_size=6),
+       st.sampled_from(list(MsgType)))
+def test_fuzz_random_headers(head: dict, mtype: MsgType) -> None:
+    try:
+        decode([p.PREAMBLE.pack(p.MAGIC, p.VERSION, int(mtype), 0) + msgpack.packb(head)])
+    except ProtocolError:
+        pass
