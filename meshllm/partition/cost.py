@@ -1,0 +1,163 @@
+"""Roofline cost model: bytes, FLOPs and seconds for a model shard on a device.
+
+One model for the planner (DP + GA), the simulator and the emulator's pacing.
+
+- Prefill of T tokens is compute-bound; decode/verification of a batch of b sequences is a
+  roofline: max(FLOPs * b / compute, bytes moved / memory bandwidth).
+- A link costs rtt/2 + bytes / bandwidth, where the bandwidth of a transfer is the lowest of
+  the zone link and the two devices' network ports (`network_mbps`). A port is shared by all
+  transfers of its device; the simulator queues them, the planner counts bytes per port.
+- KV shipping (prefill -> decode): each device ships the KV of its own layers.
+
+Calibration. Device profiles give vendor peaks; a runtime achieves a fraction of them.
+`python bench/calibrate.py` measures that fraction on this machine (one core of an AMD EPYC
+Zen 4 VM, nominal 2.6 GHz, ~3.7 GHz boost, 32 fp32 FLOP/cycle):
+- compute: the seven projections of a SmolLM2-1.7B-shaped layer over a 512-token prompt run
+  at 92 GFLOP/s on an idle core, 0.78 of the boost-clock peak (a 1024^2 matmul: 0.83); with
+  the box shared by other jobs the same matmul gave 44 GFLOP/s (~0.4). Serving engines on
+  GPUs report 40-60% of the dense tensor peak in prefill. COMPUTE_EFFICIENCY = 0.5 sits in
+  both ranges.
+- bandwidth: the same layer at batch 1 (every weight read once) moves 19-20 GB/s, 0.55-0.58
+  of a streaming copy on the same core; the VM's DRAM peak is unknown, so no fraction of a
+  spec can be measured here. GPU decode kernels reach 70-80% of their memory's peak;
+  BANDWIDTH_EFFICIENCY = 0.7 is the usual STREAM-style figure between the two.
+Both are module constants, so a deployment can put its own measurements here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshllm.device import DeviceProfile
+from meshllm.model import ModelArgs
+
+COMPUTE_EFFICIENCY = 0.5  # achieved / peak FLOP/s (see module docstring: measured 0.4-0.78 here)
+BANDWIDTH_EFFICIENCY = 0.7  # achieved / peak memory bandwidth
+# Bytes per weight by served dtype; int4 is group-wise (g64) with an fp16 scale and zero per group.
+DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4.0 / 64}
+DRAFT_DTYPE = {"w4a16": "int4", "w8a16": "int8"}
+KV_BYTES = 2.0  # KV cache element (fp16)
+ACT_BYTES = 2.0  # hidden state element shipped between stages (fp16)
+BITS_PER_BYTE = 8.0
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Per-layer and per-token figures of one model at one served dtype."""
+
+    name: str
+    n_layers: int
+    layer_bytes: float  # weights of one transformer block
+    kv_bytes_per_token: float  # K+V of one block for one token
+    act_bytes_per_token: float  # hidden state crossing a stage boundary
+    layer_flops_per_token: float  # matmul FLOPs of one block (2 per multiply-add)
+    attn_flops_per_token_ctx: float  # QK^T + AV FLOPs per token per context position, one block
+    embed_bytes: float  # token embedding, held by the first stage
+    head_bytes: float  # final norm + LM head, held by the last stage
+    head_flops_per_token: float
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.n_layers * self.layer_bytes + self.embed_bytes + self.head_bytes
+
+    def stage_weight_bytes(self, n_layers: int, first: bool, last: bool) -> float:
+        return n_layers * self.layer_bytes + first * self.embed_bytes + last * self.head_bytes
+
+
+def dtype_bytes(dtype: str) -> float:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def model_costs(args: ModelArgs, dtype: str = "fp16") -> ModelCosts:
+    wb = dtype_bytes(dtype)
+    hd = args.head_dim
+    q_out, kv_out = args.n_heads * hd, args.n_kv_heads * hd
+    attn_params = args.dim * q_out + 2 * args.dim * kv_out + q_out * args.dim
+    ffn_params = 3 * args.dim * args.hidden_dim
+    layer_params = attn_params + ffn_params
+    head_params = args.vocab_size * args.dim
+    return ModelCosts(
+        name=args.name,
+        n_layers=args.n_layers,
+        layer_bytes=layer_params * wb + 2 * args.dim * ACT_BYTES,  # + two RMSNorm vectors
+        kv_bytes_per_token=2 * kv_out * KV_BYTES,
+        act_bytes_per_token=args.dim * ACT_BYTES,
+        layer_flops_per_token=2.0 * layer_params,
+        attn_flops_per_token_ctx=4.0 * q_out,
+        embed_bytes=head_params * wb,
+        head_bytes=head_params * wb + args.dim * ACT_BYTES,  # tied embeddings still need a copy here
+        head_flops_per_token=2.0 * head_params,
+    )
+
+
+def flops_per_s(device: DeviceProfile) -> float:
+    return device.compute_tflops * 1e12 * COMPUTE_EFFICIENCY
+
+
+def bytes_per_s(device: DeviceProfile) -> float:
+    return device.memory_bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY
+
+
+def roofline(flops, nbytes, device: DeviceProfile):
+    """max(FLOPs / compute, bytes / bandwidth) in seconds; works elementwise on numpy arrays."""
+    return np.maximum(flops / flops_per_s(device), nbytes / bytes_per_s(device))
+
+
+def stage_prefill_s(mc: ModelCosts, device: DeviceProfile, n_layers: int, n_tokens: float,
+                    last: bool = False) -> float:
+    """Seconds for one stage to prefill `n_tokens` tokens of one prompt (roofline; compute-bound
+    for any realistic prompt). Attention sees on average n_tokens/2 positions; the LM head runs
+    on the last token only (it produces the first output token)."""
+    flops = n_tokens * n_layers * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * n_tokens / 2)
+    flops += last * mc.head_flops_per_token
+    nbytes = mc.stage_weight_bytes(n_layers, False, last) + n_tokens * n_layers * mc.kv_bytes_per_token
+    return roofline(flops, nbytes, device)
+
+
+def stage_decode_s(mc: ModelCosts, device: DeviceProfile, n_layers: int, batch: float, context: float,
+                   last: bool = False) -> float:
+    """Seconds for one decode (or verification) step of `batch` sequences at `context` tokens:
+    max(FLOPs / compute, (weights + KV read) / bandwidth)."""
+    flops = batch * (n_layers * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * context)
+                     + last * mc.head_flops_per_token)
+    nbytes = mc.stage_weight_bytes(n_layers, False, last) + batch * context * n_layers * mc.kv_bytes_per_token
+    return roofline(flops, nbytes, device)
+
+
+def prefill_time_s(args: ModelArgs, device: DeviceProfile, n_layers: int, n_tokens: int,
+                   dtype: str = "fp16", last: bool = False) -> float:
+    """Emulator entry point: seconds for `device` to prefill `n_tokens` through `n_layers` layers."""
+    return float(stage_prefill_s(model_costs(args, dtype), device, n_layers, n_tokens, last))
+
+
+def decode_time_s(args: ModelArgs, device: DeviceProfile, n_layers: int, batch: int, context_len: int,
+                  dtype: str = "fp16", last: bool = False) -> float:
+    """Emulator entry point: seconds for one decode/verify step of `batch` sequences (each with
+    `context_len` cached tokens; a verify pass of gamma tokens is batch = gamma)."""
+    return float(stage_decode_s(model_costs(args, dtype), device, n_layers, batch, context_len, last))
+
+
+def transfer_s(nbytes: float, mbps: float) -> float:
+    """Serialisation time of `nbytes` at `mbps` megabits per second."""
+    return nbytes * BITS_PER_BYTE / (mbps * 1e6)
+
+
+def link_time_s(nbytes: float, rtt_ms: float, bandwidth_mbps: float) -> float:
+    """One-way transfer: half the round trip plus serialisation."""
+    return rtt_ms / 2000.0 + transfer_s(nbytes, bandwidth_mbps)
+
+
+def path_mbps(a: DeviceProfile, b: DeviceProfile, link_mbps: float | None) -> float:
+    """Bandwidth of one transfer a -> b: the slowest of a's port, b's port and the zone link."""
+    bw = min(a.network_mbps, b.network_mbps)
+    return bw if link_mbps is None else min(bw, link_mbps)
+
+
+def kv_reserve_tokens(mean_in: float, mean_out: float, seqs: int = 4) -> float:
+    """KV tokens every stage must be able to hold besides its weights (the DP's memory budget):
+    `seqs` sequences of mean total length."""
+    return seqs * (mean_in + mean_out)

@@ -1,0 +1,267 @@
+"""Layer split inside one replica: contiguous non-empty stages minimising the bottleneck.
+
+For a fixed device order, stage i holding n layers costs `table[i, n-1]` seconds (compute
+roofline from cost.py; +inf when its weights + KV budget do not fit the device), and the
+link from stage i to i+1 costs `links[i]` (rtt/2 + activation bytes / bandwidth). The
+bottleneck of a split is the max over all of them. Dynamic programming over (stage, layers
+covered) finds the exact optimum in O(k * L^2), vectorised with numpy:
+
+    f[i][j] = min over n in 1..j-1 of max(f[i-1][j-n], table[i, n-1])
+
+Rows are non-decreasing in n, so for replicas of more than DP_MAX_STAGES stages the same
+optimum is found faster by `threshold_split` (binary search on the bottleneck; the property
+test checks both against brute force).
+
+Device order. The first stage also holds the embedding, the last the LM head, and the links
+depend on neighbours, so order matters. Replicas of <= EXACT_ORDER_MAX devices try every
+distinct order (members with the same device profile and zone are interchangeable): 4 in the
+planner, where thousands of replica shapes are split, and `exact_max=6` is exact too (the
+property test). Larger replicas use a heuristic: group members by zone (zones with more
+compute first, which keeps the slow inter-zone links to a minimum), and within a zone try
+compute-descending, compute-ascending and memory-descending orders; the best one is kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshllm.device import DeviceProfile
+from meshllm.partition.cost import ModelCosts, link_time_s, path_mbps, stage_decode_s, stage_prefill_s
+
+EXACT_ORDER_MAX = 4  # devices the planner orders exhaustively; split_replica(exact_max=6) is exact further
+DP_MAX_STAGES = 8  # above this, threshold_split finds the same optimum faster
+SAME_ZONE_RTT_MS = 1.0  # assumed when the cluster file gives no link for a zone pair
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Member:
+    """A device that may hold a stage."""
+
+    id: str
+    device: DeviceProfile
+    zone: str
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """Members with equal keys are interchangeable for planning."""
+        d = self.device
+        return (d.name, self.zone, d.memory_gb, d.compute_tflops, d.memory_bandwidth_gbps, d.network_mbps)
+
+
+@dataclass(frozen=True)
+class Net:
+    """Zone-to-zone links: frozenset({zone_a, zone_b}) -> (rtt_ms, bandwidth_mbps)."""
+
+    links: dict[frozenset, tuple[float, float]]
+
+    def rtt_mbps(self, za: str, zb: str) -> tuple[float, float | None]:
+        got = self.links.get(frozenset((za, zb)))
+        return (SAME_ZONE_RTT_MS, None) if got is None else got
+
+    def hop_s(self, a: Member, b: Member, nbytes: float) -> float:
+        rtt, mbps = self.rtt_mbps(a.zone, b.zone)
+        return link_time_s(nbytes, rtt, path_mbps(a.device, b.device, mbps))
+
+
+@dataclass(frozen=True)
+class Workpoint:
+    """What a split is optimised for: a prefill of `tokens` prompt tokens, or a decode step of
+    a batch of `tokens` sequences at `context` positions. Every stage keeps `kv_tokens` of KV."""
+
+    phase: str  # "prefill" | "decode"
+    tokens: float
+    context: float
+    kv_tokens: float
+
+
+@dataclass(frozen=True)
+class Split:
+    order: tuple[int, ...]  # indices into the members passed to split_replica
+    counts: tuple[int, ...]  # layers per stage, in order
+    bottleneck_s: float
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        ends = list(itertools.accumulate(self.counts))
+        return [(e - c, e) for c, e in zip(self.counts, ends, strict=True)]
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    reason: str
+
+
+def memory_cap_layers(mc: ModelCosts, dev: DeviceProfile, first: bool, last: bool, kv_tokens: float) -> int:
+    """Most layers `dev` can hold at this position with a KV budget of `kv_tokens` tokens."""
+    free = dev.memory_bytes - mc.stage_weight_bytes(0, first, last)
+    per_layer = mc.layer_bytes + kv_tokens * mc.kv_bytes_per_token
+    return max(0, math.floor(free / per_layer))
+
+
+def stage_time_s(mc: ModelCosts, dev: DeviceProfile, n: int, last: bool, wp: Workpoint) -> float:
+    if wp.phase == "prefill":
+        return stage_prefill_s(mc, dev, n, wp.tokens, last)
+    return stage_decode_s(mc, dev, n, wp.tokens, wp.context, last)
+
+
+def cost_row(mc: ModelCosts, dev: DeviceProfile, first: bool, last: bool, wp: Workpoint) -> np.ndarray:
+    """Seconds for `dev` at this position to run n = 1..L layers; +inf where memory does not fit.
+    Non-decreasing in n (both roofline terms grow with n)."""
+    n_layers = mc.n_layers
+    row = np.full(n_layers, np.inf)
+    cap = min(n_layers, memory_cap_layers(mc, dev, first, last, wp.kv_tokens))
+    row[:cap] = stage_time_s(mc, dev, np.arange(1, cap + 1), last, wp)
+    return row
+
+
+def min_bottleneck_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
+    """The DP. Returns (bottleneck seconds, layers per stage) or None if no split fits."""
+    k, n_layers = table.shape
+    if k > n_layers:
+        return None
+    j = np.arange(1, n_layers + 1)[:, None]  # layers covered so far
+    n = j.T  # layers of the newest stage
+    prev = j - n
+    valid = prev >= 1
+    prev_idx = np.where(valid, prev - 1, 0)
+    f = table[0].copy()
+    back = []
+    for i in range(1, k):
+        cand = np.maximum(f[prev_idx], table[i][None, :])
+        cand[~valid] = np.inf
+        arg = cand.argmin(axis=1)
+        f = cand[np.arange(n_layers), arg]
+        back.append(arg)
+    if not np.isfinite(f[-1]):
+        return None
+    counts, left = [], n_layers
+    for arg in reversed(back):
+        c = int(arg[left - 1]) + 1
+        counts.append(c)
+        left -= c
+    counts.append(left)
+    return max(float(f[-1]), max(links, default=0.0)), tuple(reversed(counts))
+
+
+def threshold_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
+    """Same optimum as the DP, in O(k L log(k L)): rows are non-decreasing in n, so a bottleneck T
+    is reachable iff every position can take >= 1 layer within T and their capacities sum to >= L.
+    Binary search T over the table's values; used for long replicas (> DP_MAX_STAGES)."""
+    k, n_layers = table.shape
+    if k > n_layers:
+        return None
+    cand = np.unique(table[np.isfinite(table)])
+    caps = lambda t: (table <= t).sum(axis=1)  # noqa: E731
+    if cand.size == 0 or not _reachable(caps(cand[-1]), n_layers):
+        return None
+    lo, hi = 0, cand.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _reachable(caps(cand[mid]), n_layers):
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = caps(cand[lo]).astype(int)
+    excess = int(counts.sum()) - n_layers
+    for i in range(k - 1, -1, -1):  # give back layers from the end, keeping >= 1 each
+        take = min(excess, counts[i] - 1)
+        counts[i] -= take
+        excess -= take
+    return max(float(cand[lo]), max(links, default=0.0)), tuple(int(c) for c in counts)
+
+
+def _reachable(caps: np.ndarray, n_layers: int) -> bool:
+    return bool(caps.min() >= 1 and caps.sum() >= n_layers)
+
+
+def best_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
+    if table.shape[0] <= DP_MAX_STAGES:
+        return min_bottleneck_split(table, links)
+    return threshold_split(table, links)
+
+
+def candidate_orders(members: Sequence[Member], exact_max: int = EXACT_ORDER_MAX) -> list[tuple[int, ...]]:
+    """All distinct orders for small replicas; the zone-grouped heuristic orders otherwise."""
+    k = len(members)
+    if k <= exact_max:
+        seen: dict[tuple, tuple[int, ...]] = {}
+        for perm in itertools.permutations(range(k)):
+            seen.setdefault(tuple(members[i].key for i in perm), perm)
+        return list(seen.values())
+    zone_compute: dict[str, float] = {}
+    for m in members:
+        zone_compute[m.zone] = zone_compute.get(m.zone, 0.0) + m.device.compute_tflops
+    zones = sorted(zone_compute, key=lambda z: (-zone_compute[z], z))
+    keys = [lambda m: -m.device.compute_tflops, lambda m: m.device.compute_tflops, lambda m: -m.device.memory_gb]
+    orders = []
+    for key in keys:
+        orders.append(tuple(i for z in zones for i in sorted(
+            (i for i, m in enumerate(members) if m.zone == z), key=lambda i, key=key: (key(members[i]), i))))
+    return list(dict.fromkeys(orders))
+
+
+class Splitter:
+    """Order + split search for one model, network and workpoint, caching cost rows per
+    (device key, position) and link costs per device-key pair across replicas."""
+
+    def __init__(self, mc: ModelCosts, net: Net, wp: Workpoint):
+        self.mc, self.net, self.wp = mc, net, wp
+        self._rows: dict[tuple, np.ndarray] = {}
+        self._hops: dict[tuple, float] = {}
+
+    def row(self, m: Member, first: bool, last: bool) -> np.ndarray:
+        key = (m.key, first, last)
+        got = self._rows.get(key)
+        if got is None:
+            got = self._rows[key] = cost_row(self.mc, m.device, first, last, self.wp)
+        return got
+
+    def hop(self, a: Member, b: Member) -> float:
+        key = (a.key, b.key)
+        got = self._hops.get(key)
+        if got is None:
+            got = self._hops[key] = self.net.hop_s(a, b, self.wp.tokens * self.mc.act_bytes_per_token)
+        return got
+
+    def split(self, members: Sequence[Member], exact_max: int = EXACT_ORDER_MAX) -> Split | Infeasible:
+        """Best order and split of `members`, or the reason none fits."""
+        best: Split | None = None
+        k = len(members)
+        for order in candidate_orders(members, exact_max):
+            table = np.stack([self.row(members[i], p == 0, p == k - 1) for p, i in enumerate(order)])
+            links = [self.hop(members[a], members[b]) for a, b in itertools.pairwise(order)]
+            got = best_split(table, links)
+            if got is not None and (best is None or got[0] < best.bottleneck_s):
+                best = Split(order, got[1], got[0])
+        return best if best is not None else Infeasible(shortfall_reason(self.mc, members, self.wp))
+
+
+def split_replica(mc: ModelCosts, members: Sequence[Member], net: Net, wp: Workpoint,
+                  exact_max: int = EXACT_ORDER_MAX) -> Split | Infeasible:
+    """Best order and split of `members` for the workpoint, or the reason none fits."""
+    return Splitter(mc, net, wp).split(members, exact_max)
+
+
+def shortfall_reason(mc: ModelCosts, members: Sequence[Member], wp: Workpoint) -> str:
+    """Why no split fits: too many devices for the layers, or memory (with how much is missing)."""
+    if len(members) > mc.n_layers:
+        return f"{len(members)} devices but only {mc.n_layers} layers"
+    need = mc.weight_bytes + mc.n_layers * wp.kv_tokens * mc.kv_bytes_per_token
+    have = sum(m.device.memory_bytes for m in members)
+    ids = ", ".join(m.id for m in members)
+    if have < need:
+        return (f"devices {ids} have {have / GB:.2f} GB, the model needs {need / GB:.2f} GB "
+                f"(weights + KV for {wp.kv_tokens:.0f} tokens): {(need - have) / GB:.2f} GB short")
+    tight = [m for m in members if memory_cap_layers(mc, m.device, False, False, wp.kv_tokens) < 1]
+    if tight:
+        m = tight[0]
+        short = mc.layer_bytes + wp.kv_tokens * mc.kv_bytes_per_token - m.device.memory_bytes
+        return f"device {m.id} ({m.device.name}) cannot hold one layer: {short / 1e6:.0f} MB short"
+    return f"devices {ids}: no order fits the embedding/head and layers (memory too fragmented)"

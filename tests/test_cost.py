@@ -1,0 +1,65 @@
+"""Cost model: bytes and FLOPs from published model shapes; roofline and link formulas."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshllm.device import DeviceProfile
+from meshllm.model import model_args
+from meshllm.partition.cost import (
+    COMPUTE_EFFICIENCY,
+    decode_time_s,
+    link_time_s,
+    model_costs,
+    path_mbps,
+    prefill_time_s,
+    stage_decode_s,
+)
+
+DEV = DeviceProfile("d", memory_gb=24, compute_tflops=100, memory_bandwidth_gbps=1000, network_mbps=1000)
+
+
+@pytest.mark.parametrize("name,params_b", [("llama-2-7b", 6.74), ("llama-3-8b", 8.03), ("llama-2-70b", 68.98)])
+def test_weight_bytes_match_published_parameter_counts(name, params_b):
+    mc = model_costs(model_args(name), "fp16")
+    assert mc.weight_bytes == pytest.approx(2 * params_b * 1e9, rel=0.02)
+
+
+def test_kv_bytes_per_token_llama3_8b():
+    mc = model_costs(model_args("llama-3-8b"))
+    assert mc.kv_bytes_per_token * mc.n_layers == 32 * 2 * 8 * 128 * 2  # 128 KiB per token
+    assert mc.act_bytes_per_token == 4096 * 2
+
+
+def test_dtype_scales_weights():
+    a = model_args("llama-2-7b")
+    fp16, int8, int4 = (model_costs(a, d).layer_bytes for d in ("fp16", "int8", "int4"))
+    assert int8 == pytest.approx(fp16 / 2, rel=0.01) and 3.4 < fp16 / int4 < 3.6
+    with pytest.raises(ValueError, match="known"):
+        model_costs(a, "fp8")
+
+
+def test_prefill_is_compute_bound_for_long_prompts():
+    a = model_args("llama-2-7b")
+    mc = model_costs(a)
+    t = prefill_time_s(a, DEV, 32, 512)
+    flops = 512 * 32 * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * 256)
+    assert t == pytest.approx(flops / (DEV.compute_tflops * 1e12 * COMPUTE_EFFICIENCY))
+
+
+def test_decode_roofline_memory_bound_at_batch_1_compute_bound_at_large_batch():
+    a = model_args("llama-2-7b")
+    mc = model_costs(a)
+    t1 = decode_time_s(a, DEV, 32, 1, 100)
+    weights = 32 * mc.layer_bytes
+    assert t1 == pytest.approx((weights + 100 * 32 * mc.kv_bytes_per_token) / (1000e9 * 0.7))
+    times = [stage_decode_s(mc, DEV, 32, b, 100) for b in (1, 2, 8, 64, 512, 4096)]
+    assert times == sorted(times)
+    assert times[-1] / times[-2] == pytest.approx(8, rel=0.05)  # compute-bound: linear in batch
+
+
+def test_link_time_and_path_bandwidth():
+    assert link_time_s(1e6, rtt_ms=10, bandwidth_mbps=8) == pytest.approx(0.005 + 1.0)
+    slow = DeviceProfile("s", 1, 1, 1, network_mbps=100)
+    assert path_mbps(DEV, slow, None) == 100
+    assert path_mbps(DEV, DEV, 50) == 50

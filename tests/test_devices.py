@@ -1,0 +1,43 @@
+"""Every shipped device profile loads and cites its source; bad profiles name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshllm.device import DEVICES_DIR, known_devices, load_device
+from meshllm.errors import ConfigError
+
+REQUIRED = ["raspberry-pi-4-4gb", "raspberry-pi-5-8gb", "jetson-orin-nano-8gb", "jetson-agx-orin-64gb",
+            "intel-nuc-13-i7", "mac-mini-m2", "desktop-rtx-4090", "cloud-a100-80gb"]
+
+
+def test_required_profiles_exist():
+    assert set(REQUIRED) <= set(known_devices())
+
+
+@pytest.mark.parametrize("name", known_devices())
+def test_profile_loads_with_source(name):
+    dev = load_device(name)
+    assert dev.memory_gb > 0 and dev.compute_tflops > 0 and dev.memory_bandwidth_gbps > 0 and dev.network_mbps > 0
+    assert len(dev.source) > 40, "source must say where the figures come from"
+    assert any(p in dev.source.lower() for p in ("fp16", "fp32")), "source must name the TFLOPS precision"
+    assert "memory_gb" in dev.source or "reserve" in dev.source.lower() or "minus" in dev.source
+
+
+def test_profiles_are_ordered_sensibly():
+    pi4, a100 = load_device("raspberry-pi-4-4gb"), load_device("cloud-a100-80gb")
+    assert pi4.compute_tflops < a100.compute_tflops and pi4.memory_gb < a100.memory_gb
+    assert (DEVICES_DIR / "desktop-rtx-4090.yaml").is_file()
+
+
+@pytest.mark.parametrize("body,field", [
+    ("memory_gb: 4\ncompute_tflops: 1\nmemory_bandwidth_gbps: 10\n", "network_mbps"),
+    ("memory_gb: -4\ncompute_tflops: 1\nmemory_bandwidth_gbps: 10\nnetwork_mbps: 1000\n", "memory_gb"),
+    ("memory_gb: 4\ncompute_tflops: fast\nmemory_bandwidth_gbps: 10\nnetwork_mbps: 1000\n", "compute_tflops"),
+    ("memory_gb: 4\ncompute_tflops: 1\nmemory_bandwidth_gbps: 10\nnetwork_mbps: 1000\nflux: 3\n", "flux"),
+])
+def test_bad_profile_names_the_field(tmp_path, body, field):
+    (tmp_path / "bad.yaml").write_text(body)
+    with pytest.raises(ConfigError) as e:
+        load_device("bad", devices_dir=tmp_path)
+    assert field in str(e.value) and "bad.yaml" in str(e.value)

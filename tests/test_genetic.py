@@ -1,0 +1,73 @@
+"""GA replica grouping: near the exhaustive optimum on small instances, beats random groupings
+on larger ones, deterministic, respects `roles:` limits; the max-min role rule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshllm.device import load_device
+from meshllm.model import model_args
+from meshllm.partition.cost import model_costs
+from meshllm.partition.dp import Member, Net
+from meshllm.partition.genetic import Evaluator, all_groupings, assign_roles, evolve, random_genes
+from meshllm.partition.replica import Mix
+
+PROFILES = ["raspberry-pi-5-8gb", "jetson-orin-nano-8gb", "jetson-orin-nx-16gb", "intel-nuc-13-i7",
+            "mac-mini-m2", "desktop-rtx-3060-12gb", "desktop-rtx-4090", "jetson-agx-orin-64gb"]
+NET = Net({frozenset(("fog",)): (0.5, 1000.0), frozenset(("edge", "fog")): (20.0, 300.0)})
+
+
+def evaluator(rng: random.Random, n: int, model: str, forced=None) -> Evaluator:
+    members = [Member(f"n{i}", load_device(rng.choice(PROFILES)), rng.choice(["fog", "fog", "edge"]))
+               for i in range(n)]
+    mix = Mix(rng.choice([128, 512, 2048]), rng.choice([32, 128, 512]))
+    return Evaluator(model_costs(model_args(model)), members, NET, mix, forced or [None] * n)
+
+
+def test_assign_roles_max_min():
+    fit, roles = assign_roles([(10.0, 1.0), (1.0, 10.0), (4.0, 4.0)], [None] * 3)
+    assert roles == ["prefill", "decode", "decode"] and fit == pytest.approx(10.0)
+    fit, roles = assign_roles([(10.0, 1.0), (1.0, 10.0)], ["decode", None])
+    assert roles == ["decode", "prefill"] and fit == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_ga_within_3_percent_of_exhaustive(case):
+    rng = random.Random(100 + case)
+    ev = evaluator(rng, 6 + case % 3, rng.choice(["llama-2-7b", "llama-3-8b"]))
+    best = max(ev.fitness(g) for g in all_groupings(len(ev.members)))
+    got = evolve(ev, seed=case, log=False).fitness
+    assert best > 0
+    assert got >= 0.97 * best, (got, best)
+
+
+def test_ga_beats_best_of_100_random_groupings_on_larger_instances():
+    for case in range(2):
+        rng = random.Random(7 + case)
+        ev = evaluator(rng, 30, "llama-2-70b" if case else "llama-3-8b")
+        rand_best = max(ev.fitness(random_genes(rng, len(ev.members))) for _ in range(100))
+        got = evolve(ev, seed=case, log=False).fitness
+        assert got > rand_best, (got, rand_best)
+
+
+def test_ga_is_deterministic_for_a_seed():
+    a = evolve(evaluator(random.Random(3), 12, "llama-3-8b"), seed=5, log=False)
+    b = evolve(evaluator(random.Random(3), 12, "llama-3-8b"), seed=5, log=False)
+    assert a.groups == b.groups and a.roles == b.roles and a.fitness == b.fitness
+    state = random.getstate()
+    evolve(evaluator(random.Random(3), 12, "llama-3-8b"), seed=5, log=False)
+    assert random.getstate() == state  # the global RNG is restored
+
+
+def test_forced_roles_are_respected():
+    rng = random.Random(11)
+    n = 10
+    forced = ["prefill" if i < 3 else None for i in range(n)]
+    ev = evaluator(rng, n, "llama-2-7b", forced)
+    g = evolve(ev, seed=0, log=False)
+    assert g.fitness > 0
+    for group, role in zip(g.groups, g.roles):
+        if any(i < 3 for i in group):
+            assert role == "prefill"

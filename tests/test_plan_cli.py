@@ -1,0 +1,96 @@
+"""`--plan`: a valid plan (BRIEF schema) for every cluster file; impossible clusters exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshllm.config import load_cluster, parse_cluster
+from meshllm.model import model_args
+from meshllm.partition.plan import PlanError, PlanInfeasible, check_cover, plan_cluster
+from tests.conftest import REPO, run_cli
+
+CLUSTERS = sorted(p for p in (REPO / "clusters").glob("*.yaml") if p.name != "impossible.yaml")
+
+
+def check_schema(obj: dict, cfg) -> None:
+    assert set(obj) == {"replicas", "drafters", "unused", "planner_s"}
+    ids = {n.id for n in cfg.nodes}
+    n_layers = model_args(cfg.model).n_layers
+    seen = []
+    for r in obj["replicas"]:
+        assert set(r) == {"id", "role", "stages", "predicted"} and r["role"] in ("prefill", "decode")
+        assert set(r["predicted"]) == {"prefill_tok_s", "decode_tok_s", "bottleneck_ms"}
+        assert all(v > 0 for v in r["predicted"].values())
+        check_cover(r["id"], [tuple(s["layers"]) for s in r["stages"]], n_layers)
+        seen += [s["node"] for s in r["stages"]]
+    everyone = seen + obj["drafters"] + obj["unused"]
+    assert sorted(everyone) == sorted(ids), "every node exactly once"
+    assert isinstance(obj["planner_s"], float)
+
+
+@pytest.mark.parametrize("path", CLUSTERS, ids=lambda p: p.name)
+def test_every_cluster_file_plans(path):
+    cfg = load_cluster(path)
+    plan = plan_cluster(cfg, log=False)
+    check_schema(plan.to_json(), cfg)
+    assert plan.replicas and plan.describe().startswith("plan for")
+
+
+def test_plan_cli_json_and_png(tmp_path):
+    png = tmp_path / "plan.png"
+    p = run_cli("--plan", "clusters/demo.yaml", "--json", "--png", str(png))
+    assert p.returncode == 0, p.stderr
+    obj = json.loads(p.stdout)
+    check_schema(obj, load_cluster(REPO / "clusters/demo.yaml"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"edge-1", "edge-2", "edge-3"} <= set(obj["drafters"])  # roles: [drafter]
+
+
+def test_impossible_cluster_exits_2_naming_the_shortfall():
+    p = run_cli("--plan", "clusters/impossible.yaml", "--json")
+    assert p.returncode == 2 and p.stdout == ""
+    line = p.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert "impossible.yaml" in line and "GB short" in line and "pi-1" in line
+
+
+def test_roles_limit_assignment():
+    cfg = load_cluster(REPO / "clusters/failure.yaml")
+    plan = plan_cluster(cfg, log=False)
+    role_of = {s.node: r.role for r in plan.replicas for s in r.stages}
+    assert role_of.get("fog-1", "prefill") == "prefill"
+    assert role_of.get("fog-2", "decode") == "decode" and role_of.get("fog-3", "decode") == "decode"
+    assert {"edge-1", "edge-2"} <= set(plan.drafters)
+
+
+def test_only_drafters_is_infeasible():
+    data = {"model": "smollm2-135m", "nodes": [{"id": "a", "device": "raspberry-pi-5-8gb", "zone": "e",
+                                                "roles": ["drafter"]}]}
+    with pytest.raises(PlanInfeasible, match="no node may hold a stage"):
+        plan_cluster(parse_cluster(data, "inline.yaml"), log=False)
+
+
+def test_weights_dtype_changes_the_plan():
+    base = {"model": "llama-3-8b", "nodes": [{"id": f"n{i}", "device": "jetson-orin-nano-8gb", "zone": "f"}
+                                             for i in range(2)]}
+    with pytest.raises(PlanInfeasible):  # 16 GB of fp16 weights do not fit 2 x 6.5 GB
+        plan_cluster(parse_cluster(base, "fp16.yaml"), log=False)
+    plan = plan_cluster(parse_cluster({**base, "weights_dtype": "int4"}, "int4.yaml"), log=False)
+    assert plan.dtype == "int4" and plan.replicas
+
+
+def test_check_cover_rejects_gaps():
+    with pytest.raises(PlanError):
+        check_cover(0, [(0, 3), (4, 8)], 8)
+    with pytest.raises(PlanError):
+        check_cover(0, [(0, 3), (3, 7)], 8)
+
+
+def test_cluster_files_exist():
+    names = {p.name for p in (REPO / "clusters").glob("*.yaml")}
+    assert {"demo.yaml", "wan.yaml", "multi-tenant.yaml", "failure.yaml", "impossible.yaml"} <= names
+    assert len([n for n in names if n.startswith("bench-")]) >= 3
+    assert Path(REPO / "clusters/bench-mesh-200.yaml").read_text().count("device:") == 200
