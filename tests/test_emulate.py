@@ -103,7 +103,12 @@ def test_cluster_reports_the_mesh_and_leaves_no_process(tmp_path: Path) -> None:
     r = run_cli("--cluster", str(cluster_yaml(tmp_path, 4)), "--json", timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)  # exactly one JSON object on stdout
-    assert out["results"] == [] and set(out["metrics"]) == set(METRIC_KEYS) and out["plan"] is None
+    assert out["results"] == [] and set(out["metrics"]) == set(METRIC_KEYS)
+    assert out["plan"]["replicas"]
+    for rep in out["plan"]["replicas"]:  # the planner's plan for this cluster, layers covering [0, 30)
+        layers = [st["layers"] for st in rep["stages"]]
+        assert layers[0][0] == 0 and layers[-1][1] == 30
+        assert all(a[1] == b[0] for a, b in zip(layers, layers[1:]))
     nodes = out["mesh"]["nodes"]
     assert [n["id"] for n in nodes] == ["n0", "n1", "n2", "n3"]
     for n in nodes:
