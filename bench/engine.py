@@ -3,7 +3,8 @@
 Run:  python bench/engine.py [--tokens 64] [--prompts 8] [--threads 1 2] [--json]
 
 Prints, in one run on the same machine (ratios, not lone absolute times):
-- decode tokens/s of the target (fp32) and of the W4A16 g64 draft at each thread count,
+- decode tokens/s of the target (fp32, and bf16 for comparison) and of the W4A16 g64 draft
+  at each thread count,
   and of llama.cpp (llama-cpp-python) on the same GGUF file when it is importable;
 - the ratios ours / llama.cpp at the same thread count;
 - greedy top-1 agreement of the draft with the target over N prompts x T tokens
@@ -108,16 +109,19 @@ def main() -> None:
     tok = load_tokenizer(resolve_model("smollm2-135m"))
     target = load_transformer("smollm2-135m")
     draft = quantize_model(copy.deepcopy(target), "w4a16", a.group_size)
+    target_bf16 = copy.deepcopy(target).to(torch.bfloat16)  # the "bf16 where that is as fast" option
     prompt = tok.encode(PROMPTS[0])
     rows = []
     for t in a.threads:
         torch.set_num_threads(t)
         row = {"threads": t, "target_fp32_tok_s": ours_decode_tok_s(target, prompt, a.tokens),
+               "target_bf16_tok_s": ours_decode_tok_s(target_bf16, prompt, a.tokens),
                "draft_w4a16_tok_s": ours_decode_tok_s(draft, prompt, a.tokens),
                "llamacpp_tok_s": llamacpp_decode_tok_s(prompt, a.tokens, t)}
         if row["llamacpp_tok_s"]:
             row["target_vs_llamacpp"] = row["target_fp32_tok_s"] / row["llamacpp_tok_s"]
             row["draft_vs_llamacpp"] = row["draft_w4a16_tok_s"] / row["llamacpp_tok_s"]
+            row["bf16_vs_llamacpp"] = row["target_bf16_tok_s"] / row["llamacpp_tok_s"]
         rows.append(row)
         print(f"threads={t}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in row.items() if k != "threads"), file=sys.stderr)
@@ -128,13 +132,15 @@ def main() -> None:
     if a.json:
         print(json.dumps(result))
         return
-    print(f"{'threads':>7} {'target fp32':>12} {'draft w4a16':>12} {'llama.cpp':>10} {'target/lcpp':>12} "
-          f"{'draft/lcpp':>11}   (decode tokens/s)")
+    print(f"{'threads':>7} {'target fp32':>12} {'target bf16':>12} {'draft w4a16':>12} {'llama.cpp':>10} "
+          f"{'fp32/lcpp':>10} {'bf16/lcpp':>10} {'draft/lcpp':>11}   (decode tokens/s)")
+    nan = float("nan")
     for r in rows:
         lc = r["llamacpp_tok_s"]
-        print(f"{r['threads']:>7} {r['target_fp32_tok_s']:>12.1f} {r['draft_w4a16_tok_s']:>12.1f} "
-              f"{(f'{lc:.1f}' if lc else 'n/a'):>10} {r.get('target_vs_llamacpp', float('nan')):>12.2f} "
-              f"{r.get('draft_vs_llamacpp', float('nan')):>11.2f}")
+        print(f"{r['threads']:>7} {r['target_fp32_tok_s']:>12.1f} {r['target_bf16_tok_s']:>12.1f} "
+              f"{r['draft_w4a16_tok_s']:>12.1f} {(f'{lc:.1f}' if lc else 'n/a'):>10} "
+              f"{r.get('target_vs_llamacpp', nan):>10.2f} {r.get('bf16_vs_llamacpp', nan):>10.2f} "
+              f"{r.get('draft_vs_llamacpp', nan):>11.2f}")
     print(f"draft (W4A16 g{a.group_size}) greedy top-1 agreement with the target: {agreement:.3f} "
           f"over {a.prompts} prompts x {a.tokens} tokens")
 

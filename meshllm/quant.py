@@ -48,6 +48,7 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
 
     w: (N, K) -> packed (N, K/2) uint8, scales and mins (N, K/group_size) bf16.
     """
+    w = w.contiguous()
     N, K = w.shape
     if K % group_size or K % 2:
         raise ValueError(f"in_features {K} is not a multiple of group_size {group_size}")
@@ -68,6 +69,7 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
 
 def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """Symmetric per-output-channel int8: (N, K) -> int8 (N, K), scales (N,) bf16."""
+    w = w.contiguous()
     scales = (w.float().abs().amax(-1) / 127).clamp(min=1e-8).to(ACT_DTYPE)
     q = (w.float() / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
     return {"weight": q, "scales": scales}

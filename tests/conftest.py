@@ -81,7 +81,9 @@ def write_hf_model(model, path: Path) -> Path:
 
     a = model.args
     path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    from meshllm.model import unfuse_state_dict
+
+    sd = {k: v.detach().float().contiguous() for k, v in unfuse_state_dict(model.state_dict(), a).items()}
     out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
     if not a.tie_embeddings:
         out["lm_head.weight"] = sd["output.weight"]
@@ -125,7 +127,9 @@ def write_gguf_model(model, path: Path, arch: str = "llama", qtypes: dict[str, s
     w.add_layer_norm_rms_eps(a.norm_eps)
     w.add_rope_freq_base(a.rope_theta)
     w.add_vocab_size(a.vocab_size)
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    from meshllm.model import unfuse_state_dict
+
+    sd = {k: v.detach().float().numpy() for k, v in unfuse_state_dict(model.state_dict(), a).items()}
     names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not a.tie_embeddings:
         names["output.weight"] = "output.weight"
