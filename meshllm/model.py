@@ -18,6 +18,7 @@ layout at load time (weights.py).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -169,8 +170,7 @@ _FUSED = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
 def fuse_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint names (wq/wk/wv, w1/w3) -> this module's fused projections (row concatenation)."""
     out = dict(sd)
-    for key in [k for k in sd if k.endswith("attention.wq.weight") or k.endswith("feed_forward.w1.weight")]:
-        prefix = key.rsplit(".", 2)[0].rsplit(".", 1)[0]  # "layers.i"
+    for prefix in {m.group(1) for k in sd if (m := re.match(r"(layers\.\d+)\.", k))}:  # "layers.i"
         for fused, parts in _FUSED.items():
             names = [f"{prefix}.{p}.weight" for p in parts]
             if all(n in out for n in names):

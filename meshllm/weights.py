@@ -127,22 +127,28 @@ def _gguf_args(reader: GGUFFile, path: Path) -> ModelArgs:
 
 def _gguf_state(src: ModelSource, start: int, end: int, embed: bool, head: bool) -> dict[str, torch.Tensor]:
     reader = _gguf_reader(src.path)
-    want: dict[str, str] = {}
-    for i in range(start, end):
-        for g, ours in _GGUF_LAYER.items():
-            want[f"blk.{i}.{g}.weight"] = f"layers.{i - start}.{ours}.weight"
-    if embed:
-        want["token_embd.weight"] = "tok_embeddings.weight"
-    if head:
-        want["output_norm.weight"] = "norm.weight"
-        want["output.weight" if not src.args.tie_embeddings else "token_embd.weight#head"] = "output.weight"
+    head_name = "token_embd.weight" if src.args.tie_embeddings else "output.weight"
+    want = _wanted(start, end, embed, head, "blk.{i}.{name}.weight", _GGUF_LAYER,
+                   ("token_embd.weight", "output_norm.weight", head_name))
     sd = {}
-    for gname, ours in want.items():
-        name = gname.split("#")[0]
+    for ours, name in want.items():
         if name not in reader.tensors:
             raise ModelFileError(f"{src.path}: tensor {name!r} missing")
         sd[ours] = torch.from_numpy(reader.dequantize(name))
     return sd
+
+
+def _wanted(start: int, end: int, embed: bool, head: bool, layer_fmt: str, layer_map: dict[str, str],
+            ends: tuple[str, str, str]) -> dict[str, str]:
+    """Our state-dict name -> checkpoint name, for the tensors of shard [start, end) only.
+    `ends` = checkpoint names of (embedding, final norm, LM head)."""
+    want = {f"layers.{i - start}.{ours}.weight": layer_fmt.format(i=i, name=ck)
+            for i in range(start, end) for ck, ours in layer_map.items()}
+    if embed:
+        want["tok_embeddings.weight"] = ends[0]
+    if head:
+        want["norm.weight"], want["output.weight"] = ends[1], ends[2]
+    return want
 
 
 # -- HF safetensors ----------------------------------------------------------------------------
@@ -191,18 +197,11 @@ def _hf_state(src: ModelSource, start: int, end: int, embed: bool, head: bool) -
         h = safe_open(str(f), framework="pt")
         for k in h.keys():
             handles[k] = h
-    want: dict[str, str] = {}
-    for i in range(start, end):
-        for hf, ours in _HF_LAYER.items():
-            want[f"model.layers.{i}.{hf}.weight"] = f"layers.{i - start}.{ours}.weight"
-    if embed:
-        want["model.embed_tokens.weight"] = "tok_embeddings.weight"
-    if head:
-        want["model.norm.weight"] = "norm.weight"
-        want["lm_head.weight" if "lm_head.weight" in handles else "model.embed_tokens.weight#head"] = "output.weight"
+    head_name = "lm_head.weight" if "lm_head.weight" in handles else "model.embed_tokens.weight"
+    want = _wanted(start, end, embed, head, "model.layers.{i}.{name}.weight", _HF_LAYER,
+                   ("model.embed_tokens.weight", "model.norm.weight", head_name))
     sd = {}
-    for name, ours in want.items():
-        key = name.split("#")[0]
+    for ours, key in want.items():
         if key not in handles:
             raise ModelFileError(f"{src.path}: tensor {key!r} missing")
         t = handles[key].get_tensor(key).float()
