@@ -1,6 +1,6 @@
 """Engine benchmark: decode speed of the fp32 target and the W4A16 draft, draft quality.
 
-Run:  python bench/engine.py [--tokens 64] [--prompts 8] [--threads 1 2] [--json]
+Run:  python bench/engine.py [--tokens 64] [--prompts 8] [--threads 1 2] [--json] [--png FILE]
 
 Prints, in one run on the same machine (ratios, not lone absolute times):
 - decode tokens/s of the target (fp32, and bf16 for comparison) and of the W4A16 g64 draft
@@ -98,6 +98,27 @@ def draft_agreement(target, draft, tok, n_prompts: int, n_tokens: int) -> float:
     return agree / total
 
 
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("target_fp32_tok_s", "target fp32"), ("target_bf16_tok_s", "target bf16"),
+            ("draft_w4a16_tok_s", "draft W4A16 g64"), ("llamacpp_tok_s", "llama.cpp Q4_1")]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(keys)
+    for j, (k, label) in enumerate(keys):
+        xs = [i + j * width for i in range(len(rows))]
+        ax.bar(xs, [r.get(k) or 0 for r in rows], width, label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [f"{r['threads']} thread(s)" for r in rows])
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("SmolLM2-135M decode, one run on this machine (bench/engine.py)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
@@ -105,6 +126,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--png", default=None, help="write a bar chart of decode tokens/s to this file")
     a = ap.parse_args()
     tok = load_tokenizer(resolve_model("smollm2-135m"))
     target = load_transformer("smollm2-135m")
@@ -127,6 +149,8 @@ def main() -> None:
                                            for k, v in row.items() if k != "threads"), file=sys.stderr)
     torch.set_num_threads(max(a.threads))
     agreement = draft_agreement(target, draft, tok, a.prompts, a.tokens)
+    if a.png:
+        plot(rows, a.png)
     result = {"decode": rows, "draft_top1_agreement": agreement, "prompts": a.prompts, "tokens": a.tokens,
               "group_size": a.group_size}
     if a.json:
