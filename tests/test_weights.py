@@ -71,14 +71,71 @@ def test_hf_safetensors_loads_same_logits(tmp_path, name):
 
 
 def test_gguf_tensor_types_load(tmp_path):
-    """F32, F16 and Q8_0 tensors written with the gguf package load back (Q4_1/Q8_0: the real file)."""
+    """F32/F16/Q4_0/Q5_1/Q8_0 tensors written with the gguf package load back exactly as gguf
+    dequantizes them (Q4_1/Q8_0 are covered by the real file)."""
+    import copy
+
+    import gguf
+    import numpy as np
+
+    qtypes = {"attn_q": "F16", "attn_k": "Q4_0", "attn_v": "Q5_1", "ffn_": "Q8_0"}
     ref = load_transformer("tiny")
-    path = write_gguf_model(ref, tmp_path / "t.gguf", qtypes={"attn_q": "F16", "ffn_": "Q8_0"})
-    loaded = load_transformer(str(path))
+    loaded = load_transformer(str(write_gguf_model(ref, tmp_path / "t.gguf", qtypes=qtypes)))
+    # the oracle: the same model with each tensor round-tripped through gguf's own (de)quantizer
+    expected = copy.deepcopy(ref)
+    with torch.no_grad():
+        for m in expected.layers:
+            for lin, key in ((m.attention.wqkv, None), (m.feed_forward.w13, "Q8_0"), (m.feed_forward.w2, "Q8_0")):
+                w = lin.weight.detach().float().numpy()
+                if key is None:  # rows: q (F16) | k (Q4_0) | v (Q5_1)
+                    a = ref.args
+                    q, k = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+                    parts = [(w[:q], "F16"), (w[q:q + k], "Q4_0"), (w[q + k:], "Q5_1")]
+                else:
+                    parts = [(w, key)]
+                rows = []
+                for arr, t in parts:
+                    gt = gguf.GGMLQuantizationType[t]
+                    rows.append(gguf.quants.dequantize(gguf.quants.quantize(arr.copy(), gt), gt).reshape(arr.shape))
+                lin.weight.copy_(torch.from_numpy(np.concatenate(rows)))
     ids = [3, 17, 42, 99]
-    torch.testing.assert_close(logits_of(loaded, ids), logits_of(ref, ids), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(expected, ids), rtol=1e-4, atol=1e-4)
     exact = write_gguf_model(ref, tmp_path / "f32.gguf")
     torch.testing.assert_close(logits_of(load_transformer(str(exact)), ids), logits_of(ref, ids))
+
+
+def test_gguf_reader_agrees_with_gguf_package_on_every_type(tmp_path):
+    """Our fast header parser finds the same bytes as gguf.GGUFReader for legacy and K-quant types."""
+    import gguf
+    import numpy as np
+
+    from meshllm.gguf_file import GGUFFile
+
+    T = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(tmp_path / "types.gguf"), "llama")
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16):
+        w.add_tensor(f"t.{t.name}", gguf.quants.quantize(x, t), raw_dtype=t)
+    w.add_tensor("t.F16", x.astype(np.float16))
+    block_bytes = {T.Q4_K: 144, T.Q6_K: 210}  # random K-quant blocks with small fp16 scales
+    for t, nb in block_bytes.items():
+        raw = rng.integers(0, 256, (3, nb), dtype=np.uint8)
+        scale_at = [0, 2] if t == T.Q4_K else [nb - 2]
+        for off in scale_at:
+            raw[:, off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        w.add_tensor(f"t.{t.name}", raw, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = GGUFFile(tmp_path / "types.gguf")
+    ref = gguf.GGUFReader(str(tmp_path / "types.gguf"))
+    assert len(ref.tensors) == len(ours.tensors) == 9
+    for t in ref.tensors:
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(3, 256)
+        got = ours.dequantize(t.name)
+        assert got.shape == (3, 256) and np.array_equal(got, want.astype(np.float32)), t.name
 
 
 def test_bad_model_paths(tmp_path):
