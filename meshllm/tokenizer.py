@@ -102,4 +102,5 @@ def load_tokenizer(src) -> Tokenizer:
         from meshllm.weights import _gguf_reader
 
         return tokenizer_from_gguf(_gguf_reader(src.path))
-    raise ModelFileError(f"model {src.name!r} has random test weights and no tokenizer; pass token ids")
+    raise ModelFileError(f"model {src.name!r} has random test weights and no tokenizer (tests only); "
+                         "use smollm2-135m, a .gguf file or an HF safetensors directory")
