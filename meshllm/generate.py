@@ -64,18 +64,14 @@ def generate(model: Transformer, prompt_ids: list[int], opts: GenerationOptions,
     cache.allocate(0, len(prompt_ids) + opts.max_tokens)
     gen = torch.Generator().manual_seed(opts.seed)
     logits = prefill(model, cache, 0, prompt_ids)
-    out, marg, reason = [], [], "length"
-    for _ in range(min(opts.max_tokens, room)):
+    out, marg, budget = [], [], min(opts.max_tokens, room)
+    while True:
         tok = int(sample(logits, opts.sampling, gen)[0])
         out.append(tok)
         marg.append(float(margins(logits)[0]))
-        if tok in eos_ids:
-            reason = "stop"
-            break
-        if len(out) == min(opts.max_tokens, room):
-            break
+        if tok in eos_ids or len(out) == budget:
+            return GenResult(list(prompt_ids), out, marg, "stop" if tok in eos_ids else "length")
         logits = decode_one_token(model, cache, 0, tok)
-    return GenResult(list(prompt_ids), out, marg, reason)
 
 
 def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtype: str):
