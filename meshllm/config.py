@@ -7,7 +7,7 @@ problem (the CLI turns it into one line and exit code 2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +99,6 @@ class NodeConfig:
     links: tuple[LinkSpec, ...] = ()  # only set by the emulator
     heartbeat_interval_s: float = 0.5  # liveness: see meshllm/membership.py
     failure_timeout_s: float = 2.5  # a peer silent this long is dead
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def advertise_address(self) -> str:

@@ -53,7 +53,6 @@ class Gossip:
         now = time.monotonic()
         # seed address -> [next attempt (monotonic s), current backoff (s)]
         self._seeds = {s: [now, JOIN_RETRY_MIN_S] for s in seeds if s != me.address}
-        self.joined = not self._seeds  # a node without seeds is a mesh of its own
         transport.on(MsgType.HELLO, self._on_hello)
         transport.on(MsgType.PEERS, self._on_peers)
         transport.on(MsgType.ERROR, self._on_error)
@@ -107,7 +106,6 @@ class Gossip:
         reply(self.peers_msg())
 
     def _on_peers(self, msg: Message, reply: Callable[[Message], None]) -> None:
-        self.joined = True
         for entry in msg["peers"]:
             try:
                 info = PeerInfo.from_wire(entry)

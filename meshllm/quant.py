@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshllm.model import RMSNorm
+
 ACT_DTYPE = torch.bfloat16
 
 
@@ -150,7 +152,7 @@ def quantize_model(model: nn.Module, quant: str = "w4a16", group_size: int = 64,
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             setattr(model, name, quantize_linear(child, quant, group_size, use_kernel))
-        elif isinstance(child, (nn.Embedding,)) or type(child).__name__ == "RMSNorm":
+        elif isinstance(child, (nn.Embedding, RMSNorm)):
             child.to(ACT_DTYPE)
         else:
             quantize_model(child, quant, group_size, use_kernel)

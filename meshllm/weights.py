@@ -77,7 +77,7 @@ def resolve_model(spec: str) -> ModelSource:
     """A registry name or a path -> where its weights are and its shape."""
     if spec in EMBEDDED:
         path = embedded_gguf_path(spec)
-        return ModelSource(spec, "gguf", path, replace(_gguf_args(_gguf_reader(path), path), name=spec))
+        return ModelSource(spec, "gguf", path, replace(_gguf_args(gguf_reader(path), path), name=spec))
     if spec in TEST_CONFIGS:
         return ModelSource(spec, "random", None, transformer_configs[spec])
     if spec in transformer_configs:
@@ -87,7 +87,7 @@ def resolve_model(spec: str) -> ModelSource:
     if p.is_dir():
         return ModelSource(p.name, "hf", p, _hf_args(p))
     if p.is_file():
-        return ModelSource(p.stem, "gguf", p, _gguf_args(_gguf_reader(p), p))
+        return ModelSource(p.stem, "gguf", p, _gguf_args(gguf_reader(p), p))
     known = ", ".join(sorted(transformer_configs))
     raise ModelFileError(f"model {spec!r}: no such file or directory, and not a registry name ({known})")
 
@@ -101,7 +101,7 @@ def resolve_model_args(spec: str) -> ModelArgs:
 
 # -- GGUF ------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4)
-def _gguf_reader(path: Path) -> GGUFFile:
+def gguf_reader(path: Path) -> GGUFFile:
     return GGUFFile(path)
 
 
@@ -126,7 +126,7 @@ def _gguf_args(reader: GGUFFile, path: Path) -> ModelArgs:
 
 
 def _gguf_state(src: ModelSource, start: int, end: int, embed: bool, head: bool) -> dict[str, torch.Tensor]:
-    reader = _gguf_reader(src.path)
+    reader = gguf_reader(src.path)
     head_name = "token_embd.weight" if src.args.tie_embeddings else "output.weight"
     want = _wanted(start, end, embed, head, "blk.{i}.{name}.weight", _GGUF_LAYER,
                    ("token_embd.weight", "output_norm.weight", head_name))

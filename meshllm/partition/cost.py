@@ -155,9 +155,3 @@ def path_mbps(a: DeviceProfile, b: DeviceProfile, link_mbps: float | None) -> fl
     """Bandwidth of one transfer a -> b: the slowest of a's port, b's port and the zone link."""
     bw = min(a.network_mbps, b.network_mbps)
     return bw if link_mbps is None else min(bw, link_mbps)
-
-
-def kv_reserve_tokens(mean_in: float, mean_out: float, seqs: int = 4) -> float:
-    """KV tokens every stage must be able to hold besides its weights (the DP's memory budget):
-    `seqs` sequences of mean total length."""
-    return seqs * (mean_in + mean_out)
