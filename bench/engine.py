@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from meshllm.generate import GenerationOptions, decode_one_token, generate, prefill  # noqa: E402
-from meshllm.model import SeqSpan  # noqa: E402
-from meshllm.quant import quantize_model  # noqa: E402
-from meshllm.tokenizer import load_tokenizer  # noqa: E402
-from meshllm.weights import embedded_gguf_path, load_transformer, resolve_model  # noqa: E402
+from meshllm.engine.generate import GenerationOptions, decode_one_token, generate, prefill  # noqa: E402
+from meshllm.engine.model import SeqSpan  # noqa: E402
+from meshllm.engine.quant import quantize_model  # noqa: E402
+from meshllm.engine.tokenizer import load_tokenizer  # noqa: E402
+from meshllm.engine.weights import embedded_gguf_path, load_transformer, resolve_model  # noqa: E402
 
 PROMPTS = [
     "The history of the Roman Empire begins with",

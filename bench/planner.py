@@ -26,10 +26,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from meshllm import sim_sweep  # noqa: E402
-from meshllm.config import load_cluster  # noqa: E402
-from meshllm.partition.plan import PlanInfeasible, plan_cluster, plan_inputs  # noqa: E402
-from meshllm.sim_replica import from_plan, memory_ring, splitwise  # noqa: E402
+from meshllm.config import load_cluster, plan_inputs  # noqa: E402
+from meshllm.partition.plan import PlanInfeasible, plan_cluster  # noqa: E402
+from meshllm.sim import sweep as sim_sweep  # noqa: E402
+from meshllm.sim.replica import from_plan, memory_ring, splitwise  # noqa: E402
 
 CLUSTERS = ("bench-edge-8b", "bench-fog-70b", "bench-mesh-200")
 POLICIES = ("meshllm", "splitwise", "memory-ring")
@@ -42,7 +42,7 @@ SIZES = (12, 25, 50, 100, 200)
 def policies_for(cfg, seed: int) -> tuple[dict, float]:
     inp = plan_inputs(cfg)
     t0 = time.perf_counter()
-    plan = plan_cluster(cfg, seed=seed, log=False)
+    plan = plan_cluster(inp, seed=seed, log=False)
     planner_s = time.perf_counter() - t0
     return {"meshllm": from_plan(inp, plan), "splitwise": splitwise(inp), "memory-ring": memory_ring(inp)}, planner_s
 
@@ -50,7 +50,7 @@ def policies_for(cfg, seed: int) -> tuple[dict, float]:
 def bench_cluster(name: str, seed: int, n_req: int) -> dict:
     cfg = load_cluster(REPO / "clusters" / f"{name}.yaml")
     pols, planner_s = policies_for(cfg, seed)
-    trace = sim_sweep.make_trace(cfg.workload, n_req, seed)
+    trace = sim_sweep.make_trace(plan_inputs(cfg), n_req, seed)
     sat = {p: sim_sweep.saturation_rate(pols[p], trace) for p in POLICIES}
     r_sw = sat["splitwise"]
     at_sw = {p: sim_sweep.metrics(sim_sweep.simulate(pols[p], trace, r_sw)) for p in POLICIES}
@@ -107,7 +107,7 @@ def planner_time_vs_size(seed: int, sizes: tuple[int, ...]) -> list[tuple[int, s
             cfg = replace(base, nodes=nodes, links=links, model=model)
             t0 = time.perf_counter()
             try:
-                plan_cluster(cfg, seed=seed, log=False)
+                plan_cluster(plan_inputs(cfg), seed=seed, log=False)
                 out.append((n, model, time.perf_counter() - t0))
             except PlanInfeasible:
                 out.append((n, model, None))

@@ -11,26 +11,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshllm.defaults import (
+    DEFAULT_DRAFT_QUANT,
+    DEFAULT_GAMMA,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MODEL,
+    DEFAULT_SPEC_MODE,
+    DEFAULT_WEIGHT_DTYPE,
+    FAILURE_TIMEOUT_S,
+    HEARTBEAT_INTERVAL_S,
+    NODE_ROLES,
+    QUANTS,
+    SPEC_MODES,
+    WEIGHT_DTYPES,
+    Role,
+)
 from meshllm.device import DeviceProfile, load_device
-from meshllm.errors import ConfigError
+from meshllm.errors import ConfigError, InputError
+from meshllm.partition.inputs import LengthDist, PlanInputs, PlanLink, PlanNode
 
-ROLES = ("drafter", "prefill", "decode", "gateway")
-QUANTS = ("w4a16", "w8a16", "none")
-SPEC_MODES = ("async", "sync", "off")
-WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")  # served target weights (planner/simulator input)
 DISTS = ("fixed", "uniform", "lognormal")
 
 
 @dataclass(frozen=True)
 class DraftSpec:
-    quant: str = "w4a16"
-    group_size: int = 64
+    quant: str = DEFAULT_DRAFT_QUANT
+    group_size: int = DEFAULT_GROUP_SIZE
 
 
 @dataclass(frozen=True)
 class SpeculationSpec:
-    mode: str = "async"
-    gamma: int = 4
+    mode: str = DEFAULT_SPEC_MODE
+    gamma: int = DEFAULT_GAMMA
 
 
 @dataclass(frozen=True)
@@ -38,7 +51,7 @@ class NodeSpec:
     id: str
     device: DeviceProfile
     zone: str
-    roles: tuple[str, ...] | None = None  # None: the planner decides
+    roles: tuple[Role, ...] | None = None  # None: the planner decides
 
 
 @dataclass(frozen=True)
@@ -49,15 +62,9 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
-class LengthDist:
-    mean: float
-    dist: str = "lognormal"
-
-
-@dataclass(frozen=True)
 class Workload:
     prompts: tuple[str, ...] = ()
-    max_tokens: int = 48
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     arrival_rate_per_s: float = 0.0
     requests: int = 0
@@ -74,7 +81,7 @@ class ClusterConfig:
     draft: DraftSpec = DraftSpec()
     speculation: SpeculationSpec = SpeculationSpec()
     workload: Workload = Workload()
-    weights_dtype: str = "fp16"
+    weights_dtype: str = DEFAULT_WEIGHT_DTYPE
 
     def link(self, zone_a: str, zone_b: str) -> LinkSpec | None:
         for ln in self.links:
@@ -93,12 +100,12 @@ class NodeConfig:
     advertise: str | None = None
     seeds: tuple[str, ...] = ()
     mdns: bool = True
-    model: str = "smollm2-135m"
-    roles: tuple[str, ...] | None = None
+    model: str = DEFAULT_MODEL
+    roles: tuple[Role, ...] | None = None
     cluster_key: str | None = None
     links: tuple[LinkSpec, ...] = ()  # only set by the emulator
-    heartbeat_interval_s: float = 0.5  # liveness: see meshllm/membership.py
-    failure_timeout_s: float = 2.5  # a peer silent this long is dead
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S  # liveness: see mesh/membership.py
+    failure_timeout_s: float = FAILURE_TIMEOUT_S  # a peer silent this long is dead
 
     @property
     def advertise_address(self) -> str:
@@ -165,12 +172,13 @@ def _choice(v: Any, choices: tuple[str, ...], src: str, fld: str) -> str:
     return v
 
 
-def _roles(v: Any, src: str, fld: str) -> tuple[str, ...] | None:
+def _roles(v: Any, src: str, fld: str) -> tuple[Role, ...] | None:
     if v is None:
         return None
     if not isinstance(v, list) or not v:
         raise ConfigError(src, fld, "must be a non-empty list")
-    return tuple(_choice(r, ROLES, src, f"{fld}[{i}]") for i, r in enumerate(v))
+    names = tuple(str(r) for r in NODE_ROLES)
+    return tuple(Role(_choice(r, names, src, f"{fld}[{i}]")) for i, r in enumerate(v))
 
 
 def _model(v: Any, src: str) -> str:
@@ -204,7 +212,7 @@ def parse_cluster(data: dict, src: str) -> ClusterConfig:
         source=src, model=_model(data["model"], src), nodes=tuple(nodes), links=links,
         draft=_draft(data.get("draft") or {}, src), speculation=_spec(data.get("speculation") or {}, src),
         workload=_workload(data.get("workload") or {}, src),
-        weights_dtype=_choice(data.get("weights_dtype", "fp16"), WEIGHT_DTYPES, src, "weights_dtype"),
+        weights_dtype=_choice(data.get("weights_dtype", DEFAULT_WEIGHT_DTYPE), WEIGHT_DTYPES, src, "weights_dtype"),
     )
 
 
@@ -223,18 +231,18 @@ def _link(ln: Any, i: int, src: str, zones: set[str] | None) -> LinkSpec:
 
 def _draft(d: Any, src: str) -> DraftSpec:
     _check_keys(d, {"quant", "group_size"}, set(), src, "draft.")
-    gs = int(_num(d.get("group_size", 64), src, "draft.group_size", lo=1, integer=True))
+    gs = int(_num(d.get("group_size", DEFAULT_GROUP_SIZE), src, "draft.group_size", lo=1, integer=True))
     if gs % 32:
         raise ConfigError(src, "draft.group_size", f"must be a multiple of 32, got {gs}")
-    return DraftSpec(_choice(d.get("quant", "w4a16"), QUANTS, src, "draft.quant"), gs)
+    return DraftSpec(_choice(d.get("quant", DEFAULT_DRAFT_QUANT), QUANTS, src, "draft.quant"), gs)
 
 
 def _spec(d: Any, src: str) -> SpeculationSpec:
     _check_keys(d, {"mode", "gamma"}, set(), src, "speculation.")
-    mode = d.get("mode", "async")
+    mode = d.get("mode", DEFAULT_SPEC_MODE)
     mode = "off" if mode is False else mode  # YAML 1.1 reads a bare `off` as false
     return SpeculationSpec(_choice(mode, SPEC_MODES, src, "speculation.mode"),
-                           int(_num(d.get("gamma", 4), src, "speculation.gamma", lo=1, integer=True)))
+                           int(_num(d.get("gamma", DEFAULT_GAMMA), src, "speculation.gamma", lo=1, integer=True)))
 
 
 def _dist(d: Any, src: str, fld: str, default: float) -> LengthDist:
@@ -254,7 +262,8 @@ def _workload(d: Any, src: str) -> Workload:
         raise ConfigError(src, "workload.prompts", "must be a list of strings")
     return Workload(
         prompts=tuple(prompts),
-        max_tokens=int(_num(d.get("max_tokens", 48), src, "workload.max_tokens", lo=1, integer=True)),
+        max_tokens=int(_num(d.get("max_tokens", DEFAULT_MAX_TOKENS), src, "workload.max_tokens", lo=1,
+                            integer=True)),
         temperature=float(_num(d.get("temperature", 0.0), src, "workload.temperature")),
         arrival_rate_per_s=float(_num(d.get("arrival_rate_per_s", 0.0), src, "workload.arrival_rate_per_s")),
         requests=int(_num(d.get("requests", 0), src, "workload.requests", integer=True)),
@@ -265,6 +274,37 @@ def _workload(d: Any, src: str) -> Workload:
 
 def load_cluster(path: str | Path) -> ClusterConfig:
     return parse_cluster(read_yaml(path), str(path))
+
+
+def resolve_args(model: str):
+    """A registry name (shape-only ones included) or a model file/dir -> ModelArgs; InputError if not.
+    Registry names need no torch; a file's shape is read by engine/weights.py."""
+    from meshllm.shapes import transformer_configs
+
+    if model in transformer_configs:
+        return transformer_configs[model]
+    from meshllm.engine.weights import resolve_model_args  # lazy: torch, GGUF metadata / config.json
+
+    try:
+        return resolve_model_args(model)
+    except ValueError as e:
+        if isinstance(e, InputError):
+            raise
+        raise InputError(f"model: {e}") from None
+
+
+def plan_inputs(cfg: ClusterConfig) -> PlanInputs:
+    """The planner's and simulator's plain inputs for a cluster file."""
+    wl = cfg.workload
+    spec_on = cfg.speculation.mode != "off" and cfg.draft.quant != "none"
+    return PlanInputs(
+        source=cfg.source, args=resolve_args(cfg.model), dtype=cfg.weights_dtype,
+        nodes=tuple(PlanNode(n.id, n.device, n.zone, n.roles) for n in cfg.nodes),
+        links=tuple(PlanLink(ln.zones, ln.rtt_ms, ln.bandwidth_mbps) for ln in cfg.links),
+        input_tokens=wl.input_tokens, output_tokens=wl.output_tokens, rate_per_s=wl.arrival_rate_per_s,
+        requests=wl.requests, n_prompts=len(wl.prompts),
+        draft_quant=cfg.draft.quant if spec_on else None,
+    )
 
 
 # -- node file ------------------------------------------------------------------------------
@@ -292,14 +332,15 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         raise ConfigError(src, "cluster_key", f"no such file {key!r}")
     # Links in a node file (written by the emulator) name zones of other nodes: no zone check here.
     links = tuple(_link(ln, i, src, None) for i, ln in enumerate(data.get("links") or []))
-    hb = float(_num(data.get("heartbeat_interval_s", 0.5), src, "heartbeat_interval_s", strict=True))
-    fail = float(_num(data.get("failure_timeout_s", 2.5), src, "failure_timeout_s", strict=True))
+    hb = float(_num(data.get("heartbeat_interval_s", HEARTBEAT_INTERVAL_S), src, "heartbeat_interval_s",
+                    strict=True))
+    fail = float(_num(data.get("failure_timeout_s", FAILURE_TIMEOUT_S), src, "failure_timeout_s", strict=True))
     if fail <= hb:
         raise ConfigError(src, "failure_timeout_s", f"must be larger than heartbeat_interval_s ({hb:g}), got {fail:g}")
     return NodeConfig(
         source=src, id=data["id"], device=load_device(data["device"], f"{src}: device"),
         zone=str(data.get("zone", "default")), listen=data["listen"], advertise=data.get("advertise"),
-        seeds=tuple(seeds), mdns=mdns, model=_model(data.get("model", "smollm2-135m"), src),
+        seeds=tuple(seeds), mdns=mdns, model=_model(data.get("model", DEFAULT_MODEL), src),
         roles=_roles(data.get("roles"), src, "roles"), cluster_key=None if key is None else str(key), links=links,
         heartbeat_interval_s=hb, failure_timeout_s=fail,
     )

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from meshllm.config import ClusterConfig, NodeSpec
-from meshllm.node import query_status
-from meshllm.sockets import free_port_pair
+from meshllm.mesh.node import query_status
+from meshllm.mesh.sockets import free_port_pair
 
 log = logging.getLogger("meshllm.emulate")
 
@@ -208,10 +208,11 @@ def _sees_all(status: dict, ids: list[str]) -> bool:
 
 def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any]:
     """Emulate `cfg`, wait for the mesh, report it (serving lands with the serving issues)."""
+    from meshllm.config import plan_inputs
     from meshllm.partition.plan import plan_cluster
 
     timeout_s = getattr(args, "timeout", None) or FORMATION_TIMEOUT_S
-    plan = plan_cluster(cfg, seed=getattr(args, "seed", 0) or 0)  # infeasible -> exit 2 before any spawn
+    plan = plan_cluster(plan_inputs(cfg), seed=getattr(args, "seed", 0) or 0)  # infeasible -> exit 2 before any spawn
     log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s", len(plan.replicas), len(plan.drafters),
              plan.planner_s)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

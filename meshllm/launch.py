@@ -64,7 +64,7 @@ def _emit(obj: dict, as_json: bool, text: str | None = None) -> None:
 
 
 def cmd_reference(a: argparse.Namespace) -> int:
-    from meshllm.generate import GenerationOptions, reference_main
+    from meshllm.engine.generate import GenerationOptions, reference_main
 
     opts = GenerationOptions(
         max_tokens=48 if a.max_tokens is None else a.max_tokens,
@@ -79,31 +79,33 @@ def cmd_reference(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from meshllm.config import load_cluster
-    from meshllm.partition.plan import plan_cluster, render_png
+    from meshllm.config import load_cluster, plan_inputs
+    from meshllm.partition.plan import plan_cluster
 
-    cfg = load_cluster(a.plan)
-    plan = plan_cluster(cfg, seed=a.seed)
+    inp = plan_inputs(load_cluster(a.plan))
+    plan = plan_cluster(inp, seed=a.seed)
     if a.png:
-        render_png(plan, cfg, a.png)
+        from meshllm.partition.draw import draw_plan  # lazy: matplotlib + networkx
+
+        draw_plan(plan, inp, a.png)
     _emit(plan.to_json(), a.json, plan.describe())
     return 0
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
-    from meshllm.config import load_cluster
-    from meshllm.sim import simulate_policies
+    from meshllm.config import load_cluster, plan_inputs
+    from meshllm.sim.sweep import simulate_policies
 
-    cfg = load_cluster(a.simulate)
+    inp = plan_inputs(load_cluster(a.simulate))
     if a.rate is not None and a.rate <= 0:
         raise InputError(f"--rate must be > 0, got {a.rate}")
-    _emit(simulate_policies(cfg, rate=a.rate, seed=a.seed), a.json)
+    _emit(simulate_policies(inp, rate=a.rate, seed=a.seed), a.json)
     return 0
 
 
 def cmd_node(a: argparse.Namespace) -> int:
     from meshllm.config import load_node
-    from meshllm.node import run_node
+    from meshllm.mesh.node import run_node
 
     return run_node(load_node(a.node_config))
 
@@ -119,7 +121,7 @@ def cmd_cluster(a: argparse.Namespace) -> int:
 
 def cmd_status(a: argparse.Namespace) -> int:
     from meshllm.config import split_hostport
-    from meshllm.node import format_status, query_status
+    from meshllm.mesh.node import format_status, query_status
 
     split_hostport(a.status, "--status", "HOST:PORT")
     st = query_status(a.status, timeout_s=a.timeout or 3.0)

@@ -12,9 +12,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = REPO.parent / "shared" / "fixtures"
-if not FIXTURES.is_dir():  # CI copies shared/ beside the clone; a checkout may also carry it inside
-    FIXTURES = REPO / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # oracle data from llama.cpp (see its README)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -28,15 +26,15 @@ def run_cli(*args: str, timeout: float = 240, env: dict | None = None) -> subpro
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from meshllm.weights import load_transformer
+    from meshllm.engine.weights import load_transformer
 
     return load_transformer("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from meshllm.tokenizer import load_tokenizer
-    from meshllm.weights import resolve_model
+    from meshllm.engine.tokenizer import load_tokenizer
+    from meshllm.engine.weights import resolve_model
 
     return load_tokenizer(resolve_model("smollm2-135m"))
 
@@ -46,7 +44,7 @@ def fixture_json():
     def load(name: str) -> dict:
         path = FIXTURES / name
         if not path.is_file():
-            pytest.fail(f"oracle fixture {path} is missing (shared/fixtures must sit beside the repo)")
+            pytest.fail(f"oracle fixture {path} is missing")
         return json.loads(path.read_text())
 
     return load
@@ -77,11 +75,11 @@ def write_hf_model(model, path: Path) -> Path:
     """Save a full Transformer as an HF Llama checkpoint (rotate-half Q/K layout) + tokenizer."""
     from safetensors.torch import save_file
 
-    from meshllm.weights import _HF_LAYER, interleaved_to_hf
+    from meshllm.engine.weights import _HF_LAYER, interleaved_to_hf
 
     a = model.args
     path.mkdir(parents=True, exist_ok=True)
-    from meshllm.model import unfuse_state_dict
+    from meshllm.engine.model import unfuse_state_dict
 
     sd = {k: v.detach().float().contiguous() for k, v in unfuse_state_dict(model.state_dict(), a).items()}
     out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
@@ -114,7 +112,7 @@ def write_gguf_model(model, path: Path, arch: str = "llama", qtypes: dict[str, s
     import gguf
     import numpy as np
 
-    from meshllm.weights import _GGUF_LAYER
+    from meshllm.engine.weights import _GGUF_LAYER
 
     a = model.args
     w = gguf.GGUFWriter(str(path), arch)
@@ -127,7 +125,7 @@ def write_gguf_model(model, path: Path, arch: str = "llama", qtypes: dict[str, s
     w.add_layer_norm_rms_eps(a.norm_eps)
     w.add_rope_freq_base(a.rope_theta)
     w.add_vocab_size(a.vocab_size)
-    from meshllm.model import unfuse_state_dict
+    from meshllm.engine.model import unfuse_state_dict
 
     sd = {k: v.detach().float().numpy() for k, v in unfuse_state_dict(model.state_dict(), a).items()}
     names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
@@ -155,6 +153,6 @@ def write_gguf_model(model, path: Path, arch: str = "llama", qtypes: dict[str, s
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from meshllm.weights import load_transformer
+    from meshllm.engine.weights import load_transformer
 
     return load_transformer("tiny")

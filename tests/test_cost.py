@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from meshllm.device import DeviceProfile
-from meshllm.model import model_args
 from meshllm.partition.cost import (
     COMPUTE_EFFICIENCY,
     decode_time_s,
@@ -15,6 +14,7 @@ from meshllm.partition.cost import (
     prefill_time_s,
     stage_decode_s,
 )
+from meshllm.shapes import model_args
 
 DEV = DeviceProfile("d", memory_gb=24, compute_tflops=100, memory_bandwidth_gbps=1000, network_mbps=1000)
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from meshllm.device import DeviceProfile
-from meshllm.model import ModelArgs
 from meshllm.partition.cost import link_time_s, model_costs, stage_decode_s, stage_prefill_s
 from meshllm.partition.dp import (
     Infeasible,
@@ -21,6 +20,7 @@ from meshllm.partition.dp import (
     split_replica,
     threshold_split,
 )
+from meshllm.shapes import ModelArgs
 
 N_INSTANCES = 220
 

@@ -8,11 +8,11 @@ import random
 import pytest
 
 from meshllm.device import load_device
-from meshllm.model import model_args
 from meshllm.partition.cost import model_costs
 from meshllm.partition.dp import Member, Net
 from meshllm.partition.genetic import Evaluator, all_groupings, assign_roles, evolve, random_genes
 from meshllm.partition.replica import Mix
+from meshllm.shapes import model_args
 
 PROFILES = ["raspberry-pi-5-8gb", "jetson-orin-nano-8gb", "jetson-orin-nx-16gb", "intel-nuc-13-i7",
             "mac-mini-m2", "desktop-rtx-3060-12gb", "desktop-rtx-4090", "jetson-agx-orin-64gb"]

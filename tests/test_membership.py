@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.membership import FAILURE_TIMEOUT_S, Membership, PeerInfo, PeerState
+from meshllm.defaults import FAILURE_TIMEOUT_S
+from meshllm.mesh.membership import Membership, PeerInfo, PeerState
 
 
 def info(pid: str = "b", inc: int = 1, address: str = "127.0.0.1:7702") -> PeerInfo:

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshllm.membership import FAILURE_TIMEOUT_S
-from meshllm.node import query_status
-from meshllm.sockets import endpoint, free_port_pair
+from meshllm.defaults import FAILURE_TIMEOUT_S
+from meshllm.mesh.node import query_status
+from meshllm.mesh.sockets import endpoint, free_port_pair
 from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshllm.model import SeqSpan, Transformer, model_args
-from meshllm.weights import load_transformer
+from meshllm.engine.model import SeqSpan, Transformer
+from meshllm.engine.weights import load_transformer
+from meshllm.shapes import model_args
 
 SPLITS_TINY = [(0, 1), (1, 3), (3, 4)]
 SPLITS_SMOL = [(0, 7), (7, 19), (19, 30)]
@@ -45,7 +46,7 @@ def test_shard_chain_equals_whole_smollm2(smollm2):
 
 def test_shard_loads_only_its_layers(monkeypatch):
     """A stage holding layers 10-20 must not dequantize (materialize) the other layers."""
-    from meshllm.gguf_file import GGUFFile
+    from meshllm.engine.gguf_file import GGUFFile
 
     touched = []
     orig = GGUFFile.dequantize

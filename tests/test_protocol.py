@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshllm import protocol as p
-from meshllm.protocol import MsgType, ProtocolError, decode, encode, make
+from meshllm.mesh import protocol as p
+from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
 
 DEVICE = {"name": "inline", "memory_gb": 8.0, "compute_tflops": 1.0, "memory_bandwidth_gbps": 50.0,
           "network_mbps": 1000.0}

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from meshllm.generate import GenerationOptions, generate
-from meshllm.quant import (
+from meshllm.engine.generate import GenerationOptions, generate
+from meshllm.engine.quant import (
     HAS_INT4_KERNEL,
     Int4Linear,
     Int8Linear,
@@ -77,7 +77,7 @@ def test_draft_bytes_and_quality(smollm2, smollm2_tokenizer):
     opts = GenerationOptions(max_tokens=24)
     t = generate(smollm2, prompt, opts).token_ids
     # teacher-forced top-1 agreement of the draft on the target's own continuation
-    from meshllm.model import SeqSpan
+    from meshllm.engine.model import SeqSpan
 
     ids = torch.tensor(prompt + t)
     caches = [m.new_cache() for m in (smollm2, draft)]
@@ -95,7 +95,7 @@ def test_w8_draft_runs(tiny_model):
     d = quantize_model(copy.deepcopy(tiny_model), "w8a16")
     c = d.new_cache()
     c.allocate(0)
-    from meshllm.model import SeqSpan
+    from meshllm.engine.model import SeqSpan
 
     out = d(torch.tensor([1, 2, 3]), [SeqSpan(0, 0, 3)], c)
     assert out.shape == (3, tiny_model.args.vocab_size) and torch.isfinite(out).all()

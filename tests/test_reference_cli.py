@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from meshllm.weights import load_transformer
+from meshllm.engine.weights import load_transformer
 from tests.conftest import run_cli, write_gguf_model, write_hf_model
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshllm.sampling import SamplingParams, margins, probs, sample, verify_greedy, verify_sampled
+from meshllm.engine.sampling import SamplingParams, margins, probs, sample, verify_greedy, verify_sampled
 
 
 def test_greedy_and_margins():

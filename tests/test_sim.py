@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
-from meshllm.config import LengthDist, Workload, load_cluster
+from meshllm.config import load_cluster, plan_inputs
 from meshllm.device import DeviceProfile
 from meshllm.partition.dp import Member
-from meshllm.partition.plan import plan_cluster, plan_inputs
-from meshllm.sim import Request, Simulator
-from meshllm.sim_replica import SimReplica, from_plan, memory_ring, splitwise
-from meshllm.sim_sweep import draw_length, make_trace, simulate, simulate_policies, stable
+from meshllm.partition.inputs import LengthDist
+from meshllm.partition.plan import plan_cluster
+from meshllm.sim.replica import SimReplica, from_plan, memory_ring, splitwise
+from meshllm.sim.simulator import Request, Simulator
+from meshllm.sim.sweep import draw_length, make_trace, simulate, simulate_policies, stable
 from tests.conftest import REPO, run_cli
 
 FIELDS = {"mean_wait_ms", "p99_wait_ms", "mean_prefill_wait_ms", "mean_ttft_ms", "throughput_tok_s",
@@ -62,22 +64,24 @@ def test_mixed_replica_batches_and_accounts_pauses(demo):
     assert any(r.paused_s > 0 for r in reqs) and all(r.wait_s >= r.paused_s for r in reqs)
 
 
-def test_lengths_and_trace():
+def test_lengths_and_trace(demo):
     rng = random.Random(0)
     assert {draw_length(rng, LengthDist(7, "fixed")) for _ in range(10)} == {7}
     xs = [draw_length(rng, LengthDist(200, "lognormal")) for _ in range(4000)]
     assert sum(xs) / len(xs) == pytest.approx(200, rel=0.08)
     ys = [draw_length(rng, LengthDist(50, "uniform")) for _ in range(4000)]
     assert 1 <= min(ys) and max(ys) <= 99 and sum(ys) / len(ys) == pytest.approx(50, rel=0.05)
-    wl = Workload(input_tokens=LengthDist(10, "fixed"), output_tokens=LengthDist(5, "fixed"))
-    tr = make_trace(wl, 3000, 1)
-    assert tr == make_trace(wl, 3000, 1) and tr[-1][0] / 3000 == pytest.approx(1.0, rel=0.06)
+    _, inp = demo
+    inp = replace(inp, input_tokens=LengthDist(10, "fixed"), output_tokens=LengthDist(5, "fixed"))
+    tr = make_trace(inp, 3000, 1)
+    assert tr == make_trace(inp, 3000, 1) and {(a, b) for _, a, b in tr} == {(10, 5)}
+    assert tr[-1][0] / 3000 == pytest.approx(1.0, rel=0.06)
 
 
 def test_stability_rule_separates_low_and_overload(demo):
     cfg, inp = demo
-    reps = from_plan(inp, plan_cluster(cfg, log=False))
-    trace = make_trace(cfg.workload, 600, 0)
+    reps = from_plan(inp, plan_cluster(inp, log=False))
+    trace = make_trace(inp, 600, 0)
     assert stable(simulate(reps, trace, 20.0))
     assert not stable(simulate(reps, trace, 5000.0))
 
@@ -99,12 +103,12 @@ def test_baseline_builders(demo):
 
 def test_simulate_policies_schema_and_determinism():
     cfg = load_cluster(REPO / "clusters/failure.yaml")
-    a = simulate_policies(cfg, rate=20.0, seed=3, sweep_requests=300)
+    a = simulate_policies(plan_inputs(cfg), rate=20.0, seed=3, sweep_requests=300)
     assert {"meshllm", "splitwise", "memory-ring"} <= set(a["policies"])
     for name, got in a["policies"].items():
         assert got is not None and set(got) == FIELDS, name
         assert got["saturation_rate_per_s"] > 0 and got["mean_wait_ms"] >= 0
-    assert simulate_policies(cfg, rate=20.0, seed=3, sweep_requests=300) == a
+    assert simulate_policies(plan_inputs(cfg), rate=20.0, seed=3, sweep_requests=300) == a
 
 
 def test_simulate_cli_json():

@@ -15,11 +15,11 @@ import zmq
 
 from meshllm.config import LinkSpec, NodeConfig
 from meshllm.device import device_from_mapping
-from meshllm.membership import PeerState
-from meshllm.node import Node, query_status
-from meshllm.protocol import Message, MsgType, make
-from meshllm.sockets import CurveKeys, endpoint, free_port_pair
-from meshllm.transport import LinkShaper, Transport
+from meshllm.mesh.membership import PeerState
+from meshllm.mesh.node import Node, query_status
+from meshllm.mesh.protocol import Message, MsgType, make
+from meshllm.mesh.sockets import CurveKeys, endpoint, free_port_pair
+from meshllm.mesh.transport import LinkShaper, Transport
 
 DEV = device_from_mapping("inline", {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50,
                                      "network_mbps": 1000}, "test")

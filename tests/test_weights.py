@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshllm.engine.model import SeqSpan
+from meshllm.engine.weights import hf_to_interleaved, interleaved_to_hf, load_transformer, resolve_model
 from meshllm.errors import ModelFileError
-from meshllm.model import SeqSpan
-from meshllm.weights import hf_to_interleaved, interleaved_to_hf, load_transformer, resolve_model
 from tests.conftest import write_gguf_model, write_hf_model
 
 
@@ -109,7 +109,7 @@ def test_gguf_reader_agrees_with_gguf_package_on_every_type(tmp_path):
     import gguf
     import numpy as np
 
-    from meshllm.gguf_file import GGUFFile
+    from meshllm.engine.gguf_file import GGUFFile
 
     T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(0)

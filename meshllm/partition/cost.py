@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshllm.device import DeviceProfile
-from meshllm.model import ModelArgs
+from meshllm.shapes import ModelArgs
 
 COMPUTE_EFFICIENCY = 0.5  # achieved / peak FLOP/s (see module docstring: measured 0.4-0.78 here)
 BANDWIDTH_EFFICIENCY = 0.7  # achieved / peak memory bandwidth

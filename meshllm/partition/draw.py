@@ -6,21 +6,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from meshllm.config import ClusterConfig
-    from meshllm.partition.plan import Plan
+    from meshllm.partition.inputs import PlanInputs
 
-ROLE_COLOURS = {"prefill": "#f4a261", "decode": "#2a9d8f", "drafter": "#8ecae6", "unused": "#d9d9d9"}
+from meshllm.partition.plan import Plan
+
+ROLE_COLOURS = {"prefill": "#f4a261", "decode": "#2a9d8f", "mixed": "#e9c46a", "drafter": "#8ecae6",
+                "unused": "#d9d9d9"}
 
 
-def plan_graph(plan: Plan, cfg: ClusterConfig):
+def plan_graph(plan: Plan, inp: PlanInputs):
     import networkx as nx
 
     g = nx.DiGraph()
-    devices = {n.id: n.device.name for n in cfg.nodes}
+    devices = {n.id: n.device.name for n in inp.nodes}
     for col, r in enumerate(plan.replicas):
         for row, s in enumerate(r.stages):
             label = f"{s.node}\n{devices[s.node]}\n[{s.layers[0]},{s.layers[1]})"
-            g.add_node(s.node, pos=(col * 2.0, -row), colour=ROLE_COLOURS[r.role], label=label)
+            g.add_node(s.node, pos=(col * 2.0, -row), colour=ROLE_COLOURS[str(r.role)], label=label)
         for a, b in zip(r.stages, r.stages[1:]):
             g.add_edge(a.node, b.node)
     bottom = -1 - max((len(r.stages) for r in plan.replicas), default=0)
@@ -30,14 +32,14 @@ def plan_graph(plan: Plan, cfg: ClusterConfig):
     return g
 
 
-def draw_plan(plan: Plan, cfg: ClusterConfig, path: str) -> None:
+def draw_plan(plan: Plan, inp: PlanInputs, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import networkx as nx
 
-    g = plan_graph(plan, cfg)
+    g = plan_graph(plan, inp)
     pos = nx.get_node_attributes(g, "pos")
     width = max(6.0, 1.6 * max(len(plan.replicas), 1), 1.0 * (len(plan.drafters) + len(plan.unused)))
     height = max(4.0, 1.2 * (2 + max((len(r.stages) for r in plan.replicas), default=0)))

@@ -1,7 +1,10 @@
 """The Plan: replicas (stages + roles), drafters, unused nodes; JSON (BRIEF schema), validation.
 
-`plan_cluster(cfg)` is the planner: GA grouping (genetic.py) over the nodes allowed to hold a
-stage, DP split per replica (dp.py), roles by the max-min rule, drafters among the rest.
+`plan_cluster(inp)` is the planner: GA grouping (genetic.py) over the nodes allowed to hold a
+stage, DP split per replica (dp.py), roles by the max-min rule, drafters among the rest. Its
+input is a plain `PlanInputs` (inputs.py), built from a cluster file by config.py or from the
+peer table by a live coordinator. `Plan.to_json` / `Plan.from_json` are the BRIEF's `--plan`
+object and the PLAN message's payload.
 """
 
 from __future__ import annotations
@@ -9,16 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from meshllm.config import ClusterConfig
+from meshllm.defaults import REPLICA_ROLES, Role
 from meshllm.errors import InputError
-from meshllm.model import ModelArgs, model_args
-from meshllm.partition.cost import DRAFT_DTYPE, ModelCosts, model_costs
-from meshllm.partition.dp import Member, Net, Split
+from meshllm.partition.cost import DRAFT_DTYPE, model_costs
+from meshllm.partition.dp import Split
 from meshllm.partition.genetic import Evaluator, Grouping, evolve
-from meshllm.partition.replica import Mix, decode_fit, evaluate_replica, prefill_fit
+from meshllm.partition.inputs import PlanInputs
+from meshllm.partition.replica import decode_fit, evaluate_replica, prefill_fit
 
-STAGE_ROLES = ("prefill", "decode")
 GB = 1e9
 
 
@@ -39,7 +42,7 @@ class Stage:
 @dataclass(frozen=True)
 class Replica:
     id: int
-    role: str  # "prefill" | "decode"
+    role: Role  # prefill | decode | mixed
     stages: tuple[Stage, ...]
     prefill_tok_s: float
     decode_tok_s: float
@@ -68,7 +71,40 @@ class Plan:
             "drafters": list(self.drafters),
             "unused": list(self.unused),
             "planner_s": round(self.planner_s, 4),
+            "model": self.model, "n_layers": self.n_layers, "dtype": self.dtype,
+            "capacity_req_s": round(self.capacity_req_s, 6),
         }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Plan:
+        """The inverse of `to_json`, for plans that arrive over the network: anything malformed is a
+        PlanError naming what is wrong (never a KeyError deep inside a role)."""
+        try:
+            reps = []
+            for r in obj["replicas"]:
+                stages = tuple(Stage(str(s["node"]), (int(s["layers"][0]), int(s["layers"][1])))
+                               for s in r["stages"])
+                p = r["predicted"]
+                reps.append(Replica(int(r["id"]), Role(r["role"]), stages, float(p["prefill_tok_s"]),
+                                    float(p["decode_tok_s"]), float(p["bottleneck_ms"])))
+            plan = cls(str(obj["model"]), int(obj["n_layers"]), str(obj["dtype"]), tuple(reps),
+                       tuple(str(x) for x in obj["drafters"]), tuple(str(x) for x in obj["unused"]),
+                       float(obj["planner_s"]), float(obj["capacity_req_s"]))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
+        for r in plan.replicas:
+            if r.role not in REPLICA_ROLES:
+                raise PlanError(f"replica {r.id}: role {r.role!r} is not one of {[str(x) for x in REPLICA_ROLES]}")
+            check_cover(r.id, [s.layers for s in r.stages], plan.n_layers)
+        return plan
+
+    def replica_of(self, node: str) -> tuple[Replica, int] | None:
+        """(replica, stage index) holding `node`, if any."""
+        for r in self.replicas:
+            for i, s in enumerate(r.stages):
+                if s.node == node:
+                    return r, i
+        return None
 
     def describe(self) -> str:
         lines = [f"plan for {self.model} ({self.n_layers} layers, {self.dtype}): {len(self.replicas)} replicas, "
@@ -82,94 +118,53 @@ class Plan:
         return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class PlanInputs:
-    """Everything the planner and simulator derive from a cluster file."""
-
-    args: ModelArgs
-    dtype: str
-    mc: ModelCosts
-    members: tuple[Member, ...]  # nodes allowed to hold a stage
-    forced: tuple[str | None, ...]  # per member: the only stage role its `roles:` allows, if one
-    net: Net
-    mix: Mix
-
-
-def resolve_args(model: str) -> ModelArgs:
-    """Registry name, or a model file/dir through weights.py when available."""
-    try:
-        from meshllm.weights import resolve_model_args  # lazy: reads GGUF metadata / config.json
-    except ImportError:
-        resolve_model_args = None
-    try:
-        return resolve_model_args(model) if resolve_model_args else model_args(model)
-    except ValueError as e:
-        if isinstance(e, InputError):
-            raise
-        raise InputError(f"model: {e}") from None
-
-
-def plan_inputs(cfg: ClusterConfig) -> PlanInputs:
-    args = resolve_args(cfg.model)
-    dtype = cfg.weights_dtype
-    members, forced = [], []
-    for n in cfg.nodes:
-        allowed = STAGE_ROLES if n.roles is None else tuple(r for r in STAGE_ROLES if r in n.roles)
-        if allowed:
-            members.append(Member(n.id, n.device, n.zone))
-            forced.append(allowed[0] if len(allowed) == 1 else None)
-    net = Net({frozenset(ln.zones): (ln.rtt_ms, ln.bandwidth_mbps) for ln in cfg.links})
-    wl = cfg.workload
-    return PlanInputs(args, dtype, model_costs(args, dtype), tuple(members), tuple(forced), net,
-                      Mix(wl.input_tokens.mean, wl.output_tokens.mean))
-
-
 def build_replicas(inp: PlanInputs, grouping: Grouping) -> tuple[Replica, ...]:
     out = []
+    alone = len(grouping.groups) == 1
     for rid, (canon, role, ev) in enumerate(zip(grouping.groups, grouping.roles, grouping.evals, strict=True)):
-        fit = ev.prefill if role == "prefill" else ev.decode
+        fit = ev.prefill if role == Role.PREFILL else ev.decode
         assert fit is not None
         split: Split = fit.split
         members = ev.members
         stages = tuple(Stage(inp.members[canon[i]].id, rng) for i, rng in zip(split.order, split.ranges))
         pf = prefill_fit(inp.mc, members, split, inp.net, inp.mix)
         df = decode_fit(inp.mc, members, split, inp.net, inp.mix)
+        role = Role.MIXED if alone else Role(role)  # a lone replica serves both phases itself
         out.append(Replica(rid, role, stages, pf.tok_s, df.tok_s, split.bottleneck_s * 1000, df.batch))
     return tuple(out)
 
 
-def choose_drafters(cfg: ClusterConfig, inp: PlanInputs, in_replicas: set[str]) -> tuple[list[str], list[str]]:
+def choose_drafters(inp: PlanInputs, in_replicas: set[str]) -> tuple[list[str], list[str]]:
     """Nodes outside replicas become drafters if allowed and they can hold the draft model."""
-    quant = cfg.draft.quant
-    spec_on = cfg.speculation.mode != "off" and quant in DRAFT_DTYPE
+    quant = inp.draft_quant
+    spec_on = quant in DRAFT_DTYPE
     draft_bytes = model_costs(inp.args, DRAFT_DTYPE[quant]).weight_bytes if spec_on else float("inf")
     drafters, unused = [], []
-    for n in cfg.nodes:
+    for n in inp.nodes:
         if n.id in in_replicas:
             continue
-        ok = spec_on and (n.roles is None or "drafter" in n.roles) and n.device.memory_bytes >= draft_bytes
+        ok = spec_on and (n.roles is None or Role.DRAFTER in n.roles) and n.device.memory_bytes >= draft_bytes
         (drafters if ok else unused).append(n.id)
     return drafters, unused
 
 
-def plan_from_grouping(cfg: ClusterConfig, inp: PlanInputs, grouping: Grouping, t0: float) -> Plan:
+def plan_from_grouping(inp: PlanInputs, grouping: Grouping, t0: float) -> Plan:
     replicas = build_replicas(inp, grouping)
-    drafters, unused = choose_drafters(cfg, inp, {s.node for r in replicas for s in r.stages})
+    drafters, unused = choose_drafters(inp, {s.node for r in replicas for s in r.stages})
     plan = Plan(inp.args.name, inp.args.n_layers, inp.dtype, replicas, tuple(drafters), tuple(unused),
                 time.perf_counter() - t0, grouping.fitness)
-    validate_plan(plan, cfg, inp)
+    validate_plan(plan, inp)
     return plan
 
 
-def plan_cluster(cfg: ClusterConfig, seed: int = 0, log: bool = True) -> Plan:
+def plan_cluster(inp: PlanInputs, seed: int = 0, log: bool = True) -> Plan:
     """The planner (GA + DP + roles). Raises PlanInfeasible when no replica can be formed."""
     t0 = time.perf_counter()
-    inp = plan_inputs(cfg)
     ev = Evaluator(inp.mc, inp.members, inp.net, inp.mix, inp.forced)
     grouping = evolve(ev, seed=seed, log=log)
     if not grouping.groups or grouping.fitness <= 0:
-        raise PlanInfeasible(f"{cfg.source}: cannot serve {inp.args.name}: {infeasible_reason(inp)}")
-    return plan_from_grouping(cfg, inp, grouping, t0)
+        raise PlanInfeasible(f"{inp.source}: cannot serve {inp.args.name}: {infeasible_reason(inp)}")
+    return plan_from_grouping(inp, grouping, t0)
 
 
 def infeasible_reason(inp: PlanInputs) -> str:
@@ -183,12 +178,12 @@ def infeasible_reason(inp: PlanInputs) -> str:
     return "no replica reaches a positive request rate"
 
 
-def validate_plan(plan: Plan, cfg: ClusterConfig, inp: PlanInputs) -> None:
+def validate_plan(plan: Plan, inp: PlanInputs) -> None:
     """Layers cover [0, L) in every replica, nodes exist and appear once, stage memory fits."""
-    nodes = {n.id: n for n in cfg.nodes}
+    nodes = {n.id: n for n in inp.nodes}
     seen: set[str] = set()
     for r in plan.replicas:
-        if r.role not in STAGE_ROLES:
+        if r.role not in REPLICA_ROLES:
             raise PlanError(f"replica {r.id}: role {r.role!r}")
         check_cover(r.id, [s.layers for s in r.stages], plan.n_layers)
         for i, s in enumerate(r.stages):
@@ -212,10 +207,3 @@ def check_cover(rid: int, ranges: Sequence[tuple[int, int]], n_layers: int) -> N
         pos = e
     if pos != n_layers:
         raise PlanError(f"replica {rid}: layers end at {pos}, model has {n_layers}")
-
-
-def render_png(plan: Plan, cfg: ClusterConfig, path: str) -> None:
-    """Devices grouped into replicas (columns), stages top to bottom with layer ranges and roles."""
-    from meshllm.partition.draw import draw_plan  # lazy: matplotlib + networkx
-
-    draw_plan(plan, cfg, path)

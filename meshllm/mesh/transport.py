@@ -34,10 +34,10 @@ from typing import Any
 
 import zmq
 
-from meshllm.protocol import Message, MsgType, ProtocolError, decode, encode
-from meshllm.sockets import CurveKeys, Requester, endpoint, make_socket, nbytes
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, decode, encode
+from meshllm.mesh.sockets import CurveKeys, Requester, endpoint, make_socket, nbytes
 
-log = logging.getLogger("meshllm.transport")
+log = logging.getLogger("meshllm.mesh.transport")
 
 POLL_MAX_S = 0.1  # the I/O loop wakes at least this often
 RECV_BUDGET = 256  # messages read from one socket per loop turn, so timers still run under load

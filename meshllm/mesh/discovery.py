@@ -29,11 +29,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from meshllm.membership import Membership, PeerInfo, PeerState, Transition
-from meshllm.protocol import Message, MsgType, make
-from meshllm.transport import Transport
+from meshllm.mesh.membership import Membership, PeerInfo, PeerState, Transition
+from meshllm.mesh.protocol import Message, MsgType, make
+from meshllm.mesh.transport import Transport
 
-log = logging.getLogger("meshllm.discovery")
+log = logging.getLogger("meshllm.mesh.discovery")
 
 GOSSIP_INTERVAL_S = 1.0
 JOIN_RETRY_MIN_S = 0.25  # first HELLO retry to an unanswered seed

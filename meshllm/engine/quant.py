@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshllm.model import RMSNorm
+from meshllm.engine.model import RMSNorm
 
 ACT_DTYPE = torch.bfloat16
 

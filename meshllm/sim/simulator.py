@@ -2,7 +2,7 @@
 
 Model (one heap of timed events):
 - Requests arrive as a Poisson process (rate 0: all at t=0) with input/output lengths drawn
-  from the cluster file's distributions (sim_trace.py). Every policy sees the same trace.
+  from the workload's distributions (sweep.py). Every policy sees the same trace.
 - Router (same for all policies): a request goes to the prefill replica with the earliest
   estimated finish (queued work + its own prefill + the time its ports need to ship the KV);
   a finished prefill goes to the decode replica with the earliest estimated finish (KV
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshllm.partition.cost import transfer_s
-from meshllm.sim_replica import SimReplica
+from meshllm.sim.replica import SimReplica
 
 
 @dataclass
@@ -302,10 +302,3 @@ class Simulator:
             else:
                 st.active.append([r, r.n_out - 1])
         self.try_iterate(st)
-
-
-def simulate_policies(cfg, rate: float | None = None, seed: int = 0) -> dict:
-    """`--simulate`: see sim_sweep.simulate_policies (traces, metrics, saturation sweep)."""
-    from meshllm.sim_sweep import simulate_policies as run
-
-    return run(cfg, rate=rate, seed=seed)

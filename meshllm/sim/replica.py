@@ -23,7 +23,8 @@ import numpy as np
 from meshllm.partition.cost import bytes_per_s, flops_per_s, path_mbps
 from meshllm.partition.dp import Member, memory_cap_layers
 from meshllm.partition.genetic import Evaluator, Grouping, assign_roles, random_genes
-from meshllm.partition.plan import Plan, PlanInputs
+from meshllm.partition.inputs import PlanInputs
+from meshllm.partition.plan import Plan
 from meshllm.partition.replica import MAX_DECODE_BATCH
 
 RANDOM_TRIES = 100  # random groupings drawn until one has a usable replica

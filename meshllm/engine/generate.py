@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from meshllm.engine.kvcache import KVCache
+from meshllm.engine.model import SeqSpan, Transformer, last_rows
+from meshllm.engine.sampling import SamplingParams, margins, sample
 from meshllm.errors import InputError
-from meshllm.kvcache import KVCache
-from meshllm.model import SeqSpan, Transformer, last_rows
-from meshllm.sampling import SamplingParams, margins, sample
 
-log = logging.getLogger("meshllm.generate")
+log = logging.getLogger("meshllm.engine.generate")
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,9 @@ def generate(model: Transformer, prompt_ids: list[int], opts: GenerationOptions,
 
 def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtype: str):
     """(model, tokenizer) for the reference: the target, or its quantized draft."""
-    from meshllm.quant import quantize_model
-    from meshllm.tokenizer import load_tokenizer
-    from meshllm.weights import load_transformer, resolve_model
+    from meshllm.engine.quant import quantize_model
+    from meshllm.engine.tokenizer import load_tokenizer
+    from meshllm.engine.weights import load_transformer, resolve_model
 
     if draft not in (None, "none", "w4a16", "w8a16"):
         raise InputError(f"unknown draft {draft!r}; known: w4a16, w8a16, none")

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import zmq
 
-from meshllm.protocol import MAX_MESSAGE_BYTES, Message, encode
+from meshllm.mesh.protocol import MAX_MESSAGE_BYTES, Message, encode
 
 SEND_TIMEOUT_S = 10.0  # a compute thread's send blocks at most this long on a full peer queue
 

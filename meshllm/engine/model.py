@@ -19,60 +19,14 @@ layout at load time (weights.py).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshllm.kvcache import KVCache
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    hidden_dim: int  # FFN inner size
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    name: str = field(default="custom", compare=False)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def __post_init__(self) -> None:
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model {self.name}: dim/heads/kv_heads do not divide ({self})")
-        if self.head_dim % 2:
-            raise ValueError(f"model {self.name}: head_dim must be even for RoPE")
-
-
-# Named registry (gpt-fast style). Shape-only entries (no weights here) serve the planner
-# and simulator; weights.py knows which names have weights on this machine.
-transformer_configs: dict[str, ModelArgs] = {
-    "smollm2-135m": ModelArgs(576, 30, 9, 3, 49152, 1536, 1e-5, 100000.0, 8192, True),
-    "smollm2-1.7b": ModelArgs(2048, 24, 32, 32, 49152, 8192, 1e-5, 130000.0, 8192, True),
-    "llama-2-7b": ModelArgs(4096, 32, 32, 32, 32000, 11008, 1e-5, 10000.0, 4096),
-    "llama-2-70b": ModelArgs(8192, 80, 64, 8, 32000, 28672, 1e-5, 10000.0, 4096),
-    "llama-3-8b": ModelArgs(4096, 32, 32, 8, 128256, 14336, 1e-5, 500000.0, 8192),
-    # Tiny random-weight configs for tests of mechanics (like gpt-fast's stories15M).
-    "tiny": ModelArgs(64, 4, 4, 2, 320, 128, 1e-5, 10000.0, 256, True),
-    "tiny-untied": ModelArgs(48, 6, 6, 2, 300, 96, 1e-6, 500000.0, 256, False),
-}
-transformer_configs = {k: replace(v, name=k) for k, v in transformer_configs.items()}
-
-
-def model_args(name: str) -> ModelArgs:
-    """Registry lookup; an unknown name lists the valid ones."""
-    if name not in transformer_configs:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(transformer_configs))}")
-    return transformer_configs[name]
+from meshllm.engine.kvcache import KVCache
+from meshllm.shapes import ModelArgs
 
 
 @dataclass(frozen=True)

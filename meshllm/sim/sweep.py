@@ -24,10 +24,9 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
-from meshllm.config import ClusterConfig, LengthDist, Workload
-from meshllm.partition.plan import PlanInputs, plan_cluster, plan_inputs
-from meshllm.sim import Request, Simulator
-from meshllm.sim_replica import (
+from meshllm.partition.inputs import LengthDist, PlanInputs
+from meshllm.partition.plan import plan_cluster
+from meshllm.sim.replica import (
     SimReplica,
     decode_rate,
     from_plan,
@@ -36,6 +35,7 @@ from meshllm.sim_replica import (
     random_policy,
     splitwise,
 )
+from meshllm.sim.simulator import Request, Simulator
 
 SWEEP_REQUESTS = 2000
 STABLE_GROWTH = 1.3
@@ -60,13 +60,13 @@ def draw_length(rng: random.Random, d: LengthDist) -> int:
     return int(min(max(1, round(x)), MAX_LENGTH_FACTOR * d.mean))
 
 
-def make_trace(wl: Workload, n: int, seed: int) -> list[tuple[float, int, int]]:
+def make_trace(inp: PlanInputs, n: int, seed: int) -> list[tuple[float, int, int]]:
     """(unit-rate arrival time, input tokens, output tokens) per request; scale by 1/rate."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for _ in range(n):
         t += rng.expovariate(1.0)
-        out.append((t, draw_length(rng, wl.input_tokens), draw_length(rng, wl.output_tokens)))
+        out.append((t, draw_length(rng, inp.input_tokens), draw_length(rng, inp.output_tokens)))
     return out
 
 
@@ -140,9 +140,9 @@ def saturation_rate(reps: Sequence[SimReplica], trace: Sequence[tuple[float, int
     return lo
 
 
-def build_policies(cfg: ClusterConfig, inp: PlanInputs, seed: int, names: Sequence[str] = POLICIES) -> dict:
+def build_policies(inp: PlanInputs, seed: int, names: Sequence[str] = POLICIES) -> dict:
     builders = {
-        "meshllm": lambda: from_plan(inp, plan_cluster(cfg, seed=seed)),
+        "meshllm": lambda: from_plan(inp, plan_cluster(inp, seed=seed)),
         "splitwise": lambda: splitwise(inp),
         "memory-ring": lambda: memory_ring(inp),
         "random": lambda: random_policy(inp, seed),
@@ -150,23 +150,21 @@ def build_policies(cfg: ClusterConfig, inp: PlanInputs, seed: int, names: Sequen
     return {name: builders[name]() for name in names}
 
 
-def report(reps: Sequence[SimReplica], wl: Workload, rate: float, seed: int,
+def report(reps: Sequence[SimReplica], inp: PlanInputs, rate: float, seed: int,
            sweep_requests: int = SWEEP_REQUESTS) -> dict | None:
     """BRIEF fields at `rate`, plus the saturation rate from a sweep (None: no usable replica)."""
     if not reps:
         return None
-    n = wl.requests or (len(wl.prompts) if rate == 0 and wl.prompts else REPORT_REQUESTS)
-    out = metrics(simulate(reps, make_trace(wl, n, seed), rate))
-    out["saturation_rate_per_s"] = round(saturation_rate(reps, make_trace(wl, sweep_requests, seed)), 4)
+    n = inp.requests or (inp.n_prompts if rate == 0 and inp.n_prompts else REPORT_REQUESTS)
+    out = metrics(simulate(reps, make_trace(inp, n, seed), rate))
+    out["saturation_rate_per_s"] = round(saturation_rate(reps, make_trace(inp, sweep_requests, seed)), 4)
     return out
 
 
-def simulate_policies(cfg: ClusterConfig, rate: float | None = None, seed: int = 0,
+def simulate_policies(inp: PlanInputs, rate: float | None = None, seed: int = 0,
                       names: Sequence[str] = POLICIES, sweep_requests: int = SWEEP_REQUESTS) -> dict:
     """The `--simulate` JSON: every policy on the same trace, router and simulator."""
-    inp = plan_inputs(cfg)
-    wl = cfg.workload
-    rate = wl.arrival_rate_per_s if rate is None else rate
-    policies = build_policies(cfg, inp, seed, names)
-    return {"policies": {name: report(reps, wl, rate, seed, sweep_requests) for name, reps in policies.items()},
+    rate = inp.rate_per_s if rate is None else rate
+    policies = build_policies(inp, seed, names)
+    return {"policies": {name: report(reps, inp, rate, seed, sweep_requests) for name, reps in policies.items()},
             "rate_per_s": rate}

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from meshllm.membership import Membership, PeerInfo, PeerState, Transition
-from meshllm.protocol import Message, MsgType, make
-from meshllm.transport import Transport
+from meshllm.mesh.membership import Membership, PeerInfo, PeerState, Transition
+from meshllm.mesh.protocol import Message, MsgType, make
+from meshllm.mesh.transport import Transport
 
 log = logging.getLogger("meshllm.mesh")
 

@@ -99,7 +99,7 @@ def load_tokenizer(src) -> Tokenizer:
     if src.kind == "hf":
         return tokenizer_from_hf_dir(src.path)
     if src.kind == "gguf":
-        from meshllm.weights import gguf_reader
+        from meshllm.engine.weights import gguf_reader
 
         return tokenizer_from_gguf(gguf_reader(src.path))
     raise ModelFileError(f"model {src.name!r} has random test weights and no tokenizer (tests only); "

@@ -1,0 +1,44 @@
+"""Names and defaults shared by every floor: roles, quantizations, speculation modes, the default
+model, liveness intervals. One constant each, imported everywhere (STYLE.md 15). Pure."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Role(str, Enum):
+    """What a node or a replica does. A replica is prefill, decode or mixed (both phases, no KV
+    shipping); a node's `roles:` limit names drafter, prefill, decode and gateway."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+    DRAFTER = "drafter"
+    GATEWAY = "gateway"
+
+    def __str__(self) -> str:  # f-strings and logs show the value, as JSON does
+        return self.value
+
+
+NODE_ROLES = (Role.DRAFTER, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # what `roles:` may list
+STAGE_ROLES = (Role.PREFILL, Role.DECODE)  # a node allowed either may hold a stage
+REPLICA_ROLES = (Role.PREFILL, Role.DECODE, Role.MIXED)
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MAX_TOKENS = 48
+DEFAULT_PROMPT = "The capital of France is"
+
+QUANTS = ("w4a16", "w8a16", "none")  # draft quantizations ("none": no draft model)
+DRAFT_QUANTS = ("w4a16", "w8a16")
+DEFAULT_DRAFT_QUANT = "w4a16"
+DEFAULT_GROUP_SIZE = 64  # group 32 would reproduce the Q4_1 target exactly and prove nothing
+
+SPEC_MODES = ("async", "sync", "off")
+DEFAULT_SPEC_MODE = "async"
+DEFAULT_GAMMA = 4
+
+WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")  # served target weights (planner input)
+DEFAULT_WEIGHT_DTYPE = "fp16"
+
+HEARTBEAT_INTERVAL_S = 0.5
+FAILURE_TIMEOUT_S = 2.5  # a peer silent this long is dead (<= 3 s by default)

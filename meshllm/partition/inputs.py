@@ -1,0 +1,88 @@
+"""What the planner and the simulator plan for: plain, frozen inputs. Pure: no YAML, no torch.
+
+`config.plan_inputs` builds a `PlanInputs` from a cluster file; a live coordinator builds one
+from the device profiles in its peer table (roles/coordinator.py). Everything the planner,
+the simulator and the baselines need is here, and nothing else: they never read a file.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from meshllm.defaults import STAGE_ROLES, Role
+from meshllm.device import DeviceProfile
+from meshllm.partition.cost import ModelCosts, model_costs
+from meshllm.partition.dp import Member, Net
+from meshllm.partition.replica import Mix
+from meshllm.shapes import ModelArgs
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Token lengths of a workload: a mean and a distribution (fixed | uniform | lognormal)."""
+
+    mean: float
+    dist: str = "lognormal"
+
+
+@dataclass(frozen=True)
+class PlanNode:
+    """A device of the mesh as the planner sees it."""
+
+    id: str
+    device: DeviceProfile
+    zone: str
+    roles: tuple[Role, ...] | None = None  # None: the planner decides
+
+
+@dataclass(frozen=True)
+class PlanLink:
+    zones: tuple[str, str]
+    rtt_ms: float
+    bandwidth_mbps: float
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    source: str  # where these came from (a cluster file, "the live mesh"), for messages
+    args: ModelArgs
+    dtype: str  # served target weights: fp32 | fp16 | bf16 | int8 | int4
+    nodes: tuple[PlanNode, ...]
+    links: tuple[PlanLink, ...] = ()
+    input_tokens: LengthDist = LengthDist(512)
+    output_tokens: LengthDist = LengthDist(128)
+    rate_per_s: float = 0.0  # the workload's arrival rate (0: all at once / not given)
+    requests: int = 0  # the workload's request count (0: one per prompt, or the reporting default)
+    n_prompts: int = 0  # prompts the workload lists
+    draft_quant: str | None = None  # drafters' quantization; None when speculation is off
+
+    @functools.cached_property
+    def mc(self) -> ModelCosts:
+        return model_costs(self.args, self.dtype)
+
+    @functools.cached_property
+    def stage_nodes(self) -> tuple[PlanNode, ...]:
+        """Nodes whose roles allow a stage (prefill, decode or mixed)."""
+        return tuple(n for n in self.nodes if n.roles is None or set(n.roles) & set(STAGE_ROLES))
+
+    @functools.cached_property
+    def members(self) -> tuple[Member, ...]:
+        return tuple(Member(n.id, n.device, n.zone) for n in self.stage_nodes)
+
+    @functools.cached_property
+    def forced(self) -> tuple[str | None, ...]:
+        """Per member: the only stage role its `roles:` allow, if just one."""
+        out = []
+        for n in self.stage_nodes:
+            allowed = STAGE_ROLES if n.roles is None else tuple(r for r in STAGE_ROLES if r in n.roles)
+            out.append(allowed[0].value if len(allowed) == 1 else None)
+        return tuple(out)
+
+    @functools.cached_property
+    def net(self) -> Net:
+        return Net({frozenset(ln.zones): (ln.rtt_ms, ln.bandwidth_mbps) for ln in self.links})
+
+    @functools.cached_property
+    def mix(self) -> Mix:
+        return Mix(self.input_tokens.mean, self.output_tokens.mean)
