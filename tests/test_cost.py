@@ -12,7 +12,9 @@ from meshllm.partition.cost import (
     model_costs,
     path_mbps,
     prefill_time_s,
+    stage_batch_s,
     stage_decode_s,
+    stage_prefill_s,
 )
 from meshllm.shapes import model_args
 
@@ -63,3 +65,15 @@ def test_link_time_and_path_bandwidth():
     slow = DeviceProfile("s", 1, 1, 1, network_mbps=100)
     assert path_mbps(DEV, slow, None) == 100
     assert path_mbps(DEV, DEV, 50) == 50
+
+
+def test_stage_batch_time_matches_prefill_and_decode_formulas():
+    """One formula: the Pacer's ragged-batch time reduces to the planner's prefill and decode times."""
+
+    mc = model_costs(model_args("llama-3-8b"), "fp16")
+    dev = DeviceProfile("d", 16, 10.0, 100.0, 1000)
+    assert stage_batch_s(mc, dev, 8, [(512, 512)], last=True, logit_rows=1) == pytest.approx(
+        stage_prefill_s(mc, dev, 8, 512, last=True), rel=0.02)
+    assert stage_batch_s(mc, dev, 8, [(1, 300)] * 4, last=True, logit_rows=4) == pytest.approx(
+        stage_decode_s(mc, dev, 8, 4, 300, last=True), rel=0.02)
+    assert stage_batch_s(mc, dev, 8, [(1, 300)] * 8) > stage_batch_s(mc, dev, 8, [(1, 300)] * 4)

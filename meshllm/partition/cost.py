@@ -26,6 +26,7 @@ Both are module constants, so a deployment can put its own measurements here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +127,22 @@ def stage_decode_s(mc: ModelCosts, device: DeviceProfile, n_layers: int, batch: 
                      + last * mc.head_flops_per_token)
     nbytes = mc.stage_weight_bytes(n_layers, False, last) + batch * context * n_layers * mc.kv_bytes_per_token
     return roofline(flops, nbytes, device)
+
+
+def stage_batch_s(mc: ModelCosts, device: DeviceProfile, n_layers: int, spans: Sequence[tuple[int, int]],
+                  first: bool = False, last: bool = False, logit_rows: int = 0) -> float:
+    """Seconds for one stage's forward over a ragged batch (what the emulator's Pacer sleeps to).
+
+    spans: (new tokens, context after them) per sequence; a prefill chunk of t tokens from
+    position 0 is (t, t), a decode step is (1, c), a verification block is (gamma + 1, c).
+    Attention of a span reads on average c - t/2 positions (t/2 for a whole prompt, as in
+    stage_prefill_s; c for one decode token, as in stage_decode_s). The LM head runs on
+    `logit_rows` rows (last stage only)."""
+    flops = sum(t * n_layers * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * (c - t / 2))
+                for t, c in spans)
+    flops += last * logit_rows * mc.head_flops_per_token
+    nbytes = mc.stage_weight_bytes(n_layers, first, last) + sum(c for _, c in spans) * n_layers * mc.kv_bytes_per_token
+    return float(roofline(flops, nbytes, device))
 
 
 def prefill_time_s(args: ModelArgs, device: DeviceProfile, n_layers: int, n_tokens: int,
