@@ -97,7 +97,7 @@ def test_gguf_tensor_types_load(tmp_path):
                 for arr, t in parts:
                     gt = gguf.GGMLQuantizationType[t]
                     rows.append(gguf.quants.dequantize(gguf.quants.quantize(arr.copy(), gt), gt).reshape(arr.shape))
-                lin.weight.copy_(torch.from_numpy(np.concatenate(rows)))
+                lin.load_state_dict({"weight": torch.from_numpy(np.concatenate(rows))})
     ids = [3, 17, 42, 99]
     torch.testing.assert_close(logits_of(loaded, ids), logits_of(expected, ids), rtol=1e-4, atol=1e-4)
     exact = write_gguf_model(ref, tmp_path / "f32.gguf")

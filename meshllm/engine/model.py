@@ -240,13 +240,59 @@ class Transformer(nn.Module):
         return n.dtype
 
 
-def use_input_major_weights(model: nn.Module) -> nn.Module:
-    """Re-lay every fp32 nn.Linear weight (out, in) as the transposed view of an (in, out)-contiguous
-    buffer. Same values; MKL's fp32 GEMV for one row (the decode step) streams this layout ~1.3x
-    faster on the CPUs measured here (bench/engine.py), because decode is memory-bound."""
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.is_contiguous():
-            m.weight = nn.Parameter(m.weight.detach().t().contiguous().t(), requires_grad=False)
+HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+PACK_BATCH_HINT = 32  # rows the oneDNN weight layout is tuned for; measured best for 1..64 rows here
+
+
+class PackedLinear(nn.Module):
+    """A bias-free linear layer whose weight is held once, in oneDNN's blocked layout.
+
+    Why: MKL's fp32 GEMM is slow at small row counts on the CPUs measured here (a 5-row step of
+    SmolLM2 cost 2.4x a 1-row step), so batched decode and draft verification would not pay.
+    oneDNN with a prepacked weight runs 1 row as fast as the best GEMV layout and 8 rows in about
+    1.2x the time of 1 (bench/engine.py). Same values as the dense weight; `weight` unpacks them
+    on demand (quantization, checkpoints), and state dicts carry the dense tensor."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, None, "none", [], "")
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        w = state_dict.get(prefix + "weight")
+        if w is not None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.to(self.packed.dtype).contiguous(),
+                                                                 PACK_BATCH_HINT)
+
+    def __deepcopy__(self, memo: dict) -> PackedLinear:  # oneDNN tensors have no storage to copy
+        return PackedLinear(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.packed.dtype}"
+
+
+def pack_linear_weights(model: nn.Module) -> nn.Module:
+    """Swap every float nn.Linear (no bias) for a PackedLinear, in place (no-op without oneDNN)."""
+    if not HAS_ONEDNN:
+        return model
+    for name, child in list(model.named_children()):
+        if (isinstance(child, nn.Linear) and child.bias is None
+                and child.weight.dtype in (torch.float32, torch.bfloat16)):
+            setattr(model, name, PackedLinear(child.weight))
+        else:
+            pack_linear_weights(child)
     return model
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshllm.engine.model import RMSNorm
+from meshllm.engine.model import PackedLinear, RMSNorm
 
 ACT_DTYPE = torch.bfloat16
 
@@ -132,7 +132,7 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
-def quantize_linear(lin: nn.Linear, quant: str, group_size: int, use_kernel: bool = True) -> nn.Module:
+def quantize_linear(lin: nn.Linear | PackedLinear, quant: str, group_size: int, use_kernel: bool = True) -> nn.Module:
     if quant == "w4a16":
         return Int4Linear.from_quantized(quantize_int4(lin.weight.data, group_size), group_size,
                                          use_kernel and HAS_INT4_KERNEL)
@@ -150,7 +150,7 @@ def quantize_model(model: nn.Module, quant: str = "w4a16", group_size: int = 64,
     if quant not in ("w4a16", "w8a16"):
         raise ValueError(f"unknown draft quantization {quant!r}; known: w4a16, w8a16")
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
+        if isinstance(child, (nn.Linear, PackedLinear)):
             setattr(model, name, quantize_linear(child, quant, group_size, use_kernel))
         elif isinstance(child, (nn.Embedding, RMSNorm)):
             child.to(ACT_DTYPE)
@@ -163,7 +163,7 @@ def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes held by the linear layers' weights (+ scales) of a model, float or quantized."""
     total = 0
     for m in model.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, PackedLinear)):
             total += m.weight.nbytes
         elif isinstance(m, (Int4Linear, Int8Linear)):
             total += sum(b.nbytes for b in m.buffers())

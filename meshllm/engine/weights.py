@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from meshllm.engine.gguf_file import GGUFFile
-from meshllm.engine.model import Transformer, fuse_state_dict, use_input_major_weights
+from meshllm.engine.model import Transformer, fuse_state_dict, pack_linear_weights
 from meshllm.errors import ModelFileError
 from meshllm.shapes import ModelArgs, transformer_configs
 
@@ -246,4 +246,4 @@ def load_transformer(spec: str | ModelSource, start: int = 0, end: int | None = 
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelFileError(f"{src.name}: weights missing for {missing[:3]}")
-    return use_input_major_weights(model.to(dtype).eval())
+    return pack_linear_weights(model.to(dtype).eval())
