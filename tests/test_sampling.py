@@ -53,3 +53,12 @@ def test_verify_sampled_is_lossless_in_distribution():
         counts[int(x[0]) if k == 1 else nxt] += 1
     freq = counts / n
     assert (freq - p[0]).abs().max() < 0.015, freq
+
+
+def test_token_generator_depends_only_on_seed_and_index():
+    from meshllm.engine.sampling import token_generator
+
+    draw = lambda s, i: torch.rand(4, generator=token_generator(s, i))  # noqa: E731
+    assert torch.equal(draw(7, 3), draw(7, 3))
+    assert not torch.equal(draw(7, 3), draw(7, 4)) and not torch.equal(draw(7, 3), draw(8, 3))
+    assert not torch.equal(draw(0, 0), draw(1, 0))

@@ -15,7 +15,7 @@ import torch
 
 from meshllm.engine.kvcache import KVCache
 from meshllm.engine.model import SeqSpan, Transformer, last_rows
-from meshllm.engine.sampling import SamplingParams, margins, sample
+from meshllm.engine.sampling import SamplingParams, margins, sample, token_generator
 from meshllm.errors import InputError
 
 log = logging.getLogger("meshllm.engine.generate")
@@ -62,11 +62,10 @@ def generate(model: Transformer, prompt_ids: list[int], opts: GenerationOptions,
         raise InputError(f"prompt of {len(prompt_ids)} tokens exceeds the context of {model.args.max_seq_len}")
     cache = model.new_cache()
     cache.allocate(0, len(prompt_ids) + opts.max_tokens)
-    gen = torch.Generator().manual_seed(opts.seed)
     logits = prefill(model, cache, 0, prompt_ids)
     out, marg, budget = [], [], min(opts.max_tokens, room)
     while True:
-        tok = int(sample(logits, opts.sampling, gen)[0])
+        tok = int(sample(logits, opts.sampling, token_generator(opts.seed, len(out)))[0])
         out.append(tok)
         marg.append(float(margins(logits)[0]))
         if tok in eos_ids or len(out) == budget:

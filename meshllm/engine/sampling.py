@@ -1,8 +1,11 @@
 """Logits -> tokens, and the speculative acceptance rules. Pure functions.
 
 Greedy is argmax (ties -> lowest id, torch's rule). Sampling applies
-temperature, then top-k, then top-p, and draws with a caller-seeded
-torch.Generator, so a (seed, logits) pair always gives the same token.
+temperature, then top-k, then top-p, and draws with a torch.Generator seeded
+from (request seed, index of the token in the output): `token_generator`. So a
+token depends only on its logits, the seed and its index, never on how the
+tokens before it were batched, split across stages or recovered after a
+failure: the mesh reproduces the reference's sampled output exactly.
 
 Speculative verification (Leviathan et al. / Chen et al.), lossless:
 - greedy: accept draft tokens while they equal the target's argmax; the first
@@ -29,6 +32,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, index) over 63 bits
+
+
+def token_generator(seed: int, index: int) -> torch.Generator:
+    """The generator for output token `index` of a request seeded with `seed`."""
+    return torch.Generator().manual_seed(((seed * _SEED_MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) % (1 << 63))
 
 
 def margins(logits: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,18 @@
 """Roofline cost model: bytes, FLOPs and seconds for a model shard on a device.
 
-One model for the planner (DP + GA), the simulator and the emulator's pacing.
+One model for the planner (DP + GA), the simulator and the emulator's pacing: the work of a
+step is `prefill_work` / `decode_work` (FLOPs, bytes), its time is `roofline` on a device.
 
 - Prefill of T tokens is compute-bound; decode/verification of a batch of b sequences is a
   roofline: max(FLOPs * b / compute, bytes moved / memory bandwidth).
 - A link costs rtt/2 + bytes / bandwidth, where the bandwidth of a transfer is the lowest of
-  the zone link and the two devices' network ports (`network_mbps`). A port is shared by all
-  transfers of its device; the simulator queues them, the planner counts bytes per port.
+  the zone link and the two devices' network ports (`network_mbps`).
+- Ports are full duplex: a device's send (tx) and receive (rx) directions are two servers,
+  each at `network_mbps`, shared by all transfers of the device in that direction: the KV it
+  ships, and the activations it sends to the next stage / receives from the previous one.
+- A link between two different zones is one shared server per direction (the WAN or uplink
+  between them); a link within a zone (`zones: [fog, fog]`) is a per-flow cap only, since a
+  switch gives every port pair its own path.
 - KV shipping (prefill -> decode): each device ships the KV of its own layers.
 
 Calibration. Device profiles give vendor peaks; a runtime achieves a fraction of them.
@@ -105,44 +111,56 @@ def bytes_per_s(device: DeviceProfile) -> float:
 
 def roofline(flops, nbytes, device: DeviceProfile):
     """max(FLOPs / compute, bytes / bandwidth) in seconds; works elementwise on numpy arrays."""
-    return np.maximum(flops / flops_per_s(device), nbytes / bytes_per_s(device))
+    return roofline_at(flops, nbytes, flops_per_s(device), bytes_per_s(device))
+
+
+def roofline_at(flops, nbytes, flop_s, byte_s):
+    """The roofline with achieved FLOP/s and bytes/s given (arrays of stages, in the simulator)."""
+    return np.maximum(flops / flop_s, nbytes / byte_s)
+
+
+def prefill_work(mc: ModelCosts, n_layers, n_tokens, last=False):
+    """(FLOPs, bytes) for a stage of `n_layers` layers to prefill one prompt of `n_tokens` tokens.
+    Attention sees on average n_tokens/2 positions; the LM head runs on the last token only (it
+    produces the first output token). Elementwise over numpy arrays."""
+    flops = n_tokens * n_layers * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * n_tokens / 2)
+    flops = flops + last * mc.head_flops_per_token
+    nbytes = mc.stage_weight_bytes(n_layers, False, last) + n_tokens * n_layers * mc.kv_bytes_per_token
+    return flops, nbytes
+
+
+def decode_work(mc: ModelCosts, n_layers, batch, context, last=False):
+    """(FLOPs, bytes) for one decode (or verification) step of `batch` sequences at `context`
+    cached tokens: every weight read once, every sequence's KV read once. Elementwise."""
+    flops = batch * (n_layers * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * context)
+                     + last * mc.head_flops_per_token)
+    nbytes = mc.stage_weight_bytes(n_layers, False, last) + batch * context * n_layers * mc.kv_bytes_per_token
+    return flops, nbytes
+
+
+def request_flops(mc: ModelCosts, n_in: float, n_out: float) -> float:
+    """Useful FLOPs of one request through the whole model: its prefill (which yields the first
+    token) plus n_out - 1 decode steps at contexts n_in + 1 .. n_in + n_out - 1. The physical
+    bound of a cluster (sim/bound.py) divides the devices' FLOP/s by this."""
+    pre, _ = prefill_work(mc, mc.n_layers, n_in, True)
+    steps = max(0.0, n_out - 1)
+    mean_ctx = n_in + n_out / 2  # mean of n_in + 1 .. n_in + n_out - 1
+    dec, _ = decode_work(mc, mc.n_layers, steps, mean_ctx, True)
+    return float(pre + dec)
 
 
 def stage_prefill_s(mc: ModelCosts, device: DeviceProfile, n_layers: int, n_tokens: float,
                     last: bool = False) -> float:
     """Seconds for one stage to prefill `n_tokens` tokens of one prompt (roofline; compute-bound
-    for any realistic prompt). Attention sees on average n_tokens/2 positions; the LM head runs
-    on the last token only (it produces the first output token)."""
-    flops = n_tokens * n_layers * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * n_tokens / 2)
-    flops += last * mc.head_flops_per_token
-    nbytes = mc.stage_weight_bytes(n_layers, False, last) + n_tokens * n_layers * mc.kv_bytes_per_token
-    return roofline(flops, nbytes, device)
+    for any realistic prompt)."""
+    return roofline(*prefill_work(mc, n_layers, n_tokens, last), device)
 
 
 def stage_decode_s(mc: ModelCosts, device: DeviceProfile, n_layers: int, batch: float, context: float,
                    last: bool = False) -> float:
     """Seconds for one decode (or verification) step of `batch` sequences at `context` tokens:
     max(FLOPs / compute, (weights + KV read) / bandwidth)."""
-    flops = batch * (n_layers * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * context)
-                     + last * mc.head_flops_per_token)
-    nbytes = mc.stage_weight_bytes(n_layers, False, last) + batch * context * n_layers * mc.kv_bytes_per_token
-    return roofline(flops, nbytes, device)
-
-
-def stage_batch_s(mc: ModelCosts, device: DeviceProfile, n_layers: int, spans: Sequence[tuple[int, int]],
-                  first: bool = False, last: bool = False, logit_rows: int = 0) -> float:
-    """Seconds for one stage's forward over a ragged batch (what the emulator's Pacer sleeps to).
-
-    spans: (new tokens, context after them) per sequence; a prefill chunk of t tokens from
-    position 0 is (t, t), a decode step is (1, c), a verification block is (gamma + 1, c).
-    Attention of a span reads on average c - t/2 positions (t/2 for a whole prompt, as in
-    stage_prefill_s; c for one decode token, as in stage_decode_s). The LM head runs on
-    `logit_rows` rows (last stage only)."""
-    flops = sum(t * n_layers * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * (c - t / 2))
-                for t, c in spans)
-    flops += last * logit_rows * mc.head_flops_per_token
-    nbytes = mc.stage_weight_bytes(n_layers, first, last) + sum(c for _, c in spans) * n_layers * mc.kv_bytes_per_token
-    return float(roofline(flops, nbytes, device))
+    return roofline(*decode_work(mc, n_layers, batch, context, last), device)
 
 
 def prefill_time_s(args: ModelArgs, device: DeviceProfile, n_layers: int, n_tokens: int,
@@ -156,6 +174,24 @@ def decode_time_s(args: ModelArgs, device: DeviceProfile, n_layers: int, batch: 
     """Emulator entry point: seconds for one decode/verify step of `batch` sequences (each with
     `context_len` cached tokens; a verify pass of gamma tokens is batch = gamma)."""
     return float(stage_decode_s(model_costs(args, dtype), device, n_layers, batch, context_len, last))
+
+
+def pipeline_s(stage_s: Sequence[float], hop_s: Sequence[float]) -> tuple[float, float]:
+    """(occupancy, latency) of one pass through a pipeline: stage i takes stage_s[i], the link
+    after it hop_s[i] (k - 1 links). A new item may enter every `occupancy` seconds (the slowest
+    stage or link); one item takes `latency` (every stage and link in turn)."""
+    occupancy = max(max(stage_s), max(hop_s, default=0.0))
+    return float(occupancy), float(sum(stage_s) + sum(hop_s))
+
+
+def decode_iteration_s(stage_s: Sequence[float], hop_s: Sequence[float], micro: int) -> float:
+    """Seconds for every sequence of a batch, cut into `micro` micro-batches that follow each
+    other through the pipeline, to get one more token. stage_s: one micro-batch per stage; hop_s:
+    k links including the one from the last stage back to the first (the sampled token).
+    Either the slowest stage/link is busy all the time (micro x occupancy) or the ring is
+    latency-bound (one micro-batch's round trip)."""
+    occupancy, _ = pipeline_s(stage_s, hop_s[:-1])
+    return float(max(micro * occupancy, sum(stage_s) + sum(hop_s)))
 
 
 def transfer_s(nbytes: float, mbps: float) -> float:
