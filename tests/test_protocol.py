@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from meshllm.mesh import protocol as p
 from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
 
+SPAN = p.WireSpan(11, 0, 3, p.SpanKind.PREFILL_LAST, 0, 0.7, 40, 0.9, 3)
 DEVICE = {"name": "inline", "memory_gb": 8.0, "compute_tflops": 1.0, "memory_bandwidth_gbps": 50.0,
           "network_mbps": 1000.0}
 
@@ -31,19 +32,27 @@ def sample(mtype: MsgType) -> p.Message:
         MsgType.ERROR: lambda: make(mtype, code="duplicate_id", message="id 'a' is taken"),
         MsgType.PING: lambda: make(mtype),
         MsgType.PONG: lambda: make(mtype),
-        MsgType.ACTIVATIONS: lambda: make(mtype, tensors={"hidden": torch.randn(5, 16)}, plan_version=2, layer=10,
-                                          spans=[["s1", 0, 3], ["s2", 7, 2]]),
+        MsgType.ACTIVATIONS: lambda: make(mtype, tensors={"hidden": torch.randn(5, 16)}, replica=1, batch=9,
+                                          plan_version=2, spans=[SPAN.to_wire(), SPAN.to_wire()], ship=[[7, 2]]),
         MsgType.KV_TRANSFER: lambda: make(mtype, tensors={"k": torch.randn(2, 3, 4, 8).to(torch.bfloat16),
                                                           "v": torch.randn(2, 3, 4, 8).to(torch.bfloat16)},
-                                          seq_id="s1", layers=[0, 2], length=4),
+                                          seq=11, layers=[0, 2], length=4, replica=1, plan_version=2),
         MsgType.DRAFT: lambda: make(mtype, tensors={"probs": np.random.rand(4, 32).astype(np.float16)},
-                                    tenant="t1", seq_id="s1", block=3, start=17, tokens=[1, 2, 3, 4]),
-        MsgType.VERDICT: lambda: make(mtype, tenant="t1", seq_id="s1", block=3, accepted=2, correction=99),
-        MsgType.CAPACITY: lambda: make(mtype, node="d1", free_slots=4, queue=1, plan_version=2),
-        MsgType.GENERATE_REQ: lambda: make(mtype, request_id="r1", prompt="hi", prompt_token_ids=[], max_tokens=8,
-                                           temperature=0.0, seed=0),
-        MsgType.TOKENS: lambda: make(mtype, request_id="r1", token_ids=[5, 6], finished=True,
+                                    tenant="t1", seq=11, block=3, start=17, tokens=[1, 2, 3, 4]),
+        MsgType.VERDICT: lambda: make(mtype, tenant="t1", seq=11, block=3, accepted=2, correction=99),
+        MsgType.CAPACITY: lambda: make(mtype, node="d1", replica=0, free_slots=4, queue=1, plan_version=2),
+        MsgType.GENERATE_REQ: lambda: make(mtype, seq=11, prompt_token_ids=[1, 2], max_tokens=8,
+                                           sampling=p.sampling_map(0.8, 0, 0.9, 5), stop_ids=[2],
+                                           decode_replica=1, gateway="127.0.0.1:7700", plan_version=2),
+        MsgType.TOKENS: lambda: make(mtype, seq=11, token_ids=[5, 6], index=3, finished=True,
                                      finish_reason="length"),
+        MsgType.KV_ACK: lambda: make(mtype, seq=11, node="d1", length=12, plan_version=2),
+        MsgType.RESULTS: lambda: make(mtype, replica=1, batch=9, plan_version=2, out=[[11, [5], [0.25]]]),
+        MsgType.HANDOFF: lambda: make(mtype, seq=11, prompt_len=12, token=5, max_tokens=8,
+                                      sampling=p.sampling_map(0, 0, 1.0, 0), stop_ids=[], gateway="h:1",
+                                      plan_version=2),
+        MsgType.RELEASE: lambda: make(mtype, seq=11, reason="finished"),
+        MsgType.PLAN: lambda: make(mtype, version=3, coordinator="a", plan={"replicas": []}),
     }
     return t[mtype]()
 
@@ -73,7 +82,7 @@ def test_schema_covers_every_type() -> None:
                                    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
 def test_torch_tensors_of_each_dtype(dtype: torch.dtype) -> None:
     x = (torch.randn(3, 4, 5) * 50).to(dtype)
-    msg = make(MsgType.ACTIVATIONS, tensors={"hidden": x}, plan_version=0, layer=0, spans=[])
+    msg = make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0, batch=0, plan_version=0, spans=[], ship=[])
     y = roundtrip(msg).tensors["hidden"].torch()
     assert y.dtype == dtype and torch.equal(x, y)
 
@@ -82,20 +91,20 @@ def test_torch_tensors_of_each_dtype(dtype: torch.dtype) -> None:
                                    "bool"])
 def test_numpy_tensors_of_each_dtype(dtype: str) -> None:
     x = (np.random.rand(2, 7) * 100).astype(dtype)
-    back = roundtrip(make(MsgType.DRAFT, tensors={"probs": x}, tenant="t", seq_id="s", block=0, start=0, tokens=[]))
+    back = roundtrip(make(MsgType.DRAFT, tensors={"probs": x}, tenant="t", seq=0, block=0, start=0, tokens=[]))
     np.testing.assert_array_equal(back.tensors["probs"].numpy(), x)
 
 
 def test_empty_and_noncontiguous_tensors() -> None:
     x = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()  # not contiguous
-    back = roundtrip(make(MsgType.KV_TRANSFER, tensors={"k": x, "v": torch.zeros(0, 3)}, seq_id="s",
+    back = roundtrip(make(MsgType.KV_TRANSFER, tensors={"k": x, "v": torch.zeros(0, 3)}, seq=0, replica=0, plan_version=0,
                           layers=[0, 1], length=0))
     assert torch.equal(back.tensors["k"].torch(), x) and back.tensors["v"].torch().shape == (0, 3)
 
 
 def test_tensor_frames_are_zero_copy() -> None:
     x = np.ones((1024,), dtype=np.float32)
-    frames = encode(make(MsgType.ACTIVATIONS, tensors={"hidden": x}, plan_version=0, layer=0, spans=[]))
+    frames = encode(make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0, batch=0, plan_version=0, spans=[], ship=[]))
     x[0] = 5.0
     assert np.frombuffer(frames[1], dtype=np.float32)[0] == 5.0
 
@@ -106,7 +115,7 @@ def test_make_checks_fields_and_tensors() -> None:
     with pytest.raises(ProtocolError, match="field 'incarnation' has type str"):
         make(MsgType.LEAVE, node="a", incarnation="1")
     with pytest.raises(ProtocolError, match="tensors must be"):
-        make(MsgType.ACTIVATIONS, plan_version=0, layer=0, spans=[])
+        make(MsgType.ACTIVATIONS, replica=0, batch=0, plan_version=0, spans=[], ship=[])
     with pytest.raises(ProtocolError, match="reserved"):
         make(MsgType.PING, zone="x")
 
@@ -147,7 +156,7 @@ def test_decode_rejects_bad_tensor_descriptors() -> None:
 
 def test_size_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(p, "MAX_MESSAGE_BYTES", 1000)
-    big = make(MsgType.ACTIVATIONS, tensors={"hidden": np.zeros(1000, np.float32)}, plan_version=0, layer=0,
+    big = make(MsgType.ACTIVATIONS, tensors={"hidden": np.zeros(1000, np.float32)}, replica=0, batch=0, plan_version=0, ship=[],
                spans=[])
     with pytest.raises(ProtocolError, match="exceeds MAX_MESSAGE_BYTES"):
         encode(big)

@@ -17,9 +17,9 @@ from meshllm.config import LinkSpec, NodeConfig
 from meshllm.device import device_from_mapping
 from meshllm.mesh.membership import PeerState
 from meshllm.mesh.node import Node, query_status
-from meshllm.mesh.protocol import Message, MsgType, make
-from meshllm.mesh.sockets import CurveKeys, endpoint, free_port_pair
-from meshllm.mesh.transport import LinkShaper, Transport
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
+from meshllm.mesh.sockets import CurveKeys, RemoteError, endpoint, free_port_pair
+from meshllm.mesh.transport import LinkShaper, Transport, Worker, topic
 
 DEV = device_from_mapping("inline", {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50,
                                      "network_mbps": 1000}, "test")
@@ -74,26 +74,66 @@ def test_tensor_request_and_deferred_reply_from_another_thread(pair) -> None:
 
     def on_act(msg: Message, reply) -> None:  # reply later from a "compute" thread
         x = msg.tensors["hidden"].numpy() * 2
-        threading.Thread(target=lambda: reply(make(MsgType.ACTIVATIONS, tensors={"hidden": x}, plan_version=0,
-                                                   layer=1, spans=[]))).start()
+        threading.Thread(target=lambda: reply(make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0,
+                                                   batch=1, plan_version=0, spans=[], ship=[]))).start()
 
     b.on(MsgType.ACTIVATIONS, on_act)
     x = np.arange(4096, dtype=np.float32).reshape(64, 64)
-    r = a.request(b_addr, make(MsgType.ACTIVATIONS, tensors={"hidden": x}, plan_version=0, layer=0, spans=[]), 10)
+    r = a.request(b_addr, make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0, batch=0, plan_version=0, spans=[], ship=[]), 10)
     np.testing.assert_array_equal(r.tensors["hidden"].numpy(), x * 2)
 
 
-def test_publish_subscribe(pair) -> None:
+def test_publish_subscribe_by_topic(pair) -> None:
     a, b, _ = pair
     got: list[Message] = []
     b.on(MsgType.CAPACITY, lambda m, reply: got.append(m))
     b.subscribe(a_address(a))
-    cap = make(MsgType.CAPACITY, node="a", free_slots=3, queue=0, plan_version=1)
+    b.subscribe_topic(topic("cap/1"))
+    other = make(MsgType.CAPACITY, node="a", replica=10, free_slots=9, queue=0, plan_version=1)
+    cap = make(MsgType.CAPACITY, node="a", replica=1, free_slots=3, queue=0, plan_version=1)
     for _ in range(100):  # PUB drops until the SUB connection is up (the slow-joiner rule)
-        a.publish(cap)
+        a.publish(other, topic("cap/10"))  # a topic b did not subscribe to (and "cap/1" is its prefix)
+        a.publish(cap, topic("cap/1"))
         if wait_for(lambda: bool(got), timeout_s=0.1):
             break
-    assert got[0]["free_slots"] == 3 and got[0].src == "a"
+    time.sleep(0.2)
+    assert got and got[0]["free_slots"] == 3 and got[0].src == "a"
+    assert all(m["replica"] == 1 for m in got), "a node receives only the topics it subscribed to"
+
+
+def test_worker_handlers_run_off_the_io_thread_in_order(pair) -> None:
+    a, b, b_addr = pair
+    seen: list[tuple[int, str]] = []
+    worker = Worker("compute-b").start()
+    b.on(MsgType.TOKENS, lambda m, reply: seen.append((m["index"], threading.current_thread().name)), worker)
+    for i in range(20):
+        a.send(b_addr, make(MsgType.TOKENS, seq=1, token_ids=[i], index=i, finished=False, finish_reason=None))
+    assert wait_for(lambda: len(seen) == 20)
+    worker.close()
+    assert [i for i, _ in seen] == list(range(20)) and {t for _, t in seen} == {"compute-b"}
+
+
+def test_worker_step_runs_when_the_queue_is_empty() -> None:
+    left = [3]
+    done = threading.Event()
+
+    def step() -> bool:
+        left[0] -= 1
+        if left[0] == 0:
+            done.set()
+        return left[0] > 0
+
+    w = Worker("w", step).start()
+    assert done.wait(5) and left[0] == 0
+    w.submit(lambda: left.__setitem__(0, 2))  # an event wakes the step up again
+    assert wait_for(lambda: left[0] == 0, 5)
+    w.close()
+
+
+def test_a_second_handler_for_one_type_is_an_error(pair) -> None:
+    _, b, _ = pair
+    with pytest.raises(ValueError, match="already registered"):
+        b.on(MsgType.PING, lambda m, reply: None)
 
 
 def a_address(t: Transport) -> str:
@@ -111,12 +151,18 @@ def test_malformed_frames_are_dropped_and_the_node_keeps_serving(pair) -> None:
     assert a.request(b_addr, make(MsgType.PING), timeout_s=10).type is MsgType.PONG
 
 
-def test_handler_errors_do_not_kill_the_io_thread(pair) -> None:
+def test_handler_errors_answer_the_caller_and_do_not_kill_the_io_thread(pair) -> None:
     a, b, b_addr = pair
-    b.on(MsgType.GENERATE_REQ, lambda m, reply: m["no such field"])
-    a.send(b_addr, make(MsgType.GENERATE_REQ, request_id="r", prompt=None, prompt_token_ids=[], max_tokens=1,
-                        temperature=0.0, seed=0))
-    time.sleep(0.2)
+    b.on(MsgType.RELEASE, lambda m, reply: m["no such field"])  # a bug: KeyError
+
+    def bad_input(m: Message, reply) -> None:
+        raise ProtocolError("seq 5 is unknown here")
+
+    b.on(MsgType.KV_ACK, bad_input, Worker("w").start())
+    with pytest.raises(RemoteError, match="internal: RELEASE: KeyError"):
+        a.request(b_addr, make(MsgType.RELEASE, seq=1, reason="x"), timeout_s=10)
+    with pytest.raises(RemoteError, match="bad_request: KV_ACK: ProtocolError: seq 5 is unknown"):
+        a.request(b_addr, make(MsgType.KV_ACK, seq=5, node="a", length=1, plan_version=0), timeout_s=10)
     assert a.request(b_addr, make(MsgType.PING), timeout_s=10).type is MsgType.PONG
 
 

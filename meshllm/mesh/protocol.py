@@ -33,12 +33,13 @@ import msgpack
 import numpy as np
 
 MAGIC = b"MLLM"
-VERSION = 1
+VERSION = 2
 PREAMBLE = struct.Struct(">4sBBH")  # magic, version, type, n_tensors
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024  # a 1.7B-model KV transfer of a long prompt fits
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 16
 MAX_NDIM = 8
+MAX_SEQ_ID = (1 << 63) - 1
 RESERVED = {"src", "zone", "rid", "t"}  # header keys every message may carry
 
 
@@ -53,23 +54,39 @@ class MsgType(IntEnum):
     LEAVE = 4  # graceful leave
     STATUS_REQ = 5
     STATUS_REP = 6
-    ERROR = 7  # code + message; code "duplicate_id" refuses a newcomer
+    ERROR = 7  # code + message; code "duplicate_id" refuses a newcomer; a reply echoes the request's rid
     PING = 8  # echo request (latency probes, benches)
     PONG = 9
-    ACTIVATIONS = 10  # hidden states between pipeline stages
-    KV_TRANSFER = 11  # K and V of one sequence for a layer range (prefill -> decode)
+    ACTIVATIONS = 10  # a micro-batch's hidden states, stage i -> stage i+1 of one replica
+    KV_TRANSFER = 11  # K and V of one sequence for a layer range (prefill stage -> decode stage)
     DRAFT = 12  # a drafter's block of gamma tokens + their draft probabilities
     VERDICT = 13  # accepted count + correction token for one block
     CAPACITY = 14  # a decode replica's verification capacity, on PUB
-    GENERATE_REQ = 15  # client -> gateway
-    TOKENS = 16  # gateway -> client, streamed
+    GENERATE_REQ = 15  # gateway -> the leader (stage 0) of a prefill or mixed replica
+    TOKENS = 16  # a replica's leader -> gateway: new output tokens of one sequence
+    KV_ACK = 17  # decode stage -> its leader: it holds the KV of a sequence for its layers
+    RESULTS = 18  # last stage -> leader: the tokens sampled for a micro-batch
+    HANDOFF = 19  # prefill leader -> decode leader: a prefilled sequence, its first token, its settings
+    RELEASE = 20  # free (or abort) a sequence: gateway -> leader, leader -> its stages
+    PLAN = 21  # the coordinator's versioned plan, on PUB (and re-sent to newcomers)
+
+
+class SpanKind(IntEnum):
+    """What a span of a micro-batch is for, which says which rows need logits."""
+
+    PREFILL = 0  # a prompt chunk that is not the last: no logits
+    PREFILL_LAST = 1  # the last prompt chunk: logits of its last row (the first output token)
+    DECODE = 2  # one token: logits of its row
+    VERIFY = 3  # last committed token + gamma draft tokens: logits of every row
 
 
 _STR, _INT, _NUM, _BOOL = str, int, (int, float), bool
 _LIST, _MAP = (list, tuple), dict
 _OPT_INT, _OPT_STR = (int, type(None)), (str, type(None))
+_SAMPLING = {"temperature": _NUM, "top_k": _INT, "top_p": _NUM, "seed": _INT}
 
 # Required fields per type: name -> accepted python types; and the tensor names, in frame order.
+# Sequence ids (`seq`) are non-negative 63-bit integers everywhere.
 SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     MsgType.HELLO: ({"node": _STR, "incarnation": _INT, "address": _STR, "device": _MAP,
                      "roles": _LIST}, ()),
@@ -81,21 +98,110 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     MsgType.ERROR: ({"code": _STR, "message": _STR}, ()),
     MsgType.PING: ({}, ()),
     MsgType.PONG: ({}, ()),
-    # spans: [[seq_id, start_pos, n_tokens], ...] matching the rows of `hidden` (T, dim)
-    MsgType.ACTIVATIONS: ({"plan_version": _INT, "layer": _INT, "spans": _LIST}, ("hidden",)),
-    # k, v: (n_layers, n_kv_heads, length, head_dim) for layers [start, end)
-    MsgType.KV_TRANSFER: ({"seq_id": _STR, "layers": _LIST, "length": _INT}, ("k", "v")),
+    # spans: [WireSpan.to_wire(), ...] in row order of `hidden` (T, dim);
+    # ship: [[seq, decode replica id], ...] sequences whose KV this stage sends on after this batch
+    MsgType.ACTIVATIONS: ({"replica": _INT, "batch": _INT, "plan_version": _INT, "spans": _LIST,
+                           "ship": _LIST}, ("hidden",)),
+    # k, v: (n_layers, n_kv_heads, length, head_dim) for layers [start, end) = "layers"
+    MsgType.KV_TRANSFER: ({"seq": _INT, "layers": _LIST, "length": _INT, "replica": _INT,
+                           "plan_version": _INT}, ("k", "v")),
     # probs: (gamma, vocab) draft distribution of each drafted token (empty for greedy)
-    MsgType.DRAFT: ({"tenant": _STR, "seq_id": _STR, "block": _INT, "start": _INT, "tokens": _LIST},
+    MsgType.DRAFT: ({"tenant": _STR, "seq": _INT, "block": _INT, "start": _INT, "tokens": _LIST},
                     ("probs",)),
-    MsgType.VERDICT: ({"tenant": _STR, "seq_id": _STR, "block": _INT, "accepted": _INT,
+    MsgType.VERDICT: ({"tenant": _STR, "seq": _INT, "block": _INT, "accepted": _INT,
                        "correction": _OPT_INT}, ()),
-    MsgType.CAPACITY: ({"node": _STR, "free_slots": _INT, "queue": _INT, "plan_version": _INT}, ()),
-    MsgType.GENERATE_REQ: ({"request_id": _STR, "prompt": _OPT_STR, "prompt_token_ids": _LIST,
-                            "max_tokens": _INT, "temperature": _NUM, "seed": _INT}, ()),
-    MsgType.TOKENS: ({"request_id": _STR, "token_ids": _LIST, "finished": _BOOL, "finish_reason": _OPT_STR},
-                     ()),
+    MsgType.CAPACITY: ({"node": _STR, "replica": _INT, "free_slots": _INT, "queue": _INT,
+                        "plan_version": _INT}, ()),
+    MsgType.GENERATE_REQ: ({"seq": _INT, "prompt_token_ids": _LIST, "max_tokens": _INT, "sampling": _MAP,
+                            "stop_ids": _LIST, "decode_replica": _INT, "gateway": _STR,
+                            "plan_version": _INT}, ()),
+    # index: position in the output of token_ids[0]; queue_ms: the sequence's queueing so far
+    MsgType.TOKENS: ({"seq": _INT, "token_ids": _LIST, "index": _INT, "finished": _BOOL,
+                      "finish_reason": _OPT_STR}, ()),
+    MsgType.KV_ACK: ({"seq": _INT, "node": _STR, "length": _INT, "plan_version": _INT}, ()),
+    # out: [[seq, [token ids], [margins]], ...] one entry per span that needed logits
+    MsgType.RESULTS: ({"replica": _INT, "batch": _INT, "plan_version": _INT, "out": _LIST}, ()),
+    MsgType.HANDOFF: ({"seq": _INT, "prompt_len": _INT, "token": _INT, "max_tokens": _INT, "sampling": _MAP,
+                       "stop_ids": _LIST, "gateway": _STR, "plan_version": _INT}, ()),
+    MsgType.RELEASE: ({"seq": _INT, "reason": _STR}, ()),
+    MsgType.PLAN: ({"version": _INT, "coordinator": _STR, "plan": _MAP}, ()),
 }
+
+
+@dataclass(frozen=True)
+class WireSpan:
+    """One sequence's part of a micro-batch as it travels in ACTIVATIONS: `n` tokens from position
+    `start`; `index` is the output index of the token its logits choose (per-token seeding);
+    sampling parameters ride along so the last stage samples exactly as the reference does."""
+
+    seq: int
+    start: int
+    n: int
+    kind: SpanKind
+    index: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def to_wire(self) -> list:
+        return [self.seq, self.start, self.n, int(self.kind), self.index, self.temperature, self.top_k,
+                self.top_p, self.seed]
+
+    @staticmethod
+    def from_wire(x: Any) -> WireSpan:
+        if not isinstance(x, (list, tuple)) or len(x) != 9:
+            raise ProtocolError(f"span must be a list of 9 fields, got {x!r:.80}")
+        seq, start, n, kind, index, temp, top_k, top_p, seed = x
+        if not (_is_int(seq, 0, MAX_SEQ_ID) and _is_int(start, 0) and _is_int(n, 1) and _is_int(index, 0)
+                and _is_int(top_k, 0) and _is_int(seed) and kind in _KINDS and _is_num(temp, 0.0)
+                and _is_num(top_p, 0.0, 1.0)):
+            raise ProtocolError(f"bad span {x!r:.120}")
+        return WireSpan(seq, start, n, SpanKind(kind), index, float(temp), top_k, float(top_p), seed)
+
+
+_KINDS = {int(k) for k in SpanKind}
+
+
+def _is_int(v: Any, lo: int | None = None, hi: int | None = None) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool) and (lo is None or v >= lo)
+            and (hi is None or v <= hi))
+
+
+def _is_num(v: Any, lo: float | None = None, hi: float | None = None) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and (lo is None or v >= lo)
+            and (hi is None or v <= hi))
+
+
+def check_seq(v: Any, what: str = "seq") -> int:
+    """A sequence id from the network: a non-negative 63-bit integer, else ProtocolError."""
+    if not _is_int(v, 0, MAX_SEQ_ID):
+        raise ProtocolError(f"{what} must be an integer in [0, 2^63), got {v!r:.40}")
+    return v
+
+
+def check_sampling(m: Any) -> tuple[float, int, float, int]:
+    """A GENERATE/HANDOFF `sampling` map -> (temperature, top_k, top_p, seed), else ProtocolError."""
+    if not isinstance(m, dict) or set(m) != set(_SAMPLING):
+        raise ProtocolError(f"sampling must be a map with exactly {sorted(_SAMPLING)}")
+    t, k, p, seed = m["temperature"], m["top_k"], m["top_p"], m["seed"]
+    if not (_is_num(t, 0.0) and _is_int(k, 0) and _is_num(p, 0.0, 1.0) and p > 0 and _is_int(seed)):
+        raise ProtocolError(f"bad sampling parameters {m!r:.120}")
+    return float(t), k, float(p), seed
+
+
+def sampling_map(temperature: float, top_k: int, top_p: float, seed: int) -> dict[str, Any]:
+    return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p), "seed": int(seed)}
+
+
+def check_int_list(v: Any, what: str, lo: int = 0, hi: int | None = None, max_len: int | None = None) -> list[int]:
+    """A list of bounded integers from the network (token ids, layer ranges), else ProtocolError."""
+    if not isinstance(v, (list, tuple)) or (max_len is not None and len(v) > max_len):
+        raise ProtocolError(f"{what} must be a list of at most {max_len} integers")
+    if not all(_is_int(x, lo, hi) for x in v):
+        raise ProtocolError(f"{what} holds a value outside [{lo}, {hi}]")
+    return list(v)
+
 
 _TYPES = {int(t): t for t in MsgType}  # a dict lookup: Enum.__call__ is slow on the hot path
 

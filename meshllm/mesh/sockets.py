@@ -19,7 +19,7 @@ from typing import Protocol
 
 import zmq
 
-from meshllm.mesh.protocol import MAX_MESSAGE_BYTES, Message, encode
+from meshllm.mesh.protocol import MAX_MESSAGE_BYTES, Message, MsgType, encode
 
 SEND_TIMEOUT_S = 10.0  # a compute thread's send blocks at most this long on a full peer queue
 
@@ -92,6 +92,14 @@ class Shaper(Protocol):
     def due(self, src_zone: str, nbytes: int, now: float) -> float: ...
 
 
+class RemoteError(RuntimeError):
+    """A peer answered a request with ERROR (code, message)."""
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        super().__init__(f"{code}: {message}")
+
+
 class Requester:
     """Blocking requests and sends from any thread, each thread on its own DEALER per peer."""
 
@@ -129,6 +137,8 @@ class Requester:
             delay = self._shaper.due(reply.zone, nbytes(frames), arrived) - time.monotonic()
             if delay > 0:
                 time.sleep(delay)  # the emulated link of the reply
+            if reply.type is MsgType.ERROR and msg.type is not MsgType.ERROR:
+                raise RemoteError(str(reply.fields.get("code")), str(reply.fields.get("message")))
             return reply
         raise TimeoutError(f"no reply from {address} to {msg.type.name} in {timeout_s:.1f} s")
 

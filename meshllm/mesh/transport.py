@@ -1,17 +1,26 @@
 """The thin ZeroMQ layer of one node, plus link shaping for local emulation.
 
 Sockets of a node listening on HOST:PORT:
-    ROUTER  bound on tcp://HOST:PORT     point-to-point requests and replies
-    PUB     bound on tcp://HOST:PORT+1   broadcasts (heartbeats, gossip, capacity, drafts)
+    ROUTER  bound on tcp://HOST:PORT     point-to-point requests, replies and the data plane
+    PUB     bound on tcp://HOST:PORT+1   broadcasts; every PUB message starts with a topic frame
+                                         (TOPIC_MESH: heartbeats, gossip, plans; topic(name) for
+                                         the rest, e.g. a decode replica's drafts), so a node
+                                         receives only the topics it subscribed to
     SUB     connected to every peer's PUB
     DEALER  one per peer address for the I/O thread's own requests (HELLO, LEAVE), and one
             per peer and calling thread for `request`/`send` from compute threads (sockets.py)
 
 One I/O thread owns ROUTER, PUB, SUB and the control DEALERs. It runs the
-handlers (which must not block: heartbeats, gossip, status are answered here, so
-a long forward pass on a compute thread never looks like a death) and the
-timers. Other threads hand it work with `call_soon` (a deque plus a wake-up
-pipe). Every socket has linger=0. A malformed frame is logged and dropped. With
+control handlers (which must not block: heartbeats, gossip, status are answered
+here, so a long forward pass never looks like a death) and the timers. Data-plane
+handlers are registered with a `Worker` (a compute thread fed by a queue): the
+I/O thread only decodes and enqueues them. Other threads hand the I/O thread
+work with `call_soon` (a deque plus a wake-up pipe). Every socket has linger=0.
+A malformed frame is logged and dropped. A handler that fails answers its caller
+with ERROR carrying the request id (code "bad_request" for a ProtocolError,
+"internal" with a logged traceback for anything else), so no caller waits for a
+timeout. Data-plane sends from compute threads block while the peer's queue is
+full, at most SEND_TIMEOUT_S, then raise; they are never dropped silently. With
 a `cluster_key` every socket uses CURVE (sockets.CurveKeys).
 
 Link shaping (emulation only): with links configured, a message from a node in
@@ -26,6 +35,7 @@ import heapq
 import itertools
 import logging
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -34,7 +44,7 @@ from typing import Any
 
 import zmq
 
-from meshllm.mesh.protocol import Message, MsgType, ProtocolError, decode, encode
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, decode, encode, make
 from meshllm.mesh.sockets import CurveKeys, Requester, endpoint, make_socket, nbytes
 
 log = logging.getLogger("meshllm.mesh.transport")
@@ -43,6 +53,13 @@ POLL_MAX_S = 0.1  # the I/O loop wakes at least this often
 RECV_BUDGET = 256  # messages read from one socket per loop turn, so timers still run under load
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: IntFlag ops are slow
 Handler = Callable[[Message, Callable[[Message], None]], None]
+TOPIC_MESH = b"mesh\0"  # heartbeats, gossip, plans: every node subscribes
+
+
+def topic(name: str) -> bytes:
+    """A PUB/SUB topic frame. The NUL end makes ZeroMQ's prefix match exact ("draft/1" is not
+    "draft/10")."""
+    return name.encode() + b"\0"
 
 
 class LinkShaper:
@@ -76,15 +93,68 @@ class LinkShaper:
         return departed + one_way_s
 
 
-def guard(fn: Callable[[], Any], who: str) -> None:
-    """Run a handler or timer; a bug in one must not kill the I/O thread (and with it the heartbeats).
-    The error is logged with its traceback, never swallowed."""
+def guard(fn: Callable[[], Any], who: str) -> Exception | None:
+    """Run a handler or timer; a failure must not kill its thread (the I/O thread carries the
+    heartbeats). Bad input (ProtocolError) is logged in one line, anything else with its
+    traceback; never swallowed. Returns the exception, for the caller's answer."""
     try:
         fn()
-    except (ProtocolError, ValueError, KeyError, TypeError) as e:
-        log.warning("%s: handler failed on bad input: %s: %s", who, type(e).__name__, e)
-    except Exception:
+    except ProtocolError as e:
+        log.warning("%s: rejected bad input: %s", who, e)
+        return e
+    except Exception as e:
         log.exception("%s: handler crashed; the node keeps serving", who)
+        return e
+    return None
+
+
+class Worker:
+    """A compute thread fed by a queue. Data-plane handlers registered with it run here, in
+    arrival order, never on the I/O thread. `step` (optional) is background work run whenever
+    the queue is empty, e.g. a scheduler's next forward pass; it returns True while it has more."""
+
+    def __init__(self, name: str, step: Callable[[], bool] | None = None):
+        self.name, self._step = name, step
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopping = False
+
+    def start(self) -> Worker:
+        self._thread.start()
+        return self
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._q.put(fn)
+
+    def in_worker(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        self._q.put(None)
+        if self._thread.is_alive() and not self.in_worker():
+            self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        want_step = self._step is not None
+        while not self._stopping:
+            try:
+                fn = self._q.get(block=not want_step)
+            except queue.Empty:  # nothing queued: one unit of background work
+                want_step = self._run_step()
+                continue
+            if fn is None:
+                return
+            guard(fn, self.name)
+            want_step = self._step is not None  # drain every queued event, then step
+
+    def _run_step(self) -> bool:
+        more = [False]
+
+        def run() -> None:
+            more[0] = bool(self._step())
+
+        return guard(run, self.name) is None and more[0]  # a failed step does not spin
 
 
 class IOLoop:
@@ -167,13 +237,14 @@ class Transport:
         self.dropped = 0  # malformed messages dropped
         self.loop = IOLoop(node_id)
         self.client = Requester(self.ctx, curve, self._stamp, self._decode, self.shaper)
-        self._handlers: dict[MsgType, Handler] = {}
+        self._handlers: dict[MsgType, tuple[Handler, Worker | None]] = {}
         self._dealers: dict[str, zmq.Socket] = {}
         self._subscribed: set[str] = set()
         self._poller = zmq.Poller()
         self._stop = threading.Event()
         self.router, self.pub, self.sub = (make_socket(self.ctx, k, curve) for k in (zmq.ROUTER, zmq.PUB, zmq.SUB))
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, not vanishes
+        self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC_MESH)
         for sock, offset in ((self.router, 0), (self.pub, 1)):
             try:
                 sock.bind(endpoint(listen, offset))
@@ -186,9 +257,13 @@ class Transport:
         self.loop.thread = threading.Thread(target=self._run, name=f"mesh-io-{node_id}", daemon=True)
 
     # -- setup --------------------------------------------------------------------------------
-    def on(self, mtype: MsgType, handler: Handler) -> None:
-        """Run `handler(msg, reply)` on the I/O thread for each `mtype` message. `reply` is thread-safe."""
-        self._handlers[mtype] = handler
+    def on(self, mtype: MsgType, handler: Handler, worker: Worker | None = None) -> None:
+        """Run `handler(msg, reply)` for each `mtype` message: on the I/O thread (control plane;
+        must not block), or on `worker`'s thread (data plane). `reply` is thread-safe. One handler
+        per type: a second registration is a bug and raises."""
+        if mtype in self._handlers:
+            raise ValueError(f"{self.node_id}: a handler for {mtype.name} is already registered")
+        self._handlers[mtype] = (handler, worker)
 
     def every(self, interval_s: float, fn: Callable[[], None]) -> None:
         self.loop.every(interval_s, fn)
@@ -210,20 +285,22 @@ class Transport:
     def call_soon(self, fn: Callable[[], None]) -> None:
         self.loop.call_soon(fn)
 
-    def publish(self, msg: Message) -> None:
-        self.loop.call_soon(lambda: self._send(self.pub, msg))
+    def publish(self, msg: Message, topic_frame: bytes = TOPIC_MESH) -> None:
+        """Broadcast on this node's PUB under a topic; only subscribers of that topic receive it."""
+        self.loop.call_soon(lambda: self._send(self.pub, msg, topic_frame))
 
     def send(self, address: str, msg: Message) -> None:
         """Fire-and-forget to a peer's ROUTER. From the I/O thread it goes out on the control DEALER
         (replies reach this node's handlers); from any other thread on that thread's own DEALER,
-        blocking while the peer's queue is full (back-pressure), and replies to it are not read."""
+        blocking while the peer's queue is full (at most SEND_TIMEOUT_S, then TimeoutError)."""
         if self.loop.in_loop() or not self.loop.thread.is_alive():
             self.loop.call_soon(lambda: self._send(self._dealer(address), msg))
         else:
             self.client.send(address, msg)
 
     def request(self, address: str, msg: Message, timeout_s: float) -> Message:
-        """Blocking request/reply from a non-I/O thread. Raises TimeoutError."""
+        """Blocking request/reply from a non-I/O thread. Raises TimeoutError, or RemoteError when
+        the peer answers ERROR."""
         assert not self.loop.in_loop(), "the I/O thread must never block"
         return self.client.request(address, msg, timeout_s)
 
@@ -231,7 +308,12 @@ class Transport:
         self.client.close_thread_sockets()
 
     def subscribe(self, address: str) -> None:
+        """Connect the SUB socket to a peer's PUB (what arrives is filtered by topic)."""
         self.loop.call_soon(lambda: self._sub(address, True))
+
+    def subscribe_topic(self, topic_frame: bytes, on: bool = True) -> None:
+        opt = zmq.SUBSCRIBE if on else zmq.UNSUBSCRIBE
+        self.loop.call_soon(lambda: self.sub.setsockopt(opt, topic_frame))
 
     def forget(self, address: str) -> None:
         """Drop the SUB connection and the control DEALER to a peer that left."""
@@ -241,13 +323,14 @@ class Transport:
     def _stamp(self, msg: Message) -> None:
         msg.src, msg.zone = self.node_id, self.zone
 
-    def _send(self, sock: zmq.Socket, msg: Message, ident: bytes | None = None) -> None:
+    def _send(self, sock: zmq.Socket, msg: Message, first: bytes | None = None) -> None:
+        """Send on a socket the I/O thread owns; `first` is the ROUTER identity or the PUB topic."""
         self._stamp(msg)
         frames = encode(msg)
         try:
-            sock.send_multipart(([ident] if ident is not None else []) + frames, _NOBLOCK, copy=False)
+            sock.send_multipart(([first] if first is not None else []) + frames, _NOBLOCK, copy=False)
         except zmq.Again:
-            log.warning("%s: send queue full, dropped %s", self.node_id, msg.type.name)
+            log.warning("%s: send queue full, dropped control message %s", self.node_id, msg.type.name)
         except zmq.ZMQError as e:
             log.warning("%s: cannot send %s: %s", self.node_id, msg.type.name, e)
 
@@ -293,13 +376,16 @@ class Transport:
 
     def _receive(self, sock: zmq.Socket) -> None:
         """Read up to RECV_BUDGET ready messages from `sock`; hold back those on an emulated link."""
-        from_router = sock is self.router
+        from_router, from_sub = sock is self.router, sock is self.sub
         for _ in range(RECV_BUDGET):
             if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:  # cheaper than a recv raising Again
                 return
-            frames = sock.recv_multipart(_NOBLOCK, copy=False)
+            try:
+                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:  # EVENTS can report a message that a SUB filter then discards
+                return
             arrived = time.monotonic()
-            ident, body = (frames[0].bytes, frames[1:]) if from_router else (None, frames)
+            ident, body = (frames[0].bytes, frames[1:]) if from_router else (None, frames[1:] if from_sub else frames)
             msg = self._decode(body)
             if msg is None:
                 continue
@@ -310,10 +396,11 @@ class Transport:
                 self._dispatch(msg, ident)
 
     def _dispatch(self, msg: Message, ident: bytes | None) -> None:
-        handler = self._handlers.get(msg.type)
-        if handler is None:
+        entry = self._handlers.get(msg.type)
+        if entry is None:
             log.debug("%s: no handler for %s from %r", self.node_id, msg.type.name, msg.src)
             return
+        handler, worker = entry
 
         def reply(r: Message, _rid: int = msg.rid) -> None:
             if ident is None:
@@ -321,4 +408,13 @@ class Transport:
             r.rid = _rid
             self.loop.call_soon(lambda: self._send(self.router, r, ident))
 
-        guard(lambda: handler(msg, reply), self.node_id)
+        def run() -> None:
+            err = guard(lambda: handler(msg, reply), self.node_id)
+            if err is not None and msg.type is not MsgType.ERROR:
+                code = "bad_request" if isinstance(err, ProtocolError) else "internal"
+                reply(make(MsgType.ERROR, code=code, message=f"{msg.type.name}: {type(err).__name__}: {err}"))
+
+        if worker is None:
+            run()
+        else:
+            worker.submit(run)
