@@ -119,14 +119,20 @@ def roofline_at(flops, nbytes, flop_s, byte_s):
     return np.maximum(flops / flop_s, nbytes / byte_s)
 
 
+def span_work(mc: ModelCosts, n_layers, tokens, context):
+    """(FLOPs, bytes) of `tokens` new tokens at the end of a sequence of `context` tokens (them
+    included), weights excluded: a prefill chunk, or a whole prompt (tokens = context). Each new
+    token attends on average to context - tokens/2 positions; the sequence's KV is read/written
+    once. Elementwise over numpy arrays."""
+    flops = tokens * n_layers * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * (context - tokens / 2))
+    return flops, context * n_layers * mc.kv_bytes_per_token
+
+
 def prefill_work(mc: ModelCosts, n_layers, n_tokens, last=False):
     """(FLOPs, bytes) for a stage of `n_layers` layers to prefill one prompt of `n_tokens` tokens.
-    Attention sees on average n_tokens/2 positions; the LM head runs on the last token only (it
-    produces the first output token). Elementwise over numpy arrays."""
-    flops = n_tokens * n_layers * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * n_tokens / 2)
-    flops = flops + last * mc.head_flops_per_token
-    nbytes = mc.stage_weight_bytes(n_layers, False, last) + n_tokens * n_layers * mc.kv_bytes_per_token
-    return flops, nbytes
+    The LM head runs on the last token only (it produces the first output token)."""
+    flops, kv = span_work(mc, n_layers, n_tokens, n_tokens)
+    return flops + last * mc.head_flops_per_token, mc.stage_weight_bytes(n_layers, False, last) + kv
 
 
 def decode_work(mc: ModelCosts, n_layers, batch, context, last=False):
@@ -161,6 +167,21 @@ def stage_decode_s(mc: ModelCosts, device: DeviceProfile, n_layers: int, batch: 
     """Seconds for one decode (or verification) step of `batch` sequences at `context` tokens:
     max(FLOPs / compute, (weights + KV read) / bandwidth)."""
     return roofline(*decode_work(mc, n_layers, batch, context, last), device)
+
+
+def stage_batch_s(mc: ModelCosts, device: DeviceProfile, n_layers: int, spans: Sequence[tuple[int, int]],
+                  first: bool = False, last: bool = False, logit_rows: int = 0) -> float:
+    """Seconds for one stage's forward over a ragged batch (what the emulator's Pacer sleeps to).
+
+    spans: (new tokens, context after them) per sequence; a prefill chunk of t tokens from
+    position 0 is (t, t), a decode step is (1, c), a verification block is (gamma + 1, c).
+    Attention of a span reads on average c - t/2 positions (t/2 for a whole prompt, as in
+    stage_prefill_s; c for one decode token, as in stage_decode_s). The LM head runs on
+    `logit_rows` rows (last stage only)."""
+    work = [span_work(mc, n_layers, t, c) for t, c in spans]
+    flops = sum(f for f, _ in work) + last * logit_rows * mc.head_flops_per_token
+    nbytes = mc.stage_weight_bytes(n_layers, first, last) + sum(b for _, b in work)
+    return float(roofline(flops, nbytes, device))
 
 
 def prefill_time_s(args: ModelArgs, device: DeviceProfile, n_layers: int, n_tokens: int,
