@@ -32,6 +32,7 @@ from meshllm.errors import ConfigError, InputError
 from meshllm.partition.inputs import LengthDist, PlanInputs, PlanLink, PlanNode
 
 DISTS = ("fixed", "uniform", "lognormal")
+PLAN_SETTLE_S = 3.0  # a coordinator plans after membership has been quiet this long
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class ClusterConfig:
     speculation: SpeculationSpec = SpeculationSpec()
     workload: Workload = Workload()
     weights_dtype: str = DEFAULT_WEIGHT_DTYPE
+    time_scale: float = 1.0  # every emulated device and link this many times slower (BRIEF)
 
     def link(self, zone_a: str, zone_b: str) -> LinkSpec | None:
         for ln in self.links:
@@ -103,9 +105,19 @@ class NodeConfig:
     model: str = DEFAULT_MODEL
     roles: tuple[Role, ...] | None = None
     cluster_key: str | None = None
-    links: tuple[LinkSpec, ...] = ()  # only set by the emulator
+    links: tuple[LinkSpec, ...] = ()  # zone links: the planner's input; the emulator also shapes them
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S  # liveness: see mesh/membership.py
     failure_timeout_s: float = FAILURE_TIMEOUT_S  # a peer silent this long is dead
+    gateway: str | None = None  # HOST:PORT of this node's OpenAI-compatible HTTP API, if it runs one
+    # what the coordinator plans for (the cluster file's settings; see the README's node file schema)
+    draft: DraftSpec = DraftSpec()
+    speculation: SpeculationSpec = SpeculationSpec()
+    weights_dtype: str = DEFAULT_WEIGHT_DTYPE
+    workload: Workload = Workload()
+    expect_nodes: tuple[str, ...] = ()  # plan only once all of these are alive (emulation)
+    plan_settle_s: float = PLAN_SETTLE_S  # otherwise plan after membership is quiet this long
+    pace: bool = False  # emulation: stretch compute to the device profile's speed
+    time_scale: float = 1.0  # emulation: devices and links this many times slower
 
     @property
     def advertise_address(self) -> str:
@@ -189,8 +201,8 @@ def _model(v: Any, src: str) -> str:
 
 # -- cluster file ---------------------------------------------------------------------------
 def parse_cluster(data: dict, src: str) -> ClusterConfig:
-    _check_keys(data, {"model", "draft", "speculation", "nodes", "links", "workload", "weights_dtype"},
-                {"model", "nodes"}, src, "")
+    _check_keys(data, {"model", "draft", "speculation", "nodes", "links", "workload", "weights_dtype",
+                       "time_scale"}, {"model", "nodes"}, src, "")
     nodes_raw = data["nodes"]
     if not isinstance(nodes_raw, list) or not nodes_raw:
         raise ConfigError(src, "nodes", "must be a non-empty list")
@@ -213,6 +225,7 @@ def parse_cluster(data: dict, src: str) -> ClusterConfig:
         draft=_draft(data.get("draft") or {}, src), speculation=_spec(data.get("speculation") or {}, src),
         workload=_workload(data.get("workload") or {}, src),
         weights_dtype=_choice(data.get("weights_dtype", DEFAULT_WEIGHT_DTYPE), WEIGHT_DTYPES, src, "weights_dtype"),
+        time_scale=_time_scale(data.get("time_scale", 1.0), src),
     )
 
 
@@ -295,21 +308,31 @@ def resolve_args(model: str):
 
 def plan_inputs(cfg: ClusterConfig) -> PlanInputs:
     """The planner's and simulator's plain inputs for a cluster file."""
+    nodes = tuple(PlanNode(n.id, n.device, n.zone, n.roles) for n in cfg.nodes)
+    return _plan_inputs(cfg, nodes, cfg.source)
+
+
+def plan_inputs_for_nodes(cfg: NodeConfig, nodes: tuple[PlanNode, ...], source: str) -> PlanInputs:
+    """What a live coordinator plans for: the nodes of its peer table, with its own node file's
+    model, links and serving settings."""
+    return _plan_inputs(cfg, nodes, source)
+
+
+def _plan_inputs(cfg: ClusterConfig | NodeConfig, nodes: tuple[PlanNode, ...], source: str) -> PlanInputs:
     wl = cfg.workload
     spec_on = cfg.speculation.mode != "off" and cfg.draft.quant != "none"
     return PlanInputs(
-        source=cfg.source, args=resolve_args(cfg.model), dtype=cfg.weights_dtype,
-        nodes=tuple(PlanNode(n.id, n.device, n.zone, n.roles) for n in cfg.nodes),
+        source=source, args=resolve_args(cfg.model), dtype=cfg.weights_dtype, nodes=nodes,
         links=tuple(PlanLink(ln.zones, ln.rtt_ms, ln.bandwidth_mbps) for ln in cfg.links),
         input_tokens=wl.input_tokens, output_tokens=wl.output_tokens, rate_per_s=wl.arrival_rate_per_s,
-        requests=wl.requests, n_prompts=len(wl.prompts),
-        draft_quant=cfg.draft.quant if spec_on else None,
+        requests=wl.requests, n_prompts=len(wl.prompts), draft_quant=cfg.draft.quant if spec_on else None,
     )
 
 
 # -- node file ------------------------------------------------------------------------------
 NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "model", "roles", "cluster_key",
-             "links", "heartbeat_interval_s", "failure_timeout_s"}
+             "links", "heartbeat_interval_s", "failure_timeout_s", "gateway", "draft", "speculation",
+             "weights_dtype", "workload", "expect_nodes", "plan_settle_s", "pace", "time_scale"}
 
 
 def parse_node(data: dict, src: str) -> NodeConfig:
@@ -342,8 +365,38 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         zone=str(data.get("zone", "default")), listen=data["listen"], advertise=data.get("advertise"),
         seeds=tuple(seeds), mdns=mdns, model=_model(data.get("model", DEFAULT_MODEL), src),
         roles=_roles(data.get("roles"), src, "roles"), cluster_key=None if key is None else str(key), links=links,
-        heartbeat_interval_s=hb, failure_timeout_s=fail,
+        heartbeat_interval_s=hb, failure_timeout_s=fail, gateway=_gateway(data.get("gateway"), src),
+        **_serving(data, src),
     )
+
+
+def _gateway(v: Any, src: str) -> str | None:
+    if v is None:
+        return None
+    _check_keys(v, {"listen"}, {"listen"}, src, "gateway.")
+    split_hostport(v["listen"], src, "gateway.listen")
+    return v["listen"]
+
+
+def _serving(d: dict, src: str) -> dict[str, Any]:
+    """The node-file keys shared with cluster files (what the coordinator plans for) and emulation."""
+    expect = d.get("expect_nodes") or []
+    if not isinstance(expect, list) or not all(isinstance(x, str) and x for x in expect):
+        raise ConfigError(src, "expect_nodes", "must be a list of node ids")
+    pace = d.get("pace", False)
+    if not isinstance(pace, bool):
+        raise ConfigError(src, "pace", f"must be true or false, got {pace!r}")
+    return dict(
+        draft=_draft(d.get("draft") or {}, src), speculation=_spec(d.get("speculation") or {}, src),
+        weights_dtype=_choice(d.get("weights_dtype", DEFAULT_WEIGHT_DTYPE), WEIGHT_DTYPES, src, "weights_dtype"),
+        workload=_workload(d.get("workload") or {}, src), expect_nodes=tuple(expect),
+        plan_settle_s=float(_num(d.get("plan_settle_s", PLAN_SETTLE_S), src, "plan_settle_s")),
+        pace=pace, time_scale=_time_scale(d.get("time_scale", 1.0), src),
+    )
+
+
+def _time_scale(v: Any, src: str) -> float:
+    return float(_num(v, src, "time_scale", lo=1.0))
 
 
 def load_node(path: str | Path) -> NodeConfig:

@@ -42,3 +42,8 @@ DEFAULT_WEIGHT_DTYPE = "fp16"
 
 HEARTBEAT_INTERVAL_S = 0.5
 FAILURE_TIMEOUT_S = 2.5  # a peer silent this long is dead (<= 3 s by default)
+
+
+def served_name(model_spec: str) -> str:
+    """The model name the OpenAI API serves a model under: a registry name, or a path's last part."""
+    return model_spec.rstrip("/").rsplit("/", 1)[-1]

@@ -14,8 +14,8 @@ with the emulator even if the emulator is killed with -9.
 
 Emulated links: every node's transport delays messages from another zone by
 rtt/2 + bytes/bandwidth, FIFO per link (see transport.LinkShaper). Emulated
-device speed: `Pacer` (below) stretches each measured compute step to the time
-the device profile predicts.
+device speed: every stage's `Pacer` (roles/pacer.py) stretches each measured
+compute step to the time the device profile predicts, times the cluster's time_scale.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -31,18 +32,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from meshllm.config import ClusterConfig, NodeSpec
+from meshllm.defaults import STAGE_ROLES, Role, served_name
+from meshllm.errors import InputError
 from meshllm.mesh.node import query_status
 from meshllm.mesh.sockets import free_port_pair
+from meshllm.workload import Job, run_jobs, summarize
 
 log = logging.getLogger("meshllm.emulate")
 
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
 FORMATION_TIMEOUT_S = 60.0  # generous: N interpreters start on a small machine
+READY_TIMEOUT_S = 300.0  # every stage imports torch and loads its layers (2 cores, many processes)
 TEARDOWN_GRACE_S = 3.0  # SIGTERM, then SIGKILL
 STATUS_POLL_S = 0.1
 METRIC_KEYS = ("ttft_ms_mean", "ttft_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s",
@@ -50,55 +54,39 @@ METRIC_KEYS = ("ttft_ms_mean", "ttft_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_
                "accepted_tokens")
 
 
-class Pacer:
-    """Device-speed emulation: make a compute step last as long as the device profile predicts.
-
-    The host CPU is (usually) faster than the emulated device. After a step that
-    started at `started_at` (a `clock()` reading), `pace(predicted_s, started_at)`
-    sleeps `predicted_s - measured` when that is positive; a step already slower
-    than predicted is not stretched (it is counted in `overrun_s`). `predict` is
-    injected (e.g. partition/cost.py's roofline time for a stage on a device).
-    """
-
-    def __init__(self, predict: Callable[..., float] | None = None, *, enabled: bool = True,
-                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
-        self.predict, self.enabled, self.clock, self._sleep = predict, enabled, clock, sleep
-        self.steps = 0
-        self.measured_s = self.slept_s = self.overrun_s = 0.0
-
-    def pace(self, predicted_s: float, started_at: float) -> float:
-        """Sleep the rest of `predicted_s`; returns the seconds slept."""
-        measured = self.clock() - started_at
-        self.steps += 1
-        self.measured_s += measured
-        lag = predicted_s - measured
-        if lag <= 0 or not self.enabled:
-            self.overrun_s += max(0.0, -lag)
-            return 0.0
-        self._sleep(lag)
-        self.slept_s += lag
-        return lag
-
-    @contextlib.contextmanager
-    def step(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        """`with pacer.step(stage, n_tokens): forward(...)`: paced to `predict(*args, **kwargs)`."""
-        assert self.predict is not None, "Pacer.step needs a predict callable"
-        started = self.clock()
-        yield
-        self.pace(self.predict(*args, **kwargs), started)
-
-
-def node_file(spec: NodeSpec, cfg: ClusterConfig, address: str, seed: str) -> dict[str, Any]:
+def node_file(spec: NodeSpec, cfg: ClusterConfig, address: str, seed: str, gateway: str | None = None) -> dict[str, Any]:
+    """The node file the emulator writes for one node of the cluster file."""
     device = {k: v for k, v in dataclasses.asdict(spec.device).items()}
+    wl = cfg.workload
     out: dict[str, Any] = {
         "id": spec.id, "device": device, "zone": spec.zone, "listen": address, "seeds": [seed], "mdns": False,
         "model": cfg.model,
         "links": [{"zones": list(ln.zones), "rtt_ms": ln.rtt_ms, "bandwidth_mbps": ln.bandwidth_mbps}
                   for ln in cfg.links],
+        "draft": dataclasses.asdict(cfg.draft), "speculation": dataclasses.asdict(cfg.speculation),
+        "weights_dtype": cfg.weights_dtype,
+        "workload": {"max_tokens": wl.max_tokens, "temperature": wl.temperature,
+                     "arrival_rate_per_s": wl.arrival_rate_per_s, "requests": wl.requests,
+                     "input_tokens": dataclasses.asdict(wl.input_tokens),
+                     "output_tokens": dataclasses.asdict(wl.output_tokens)},
+        "expect_nodes": [n.id for n in cfg.nodes], "pace": True, "time_scale": cfg.time_scale,
     }
     if spec.roles:
-        out["roles"] = list(spec.roles)
+        out["roles"] = [str(r) for r in spec.roles]
+    if gateway:
+        out["gateway"] = {"listen": gateway}
     return out
+
+
+def gateway_node(cfg: ClusterConfig) -> str:
+    """The node that runs the emulated mesh's gateway: one whose roles name `gateway`, else the
+    first that may hold a stage, else the first node."""
+    for want in (lambda n: n.roles is not None and Role.GATEWAY in n.roles,
+                 lambda n: n.roles is None or bool(set(n.roles) & set(STAGE_ROLES)), lambda n: True):
+        for n in cfg.nodes:
+            if want(n):
+                return n.id
+    raise AssertionError("a cluster has at least one node")
 
 
 def _die_with_parent() -> None:
@@ -119,6 +107,8 @@ class EmulatedCluster:
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="meshllm-cluster-"))
         self.addresses: dict[str, str] = {}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.gateway_node = gateway_node(cfg)
+        self.gateway = f"127.0.0.1:{free_port_pair()}"  # the OpenAI API of the emulated mesh
 
     def __enter__(self) -> EmulatedCluster:
         atexit.register(self.close)
@@ -146,7 +136,8 @@ class EmulatedCluster:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         for spec in self.cfg.nodes:
             path = self.workdir / f"{spec.id}.yaml"
-            path.write_text(yaml.safe_dump(node_file(spec, self.cfg, self.addresses[spec.id], seed)))
+            gw = self.gateway if spec.id == self.gateway_node else None
+            path.write_text(yaml.safe_dump(node_file(spec, self.cfg, self.addresses[spec.id], seed, gw)))
             with open(self.workdir / f"{spec.id}.log", "wb") as logf:
                 self.procs[spec.id] = subprocess.Popen(
                     [sys.executable, str(LAUNCH), "--node-config", str(path)], stdin=subprocess.DEVNULL,
@@ -173,6 +164,18 @@ class EmulatedCluster:
             time.sleep(STATUS_POLL_S)
         missing = {n: sorted(set(ids) - {n} - _alive(statuses.get(n, {}))) for n in ids}
         raise RuntimeError(f"the mesh did not form within {timeout_s:g} s; unseen peers: {missing}")
+
+    def wait_serving(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        """Block until the gateway says every replica of the plan is loaded; returns /health."""
+        deadline, last = time.monotonic() + timeout_s, {}
+        while time.monotonic() < deadline:
+            self._check_alive()
+            code, last = http_json(f"http://{self.gateway}/health", timeout_s=2.0)
+            if code == 200:
+                return last
+            time.sleep(STATUS_POLL_S * 3)
+        raise RuntimeError(f"the mesh did not start serving within {timeout_s:g} s (gateway health: {last}); "
+                           f"gateway log: {self.log_tail(self.gateway_node)}")
 
     def _check_alive(self) -> None:
         for nid, proc in self.procs.items():
@@ -206,41 +209,139 @@ def _sees_all(status: dict, ids: list[str]) -> bool:
     return set(ids) - {status["node"]} <= _alive(status)
 
 
-def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any]:
-    """Emulate `cfg`, wait for the mesh, report it (serving lands with the serving issues)."""
+def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
+    """Emulate `cfg`, wait until it serves, run its workload (or `--prompt`s) through the gateway,
+    report results, metrics and the live plan; with `serve`, keep serving until Ctrl-C instead."""
     from meshllm.config import plan_inputs
     from meshllm.partition.plan import plan_cluster
 
     timeout_s = getattr(args, "timeout", None) or FORMATION_TIMEOUT_S
-    plan = plan_cluster(plan_inputs(cfg), seed=getattr(args, "seed", 0) or 0)  # infeasible -> exit 2 before any spawn
+    plan = plan_cluster(plan_inputs(cfg), seed=0, log=False)  # infeasible -> exit 2 before any spawn
     log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s", len(plan.replicas), len(plan.drafters),
              plan.planner_s)
+    jobs = workload_jobs(cfg, args)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         t0 = time.monotonic()
         with EmulatedCluster(cfg) as cluster:
-            statuses = cluster.wait_formed(timeout_s)
+            cluster.wait_formed(timeout_s)
             formed_s = time.monotonic() - t0
-            log.info("mesh of %d nodes formed in %.2f s", len(cfg.nodes), formed_s)
-            return mesh_report(cfg, cluster, statuses, formed_s, plan.to_json())
+            log.info("mesh of %d nodes formed in %.2f s; loading the plan's layers", len(cfg.nodes), formed_s)
+            cluster.wait_serving(max(timeout_s, READY_TIMEOUT_S))
+            log.info("serving after %.1f s", time.monotonic() - t0)
+            if getattr(args, "serve", False):
+                return serve_until_interrupted(cluster)
+            outs = run_jobs(f"http://{cluster.gateway}", served_name(cfg.model), jobs,
+                            cfg.workload.arrival_rate_per_s, getattr(args, "seed", 0) or 0,
+                            progress=len(jobs) > 1)
+            return cluster_report(cfg, cluster, outs, formed_s)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def workload_jobs(cfg: ClusterConfig, args: Any) -> list[Job]:
+    """The requests of a run: `--prompt`s, or the cluster file's prompts cycled to `requests`."""
+    wl = cfg.workload
+    prompts = list(getattr(args, "prompt", None) or wl.prompts)
+    if not prompts:
+        raise InputError(f"{cfg.source}: workload.prompts: no prompts to run (give --prompt TEXT or list "
+                         "workload.prompts)")
+    n = len(prompts) if getattr(args, "prompt", None) else (wl.requests or len(prompts))
+    max_tokens = getattr(args, "max_tokens", None) or wl.max_tokens
+    temp = getattr(args, "temperature", None)
+    temp = wl.temperature if temp is None else temp
+    return [Job(prompts[i % len(prompts)], max_tokens, temp, getattr(args, "seed", 0) or 0,
+                bool(getattr(args, "chat", False)), getattr(args, "top_p", 1.0) or 1.0,
+                getattr(args, "top_k", 0) or 0) for i in range(n)]
+
+
+def serve_until_interrupted(cluster: EmulatedCluster) -> None:
+    print(f"meshllm: serving on http://{cluster.gateway}", file=sys.stderr, flush=True)
+    try:
+        while True:
+            cluster._check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("meshllm: stopping the emulated mesh", file=sys.stderr, flush=True)
+    return None
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwinds through the `with`, which tears the cluster down
 
 
-def mesh_report(cfg: ClusterConfig, cluster: EmulatedCluster, statuses: dict[str, dict],
-                formed_s: float, plan: dict[str, Any] | None = None) -> dict[str, Any]:
-    nodes = [{"id": n.id, "zone": n.zone, "device": n.device.name, "address": cluster.addresses[n.id],
-              "pid": cluster.procs[n.id].pid, "peers": sorted(_alive(statuses[n.id]))} for n in cfg.nodes]
-    return {
-        "results": [],
-        "metrics": {k: None for k in METRIC_KEYS},
-        "plan": plan,
-        "mesh": {"nodes": nodes, "formation_s": round(formed_s, 3),
-                 "links": [{"zones": list(ln.zones), "rtt_ms": ln.rtt_ms, "bandwidth_mbps": ln.bandwidth_mbps}
-                           for ln in cfg.links]},
-        "note": "mesh and plan only: serving the workload (results, metrics) lands with the serving issues",
-    }
+def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, formed_s: float) -> dict[str, Any]:
+    """The BRIEF's `--cluster` JSON: results, metrics (with each node's memory and traffic) and the
+    plan the mesh actually served."""
+    _, live = http_json(f"http://{cluster.gateway}/v1/plan")
+    nodes = {}
+    for n in cfg.nodes:
+        with contextlib.suppress(TimeoutError, RuntimeError):
+            st = query_status(cluster.addresses[n.id], timeout_s=5.0)
+            nodes[n.id] = {"roles": st["roles"], **node_figures(st["load"])}
+    metrics = summarize(outs)
+    metrics.update(serving_figures(nodes, live.get("plan", {}), outs))
+    metrics["nodes"] = nodes
+    failed = [o for o in outs if o.error]
+    if failed:
+        log.error("%d of %d requests failed; first: %s", len(failed), len(outs), failed[0].error)
+    return {"results": [o.to_json() for o in outs], "metrics": metrics, "plan": live.get("plan"),
+            "plan_version": live.get("version"), "mesh": {"formation_s": round(formed_s, 3),
+                                                           "gateway": f"http://{cluster.gateway}"}}
+
+
+def node_figures(load: dict) -> dict[str, Any]:
+    st = load.get("stage") or {}
+    return {"rss_mb": load.get("rss_mb"), "layers": st.get("layers"), "replica": st.get("replica"),
+            "kv_bytes_sent": st.get("kv_bytes_sent", 0), "kv_bytes_received": st.get("kv_bytes_received", 0),
+            "tokens": st.get("tokens", {}), "pacer": st.get("pacer")}
+
+
+def serving_figures(nodes: dict, plan: dict, outs: list) -> dict[str, Any]:
+    """KV shipped per prefilled prompt token, and prompt tokens computed on decode replicas (0)."""
+    roles = {s["node"]: r["role"] for r in plan.get("replicas", []) for s in r["stages"]}
+    sent = sum(v["kv_bytes_sent"] for k, v in nodes.items() if roles.get(k) == "prefill")
+    prefilled = sum(sum(v["tokens"].get(x, 0) for x in ("prefill", "prefill_last")) for k, v in nodes.items()
+                    if roles.get(k) == "prefill" and v.get("layers") and v["layers"][0] == 0)
+    recomputed = sum(sum(v["tokens"].get(x, 0) for x in ("prefill", "prefill_last")) for k, v in nodes.items()
+                     if roles.get(k) == "decode")
+    return {"kv_bytes_per_prefilled_token": round(sent / prefilled, 3) if prefilled else None,
+            "decode_prompt_tokens_computed": recomputed}
+
+
+def http_json(url: str, timeout_s: float = 10.0) -> tuple[int, dict]:
+    """GET a JSON document; (status, body), (0, {}) when nothing answers."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        with contextlib.suppress(ValueError):
+            return e.code, json.loads(e.read())
+        return e.code, {}
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, {}
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """Readable `--cluster` output: each prompt's text, then a small metrics table."""
+    lines = []
+    for i, res in enumerate(r["results"]):
+        lines.append(f"--- [{i}] {res['prompt']!r}")
+        lines.append(res.get("error") and f"ERROR: {res['error']}" or res["text"].strip())
+    m = r["metrics"]
+    lines.append("--- metrics")
+    rows = [("requests (failed)", f"{m['requests']} ({m['failed']})"),
+            ("TTFT mean / p99 (ms)", f"{m['ttft_ms_mean']} / {m['ttft_ms_p99']}"),
+            ("ITL mean / p50 / p99 (ms)", f"{m['itl_ms_mean']} / {m['itl_ms_p50']} / {m['itl_ms_p99']}"),
+            ("output tokens/s", f"{m['output_tokens_per_s']}"),
+            ("queue wait mean (ms)", f"{m['queue_wait_ms_mean']}")]
+    if m.get("acceptance_rate") is not None:
+        rows.append(("acceptance rate / mean length", f"{m['acceptance_rate']} / {m['mean_acceptance_length']}"))
+    rows += [(f"node {k} {','.join(v['roles']) or '-'} layers {v['layers'] or '-'}", f"{v['rss_mb']} MB")
+             for k, v in m.get("nodes", {}).items()]
+    width = max(len(a) for a, _ in rows)
+    lines += [f"{a:<{width}}  {b}" for a, b in rows]
+    return "\n".join(lines)

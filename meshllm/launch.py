@@ -4,6 +4,7 @@ Run `python launch.py --help` (or the `meshllm` console script). Modes:
 
     --node-config NODE.yaml     run one node until SIGINT/SIGTERM
     --cluster CLUSTER.yaml      emulate a whole cluster locally, run its workload, tear down
+    --cluster CLUSTER.yaml --serve   emulate it and keep serving the OpenAI API until Ctrl-C
     --plan CLUSTER.yaml         planner only (--json, --png FILE)
     --simulate CLUSTER.yaml     discrete-event simulation with baselines (--json, --rate R)
     --reference                 single-process reference generation (the oracle)
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.add_argument("--serve", action="store_true", help="cluster: keep serving the HTTP API until Ctrl-C")
     p.add_argument("--png", metavar="FILE", help="plan: draw the plan to FILE")
     p.add_argument("--rate", type=float, default=None, help="simulate: override the arrival rate (req/s)")
     p.add_argument("--timeout", type=float, default=None, help="status/cluster: seconds to wait")
@@ -112,11 +114,16 @@ def cmd_node(a: argparse.Namespace) -> int:
 
 def cmd_cluster(a: argparse.Namespace) -> int:
     from meshllm.config import load_cluster
-    from meshllm.emulate import run_cluster
+    from meshllm.emulate import format_report, run_cluster
 
+    if a.max_tokens is not None and a.max_tokens < 1:
+        raise InputError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     result = run_cluster(load_cluster(a.cluster), a)
-    _emit(result, a.json)
-    return 0
+    if result is None:  # --serve, stopped with Ctrl-C / SIGTERM
+        return 0
+    _emit(result, a.json, None if a.json else format_report(result))
+    failed = result["metrics"].get("failed", 0)
+    return 1 if failed else 0
 
 
 def cmd_status(a: argparse.Namespace) -> int:

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from meshllm.config import parse_cluster, parse_node
-from meshllm.emulate import METRIC_KEYS, Pacer, node_file
+from meshllm.emulate import METRIC_KEYS, node_file
+from meshllm.roles.pacer import Pacer
 from tests.conftest import REPO, run_cli
 
 DEV = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}

@@ -52,7 +52,7 @@ def sample(mtype: MsgType) -> p.Message:
                                       sampling=p.sampling_map(0, 0, 1.0, 0), stop_ids=[], gateway="h:1",
                                       plan_version=2),
         MsgType.RELEASE: lambda: make(mtype, seq=11, reason="finished"),
-        MsgType.PLAN: lambda: make(mtype, version=3, coordinator="a", plan={"replicas": []}),
+        MsgType.PLAN: lambda: make(mtype, version=3, coordinator="a", plan={"replicas": []}, addresses={"a": "h:1"}),
     }
     return t[mtype]()
 

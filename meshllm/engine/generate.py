@@ -15,7 +15,7 @@ import torch
 
 from meshllm.engine.kvcache import KVCache
 from meshllm.engine.model import SeqSpan, Transformer, last_rows
-from meshllm.engine.sampling import SamplingParams, margins, sample, token_generator
+from meshllm.engine.sampling import SamplingParams, choose_tokens
 from meshllm.errors import InputError
 
 log = logging.getLogger("meshllm.engine.generate")
@@ -65,9 +65,9 @@ def generate(model: Transformer, prompt_ids: list[int], opts: GenerationOptions,
     logits = prefill(model, cache, 0, prompt_ids)
     out, marg, budget = [], [], min(opts.max_tokens, room)
     while True:
-        tok = int(sample(logits, opts.sampling, token_generator(opts.seed, len(out)))[0])
+        (tok,), (m,) = choose_tokens(logits, opts.sampling, opts.seed, len(out))
         out.append(tok)
-        marg.append(float(margins(logits)[0]))
+        marg.append(m)
         if tok in eos_ids or len(out) == budget:
             return GenResult(list(prompt_ids), out, marg, "stop" if tok in eos_ids else "length")
         logits = decode_one_token(model, cache, 0, tok)

@@ -37,11 +37,14 @@ class KVCache:
         self._slots: dict[int, _Slot] = {}
 
     # -- slot lifecycle ----------------------------------------------------------------
-    def allocate(self, seq_id: int, capacity: int = _MIN_CAPACITY) -> None:
+    def allocate(self, seq_id: int, capacity: int = _MIN_CAPACITY, length: int = 0) -> None:
+        """A new slot; `length` > 0 pretends that many (zero) positions are already held, a scratch
+        slot for a sequence released while its micro-batch was in flight (its output is discarded)."""
         if seq_id in self._slots:
             raise KeyError(f"sequence {seq_id} already has a KV slot")
-        shape = (self.end - self.start, self.n_kv_heads, max(capacity, 1), self.head_dim)
-        self._slots[seq_id] = _Slot(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+        shape = (self.end - self.start, self.n_kv_heads, max(capacity, length, 1), self.head_dim)
+        self._slots[seq_id] = _Slot(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype),
+                                    length)
 
     def free(self, seq_id: int) -> None:
         self._slots.pop(seq_id, None)

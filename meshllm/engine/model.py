@@ -225,7 +225,7 @@ class Transformer(nn.Module):
         slot must hold exactly `start_pos` tokens; afterwards it holds start_pos + n_tokens.
         """
         ctx = self._context(spans, cache)
-        h = (self.tok_embeddings(x) if self.has_embed else x).to(self._act_dtype())
+        h = (self.tok_embeddings(x) if self.has_embed else x).to(self.act_dtype)
         for layer in self.layers:
             h = layer(h, ctx)
         cache.commit(spans)
@@ -235,9 +235,10 @@ class Transformer(nn.Module):
             h = h[logits_rows]
         return self.output(self.norm(h)).float()
 
-    def _act_dtype(self) -> torch.dtype:
-        n = self.layers[0].attention_norm.weight
-        return n.dtype
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """dtype of the hidden states between layers (and between pipeline stages)."""
+        return self.layers[0].attention_norm.weight.dtype
 
 
 HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

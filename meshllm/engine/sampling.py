@@ -95,3 +95,14 @@ def verify_sampled(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs:
         resid = resid / resid.sum() if resid.sum() > 0 else target_probs[i]
         return i, int(torch.multinomial(resid, 1, generator=gen))
     return g, int(torch.multinomial(target_probs[g], 1, generator=gen))
+
+
+def choose_tokens(logits: torch.Tensor, p: SamplingParams, seed: int, first_index: int) -> tuple[list[int], list[float]]:
+    """(R, V) logits of consecutive output positions -> (tokens, margins); row i is output token
+    `first_index + i`, sampled with its own generator. The one sampling path of the reference and
+    of every last stage of the mesh."""
+    marg = margins(logits).tolist()
+    if p.greedy:
+        return logits.argmax(-1).tolist(), marg
+    toks = [int(sample(logits[i:i + 1], p, token_generator(seed, first_index + i))[0]) for i in range(logits.shape[0])]
+    return toks, marg

@@ -22,10 +22,9 @@ LEAVE_FLUSH_S = 0.2  # time for LEAVE messages to reach the wire before the sock
 
 class MeshAgent:
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo,
-                 roles: tuple[str, ...] = (), load: Callable[[], dict[str, Any]] | None = None):
-        self.t, self.members, self.me, self.roles = transport, members, me, roles
-        self.plan_version = 0
-        self._load = load or (lambda: {})
+                 serving: Callable[[], dict[str, Any]] | None = None):
+        self.t, self.members, self.me = transport, members, me
+        self._serving = serving or (lambda: {"plan_version": 0, "roles": list(me.roles), "load": {}})
         self._seq = 0
         self._started = time.monotonic()
         transport.on(MsgType.HEARTBEAT, self._on_heartbeat)
@@ -46,15 +45,16 @@ class MeshAgent:
 
     def load(self) -> dict[str, Any]:
         return {"uptime_s": round(time.monotonic() - self._started, 3), "heartbeat_seq": self._seq,
-                "dropped_messages": self.t.dropped, **self._load()}
+                "dropped_messages": self.t.dropped, **self._serving()["load"]}
 
     def status(self) -> dict[str, Any]:
         peers = [{"id": p.info.id, "state": p.state.value, "address": p.info.address, "device": p.info.device,
                   "zone": p.info.zone, "roles": list(p.info.roles), "incarnation": p.info.incarnation}
                  for p in self.members.peers()]
+        serving = self._serving()
         return {"node": self.me.id, "address": self.me.address, "zone": self.me.zone, "device": self.me.device,
-                "incarnation": self.me.incarnation, "peers": peers, "plan_version": self.plan_version,
-                "roles": list(self.roles), "load": self.load()}
+                "incarnation": self.me.incarnation, "peers": peers, "plan_version": serving["plan_version"],
+                "roles": serving["roles"], "load": self.load()}
 
     def leave(self) -> None:
         """Tell every peer we are leaving (PUB and a direct message each), from any thread."""

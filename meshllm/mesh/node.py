@@ -1,10 +1,12 @@
 """One mesh node in one process: composes transport, membership, discovery and roles.
 
 `run_node(cfg)` is what `python launch.py --node-config NODE.yaml` runs: it joins
-the mesh (seeds and/or mDNS), heartbeats, answers `--status`, and on SIGINT or
-SIGTERM tells its peers it is leaving and exits 0. A node refused for a
-duplicate id exits 1. Nothing here imports torch: a node starts in well under a
-second.
+the mesh (seeds and/or mDNS), heartbeats, answers `--status`, takes part in the
+coordinator election, applies every plan (loading its own layer range, roles/host.py),
+runs the OpenAI-compatible gateway if its node file has `gateway: {listen: HOST:PORT}`,
+and on SIGINT or SIGTERM tells its peers it is leaving and exits 0. A node refused
+for a duplicate id exits 1. Torch is imported only once the node holds a stage, so a
+node joins the mesh in well under a second.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
 from meshllm.mesh.sockets import CurveKeys, endpoint, make_socket
 from meshllm.mesh.transport import LinkShaper, Transport
+from meshllm.roles.coordinator import Coordinator
+from meshllm.roles.host import RoleHost
+from meshllm.roles.pacer import pacer_factory
 
 log = logging.getLogger("meshllm.mesh.node")
 
@@ -48,13 +53,30 @@ class Node:
         self.stopped = threading.Event()
         self.members = Membership(cfg.id, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                   failure_timeout_s=cfg.failure_timeout_s)
-        self.transport = Transport(cfg.id, cfg.zone, cfg.listen, LinkShaper(cfg.zone, cfg.links),
+        self.transport = Transport(cfg.id, cfg.zone, cfg.listen, LinkShaper(cfg.zone, cfg.links, cfg.time_scale),
                                    curve=CurveKeys.from_file(cfg.cluster_key))
-        self.mesh = MeshAgent(self.transport, self.members, self.me, tuple(cfg.roles or ()))
+        self.host = RoleHost(self.transport, cfg.id, cfg.model, pacer_factory(cfg) if cfg.pace else None)
+        self.mesh = MeshAgent(self.transport, self.members, self.me, self.host.status)
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
         self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None
+        self.coordinator = Coordinator(self.transport, self.members, self.me, cfg, lambda: self.host.offered,
+                                       self.host.offer)
+        self.gateway = self.api = None
+        if cfg.gateway:
+            from meshllm.roles.gateway import Gateway  # lazy: aiohttp, the tokenizer
+            from meshllm.roles.http_api import ApiServer
+
+            self.gateway = Gateway(self.transport, self.members, self.me, cfg)
+            self.host.listeners.append(self.gateway.on_plan)
+            self.api = ApiServer(self.gateway, cfg.gateway)
 
     def start(self) -> Node:
+        if self.gateway is not None:
+            self.gateway.load_model_info()  # a bad model path fails here, before joining
+            self.api.start()
+            log.info("%s: gateway serving the OpenAI API on http://%s", self.me.id, self.cfg.gateway)
+        self.host.start()
+        self.coordinator.start()
         self.transport.start()
         if self.mdns is not None:
             self.mdns.start()
@@ -63,9 +85,14 @@ class Node:
         return self
 
     def stop(self, leave: bool = True) -> None:
+        if self.api is not None:
+            self.api.close()
+            self.gateway.close()
         if leave and self.refused is None:
             self.mesh.leave()
         self.transport.close()
+        self.coordinator.close()
+        self.host.close()
         if self.mdns is not None:
             self.mdns.close()
         self.stopped.set()
@@ -125,7 +152,9 @@ def query_status(addr: str, timeout_s: float = 3.0, cluster_key: str | None = No
 
 def format_status(st: dict[str, Any]) -> str:
     """A human-readable table of a `--status` reply."""
-    lines = [f"node {st['node']}  plan v{st['plan_version']}  roles {','.join(st['roles']) or '-'}",
+    stage = st.get("load", {}).get("stage")
+    where = f"  replica {stage['replica']} stage {stage['index']} layers {stage['layers']}" if stage else ""
+    lines = [f"node {st['node']}  plan v{st['plan_version']}  roles {','.join(st['roles']) or '-'}{where}",
              f"{'PEER':<16}{'STATE':<9}{'ADDRESS':<22}{'ZONE':<10}DEVICE"]
     for p in st["peers"]:
         dev = p["device"].get("name", "?") if isinstance(p["device"], dict) else p["device"]

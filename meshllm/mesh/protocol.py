@@ -124,7 +124,8 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     MsgType.HANDOFF: ({"seq": _INT, "prompt_len": _INT, "token": _INT, "max_tokens": _INT, "sampling": _MAP,
                        "stop_ids": _LIST, "gateway": _STR, "plan_version": _INT}, ()),
     MsgType.RELEASE: ({"seq": _INT, "reason": _STR}, ()),
-    MsgType.PLAN: ({"version": _INT, "coordinator": _STR, "plan": _MAP}, ()),
+    # addresses: node id -> HOST:PORT of every node the plan names
+    MsgType.PLAN: ({"version": _INT, "coordinator": _STR, "plan": _MAP, "addresses": _MAP}, ()),
 }
 
 

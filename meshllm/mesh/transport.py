@@ -65,15 +65,16 @@ def topic(name: str) -> bytes:
 class LinkShaper:
     """Delays incoming messages as the emulated link from the sender's zone would. Thread-safe."""
 
-    def __init__(self, my_zone: str, links: tuple = ()):
+    def __init__(self, my_zone: str, links: tuple = (), time_scale: float = 1.0):
         self.my_zone = my_zone
-        # src zone -> (one-way delay s, bytes per s); links are symmetric
+        # src zone -> (one-way delay s, bytes per s); links are symmetric; time_scale K makes every
+        # link K times slower (K x the delay, 1/K the bandwidth), as the cluster file asks
         self._links: dict[str, tuple[float, float]] = {}
         for ln in links:
             a, b = ln.zones
             for src, dst in ((a, b), (b, a)):
                 if dst == my_zone:
-                    self._links[src] = (ln.rtt_ms / 2000.0, ln.bandwidth_mbps * 1e6 / 8.0)
+                    self._links[src] = (time_scale * ln.rtt_ms / 2000.0, ln.bandwidth_mbps * 1e6 / 8.0 / time_scale)
         self._busy_until: dict[str, float] = {}
         self._lock = threading.Lock()
 

@@ -1,0 +1,64 @@
+"""What a node's roles need to know about the plan they serve: one frozen object per plan version.
+
+`PlanContext` answers the questions every role asks (which replica is mine, where does my
+activation go next, which stages of a decode replica hold layers [a, b), who leads a replica)
+from the Plan and the node addresses known when the plan was applied. Pure: no sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshllm.defaults import Role
+from meshllm.partition.plan import Plan, Replica
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    version: int
+    plan: Plan
+    addresses: dict[str, str]  # node id -> HOST:PORT of its ROUTER, for every node in the plan
+    me: str
+
+    def replica(self, rid: int) -> Replica:
+        for r in self.plan.replicas:
+            if r.id == rid:
+                return r
+        raise KeyError(f"plan v{self.version} has no replica {rid}")
+
+    def has_replica(self, rid: int) -> bool:
+        return any(r.id == rid for r in self.plan.replicas)
+
+    @property
+    def mine(self) -> tuple[Replica, int] | None:
+        """(my replica, my stage index), or None when this node holds no stage."""
+        return self.plan.replica_of(self.me)
+
+    def address(self, node: str) -> str:
+        try:
+            return self.addresses[node]
+        except KeyError:
+            raise KeyError(f"plan v{self.version}: no address for node {node!r}") from None
+
+    def leader(self, rid: int) -> str:
+        """Address of the replica's first stage, which schedules its batches."""
+        return self.address(self.replica(rid).stages[0].node)
+
+    def next_stage(self, rid: int, index: int) -> str:
+        return self.address(self.replica(rid).stages[index + 1].node)
+
+    def holders(self, rid: int, layers: tuple[int, int]) -> list[tuple[str, tuple[int, int]]]:
+        """(node, overlap) for every stage of replica `rid` whose layers overlap `layers`: where
+        the KV of those layers goes (the two replicas may split the layers differently)."""
+        a, b = layers
+        out = []
+        for s in self.replica(rid).stages:
+            lo, hi = max(a, s.layers[0]), min(b, s.layers[1])
+            if lo < hi:
+                out.append((s.node, (lo, hi)))
+        return out
+
+    def serves(self, rid: int, phase: Role) -> bool:
+        """May replica `rid` take requests of this phase (prefill or decode)?"""
+        role = self.replica(rid).role
+        return role == Role.MIXED or role == phase

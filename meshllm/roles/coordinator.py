@@ -1,0 +1,131 @@
+"""The coordinator: one node plans for the whole mesh and publishes the plan.
+
+Election is deterministic and needs no messages: the coordinator is the live node with the
+lowest id (every node runs this module; all but one stay quiet). If it dies, the next-lowest
+sees it dead and takes over; plan versions only grow (a new coordinator starts above every
+version it has seen), so nodes never go back to an older plan.
+
+When to plan: under `--cluster` every node file lists `expect_nodes`, and the first plan is
+made as soon as all of them are alive; otherwise after membership has been quiet for
+`plan_settle_s`. Any later change of the live node set (a join, a death, a leave) re-plans
+after REPLAN_SETTLE_S. The planner (GA + DP) runs on its own thread, never on the I/O thread
+that carries the heartbeats; its inputs are the device profiles, zones and roles in the peer
+table plus this node's links, model and serving settings. The plan is published on PUB
+(TOPIC_MESH) and re-published every PLAN_REPUBLISH_S, so a slow joiner or a newcomer gets it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from meshllm.config import NodeConfig, plan_inputs_for_nodes
+from meshllm.defaults import NODE_ROLES, Role
+from meshllm.device import device_from_mapping
+from meshllm.errors import InputError
+from meshllm.mesh.membership import Membership, PeerInfo, PeerState
+from meshllm.mesh.protocol import MsgType, make
+from meshllm.mesh.transport import Transport, Worker
+from meshllm.partition.inputs import PlanInputs, PlanNode
+from meshllm.partition.plan import Plan, plan_cluster
+
+log = logging.getLogger("meshllm.coordinator")
+
+NODE_ROLE_NAMES = {str(r) for r in NODE_ROLES}
+TICK_S = 0.25
+REPLAN_SETTLE_S = 1.0  # after a change of the live set, wait this long for it to settle
+PLAN_REPUBLISH_S = 1.0
+
+
+class Coordinator:
+    def __init__(self, transport: Transport, members: Membership, me: PeerInfo, cfg: NodeConfig,
+                 current_version: Callable[[], int], deliver: Callable[[int, dict, dict, str], None]):
+        self.t, self.members, self.me, self.cfg = transport, members, me, cfg
+        self.current_version, self.deliver = current_version, deliver  # the local RoleHost
+        self.worker = Worker(f"planner-{me.id}")
+        self.published: tuple[int, dict, dict] | None = None  # (version, plan json, addresses)
+        self.planned_for: tuple | None = None  # the live set the newest plan was made for
+        self.last_error: str | None = None
+        self._changed_at = time.monotonic()
+        self._seen: tuple = ()
+        self._planning = False
+        self._last_publish = 0.0
+        transport.every(TICK_S, self._tick)
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def close(self) -> None:
+        self.worker.close()
+
+    # -- I/O thread ----------------------------------------------------------------------------
+    def live(self) -> list[PeerInfo]:
+        return [self.me] + [p.info for p in self.members.peers() if p.state is PeerState.ALIVE]
+
+    def is_coordinator(self) -> bool:
+        return min(p.id for p in self.live()) == self.me.id
+
+    def _tick(self) -> None:
+        live = self.live()
+        key = tuple(sorted((p.id, p.incarnation) for p in live))
+        now = time.monotonic()
+        if key != self._seen:
+            self._seen, self._changed_at = key, now
+        if not self.is_coordinator():
+            return
+        ids = {p.id for p in live}
+        if self.cfg.expect_nodes and not set(self.cfg.expect_nodes) <= ids and self.published is None:
+            return  # the emulated cluster is still starting
+        settle = (0.0 if self.cfg.expect_nodes and self.published is None
+                  else REPLAN_SETTLE_S if self.published is not None else self.cfg.plan_settle_s)
+        if key != self.planned_for and not self._planning and now - self._changed_at >= settle:
+            self._planning = True
+            self.worker.submit(lambda: self._plan(live, key))
+        if self.published is not None and now - self._last_publish >= PLAN_REPUBLISH_S:
+            self._publish()
+
+    def _publish(self) -> None:
+        version, plan, addresses = self.published
+        self._last_publish = time.monotonic()
+        self.t.publish(make(MsgType.PLAN, version=version, coordinator=self.me.id, plan=plan, addresses=addresses))
+
+    # -- planner thread ------------------------------------------------------------------------
+    def _plan(self, live: list[PeerInfo], key: tuple) -> None:
+        try:
+            plan = plan_cluster(self.inputs(live), log=False)
+        except (InputError, ValueError) as e:
+            self.last_error = str(e)
+            log.error("%s: cannot plan for %d live nodes: %s", self.me.id, len(live), e)
+            self.t.call_soon(lambda: self._done(key, None, {}))
+            return
+        addresses = {p.id: p.address for p in live}
+        self.t.call_soon(lambda: self._done(key, plan, addresses))
+
+    def _done(self, key: tuple, plan: Plan | None, addresses: dict) -> None:
+        """I/O thread: publish a new plan version (or remember that this live set cannot plan)."""
+        self._planning = False
+        self.planned_for = key
+        if plan is None:
+            return
+        version = max(self.current_version(), self.published[0] if self.published else 0) + 1
+        self.published = (version, plan.to_json(), addresses)
+        self.last_error = None
+        log.info("%s: coordinator published plan v%d for %d nodes:\n%s", self.me.id, version, len(addresses),
+                 plan.describe())
+        self._publish()
+        self.deliver(version, plan.to_json(), addresses, self.me.id)
+
+    def inputs(self, live: list[PeerInfo]) -> PlanInputs:
+        return live_plan_inputs(self.cfg, live)
+
+
+def live_plan_inputs(cfg: NodeConfig, infos: list[PeerInfo]) -> PlanInputs:
+    """PlanInputs for the nodes of the peer table (device profiles, zones and roles as they
+    announced them), with this node's model, links and serving settings."""
+    nodes = []
+    for p in infos:
+        dev = device_from_mapping(str(p.device.get("name", p.id)), dict(p.device), f"peer {p.id}")
+        roles = tuple(Role(str(r)) for r in p.roles if str(r) in NODE_ROLE_NAMES) or None
+        nodes.append(PlanNode(p.id, dev, p.zone, roles))
+    return plan_inputs_for_nodes(cfg, tuple(nodes), source=f"the live mesh of {len(nodes)} nodes")

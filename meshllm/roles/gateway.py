@@ -1,0 +1,248 @@
+"""The gateway: where requests enter the mesh and tokens leave it.
+
+`Gateway` is the mesh side of the OpenAI-compatible HTTP API (roles/http_api.py serves it):
+- it tokenizes, picks a prefill (or mixed) replica and, for a prefill replica, the decode
+  replica it hands off to, with the earliest-finish router the simulator uses
+  (meshllm/sim/router.py, one implementation), fed with what this gateway has dispatched;
+- it sends GENERATE_REQ to the replica's leader and collects TOKENS (from the prefill leader,
+  then from the decode leader) in order, for the HTTP stream of that request;
+- a request that ends early (client gone, stop string, error) is released on its replicas;
+- a replica is used only once every node of it reports the current plan loaded;
+- it keeps the Prometheus metrics of `/metrics` (TTFT, ITL, end-to-end latency, queue depth).
+TOKENS arrive on the I/O thread and are handed to the HTTP event loop thread-safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshllm.config import NodeConfig
+from meshllm.defaults import served_name
+from meshllm.mesh.membership import Membership, PeerInfo
+from meshllm.mesh.protocol import Message, MsgType, check_seq, make, sampling_map
+from meshllm.mesh.transport import Transport
+from meshllm.roles.context import PlanContext
+from meshllm.roles.coordinator import live_plan_inputs
+from meshllm.roles.leader import MAX_ACTIVE_SEQS
+from meshllm.roles.metrics import GatewayMetrics
+from meshllm.sim.ports import PortBook
+from meshllm.sim.replica import SimReplica, from_plan
+from meshllm.sim.router import ReplicaLoad, Router
+
+log = logging.getLogger("meshllm.gateway")
+
+STALL_TIMEOUT_S = 120.0  # no token for this long (x time_scale): the request fails, not hangs
+SEND_POOL_THREADS = 1
+
+
+class RequestError(Exception):
+    """A request the mesh cannot serve now (no replica ready, mesh re-planned, stalled)."""
+
+
+@dataclass
+class Stream:
+    seq: int
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    leaders: set[str]  # addresses of the leaders that may hold it (for RELEASE)
+    prefill_rid: int
+    decode_rid: int
+    n_in: int
+    n_out: int
+    started: float = field(default_factory=time.monotonic)
+    next_index: int = 0
+    pending: dict[int, tuple[list[int], bool, str | None]] = field(default_factory=dict)
+    first_at: float | None = None
+    queue_ms: float = 0.0
+
+
+class Gateway:
+    def __init__(self, transport: Transport, members: Membership, me: PeerInfo, cfg: NodeConfig):
+        self.t, self.members, self.me_info, self.cfg = transport, members, me, cfg
+        self.me, self.address, self.model_spec = me.id, me.address, cfg.model
+        self.model_name = served_name(cfg.model)
+        self.time_scale = cfg.time_scale
+        self.stall_s = STALL_TIMEOUT_S * cfg.time_scale
+        self.reps: dict[int, SimReplica] = {}  # the plan's replicas as the router sees them
+        self.ctx: PlanContext | None = None
+        self.local_version = 0  # plan version this node itself has loaded
+        self.tokenizer = None
+        self.max_context = 0
+        self.vocab = 0
+        self.metrics = GatewayMetrics()
+        self._streams: dict[int, Stream] = {}
+        self._lock = threading.Lock()
+        self._seq_prefix = random.SystemRandom().getrandbits(30) << 32
+        self._seq_counter = itertools.count(1)
+        self._decoding: dict[int, int] = {}
+        self._send_pool = ThreadPoolExecutor(SEND_POOL_THREADS, thread_name_prefix=f"gw-send-{self.me}")
+        self.loads: dict[int, ReplicaLoad] = {}  # replica -> what this gateway has in flight there
+        transport.on(MsgType.TOKENS, self._on_tokens)
+
+    def load_model_info(self) -> None:
+        """Tokenizer and context size (the gateway holds no weights)."""
+        from meshllm.engine.tokenizer import load_tokenizer
+        from meshllm.engine.weights import resolve_model
+
+        src = resolve_model(self.model_spec)
+        self.tokenizer = load_tokenizer(src)
+        self.max_context, self.vocab = src.args.max_seq_len, src.args.vocab_size
+
+    # -- plan and readiness ----------------------------------------------------------------------
+    def on_plan(self, ctx: PlanContext) -> None:
+        """The local RoleHost applied `ctx` (called on its compute thread): the router's view of
+        the new plan's replicas, from the device profiles of the nodes it names."""
+        infos = {self.me: self.me_info} | {p.info.id: p.info for p in self.members.peers()}
+        named = {s.node for r in ctx.plan.replicas for s in r.stages}
+        inp = live_plan_inputs(self.cfg, [infos[n] for n in sorted(named) if n in infos])
+        reps = {r.id: r for r in from_plan(inp, ctx.plan)} if named <= set(infos) else {}
+        with self._lock:
+            self.ctx, self.local_version, self.reps = ctx, ctx.version, reps
+            self.loads = {rid: ReplicaLoad(max_batch=max(1, min(r.max_batch(), MAX_ACTIVE_SEQS)))
+                          for rid, r in reps.items()}
+
+    def node_version(self, node: str) -> int:
+        if node == self.me:
+            return self.local_version
+        p = self.members.get(node)
+        if p is None or p.state.value != "alive":
+            return -1
+        v = p.load.get("plan_version")
+        return v if isinstance(v, int) else -1
+
+    def ready_replicas(self) -> list[int]:
+        ctx = self.ctx
+        if ctx is None:
+            return []
+        return [r.id for r in ctx.plan.replicas if all(self.node_version(s.node) == ctx.version for s in r.stages)]
+
+    def ready(self) -> bool:
+        """Serving: every replica of the current plan is loaded (a prefill-only mesh is not)."""
+        ctx = self.ctx
+        if ctx is None or not ctx.plan.replicas:
+            return False
+        ready = set(self.ready_replicas())
+        return ready == {r.id for r in ctx.plan.replicas}
+
+    # -- routing ---------------------------------------------------------------------------------
+    def route(self, n_in: int, n_out: int) -> tuple[int, int]:
+        """(prefill replica, decode replica) for a request, by the simulator's earliest-finish
+        router over the ready replicas; the same id twice for a mixed replica."""
+        ready = set(self.ready_replicas())
+        with self._lock:
+            reps = [r for rid, r in self.reps.items() if rid in ready]
+            if not any(r.role == "decode" for r in reps):
+                reps = [r for r in reps if r.role == "mixed"]  # a prefill replica needs a decode one
+            if not any(r.role in ("prefill", "mixed") for r in reps):
+                raise RequestError("no replica is ready (the mesh is still planning or loading)")
+            router = Router(reps, PortBook(reps[0].inp.net))
+            now = time.monotonic() / self.time_scale  # the router's clock: emulated device seconds
+            pre = router.pick_prefill(self.loads, n_in, n_out, now)
+            dec = pre if router.reps[pre].role == "mixed" else router.pick_decode(pre, self.loads, n_in, n_out, now)
+            return pre, dec
+
+    def _book(self, s: Stream, phase: str, sign: int) -> None:
+        """Keep the router's view: prompts queued for prefill, sequences decoding (and their
+        remaining tokens), per replica."""
+        with self._lock:
+            pre, dec = self.loads.get(s.prefill_rid), self.loads.get(s.decode_rid)
+            if phase == "prefill" and pre is not None and s.prefill_rid in self.reps:
+                occupancy = self.reps[s.prefill_rid].prefill_s(s.n_in)[0]
+                pre.prefill_queued_s = max(0.0, pre.prefill_queued_s + sign * occupancy)
+            elif phase == "decode" and dec is not None:
+                self._decoding[s.decode_rid] = self._decoding.get(s.decode_rid, 0) + sign
+                n = self._decoding[s.decode_rid]
+                dec.active, dec.waiting = min(n, dec.max_batch), max(0, n - dec.max_batch)
+                dec.tokens_left = s.n_out / 2  # mean remaining of a sequence in the batch
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def submit(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
+                     seed: int) -> Stream:
+        ctx = self.ctx
+        pre, dec = self.route(len(ids), max_tokens)
+        seq = self._seq_prefix | next(self._seq_counter)
+        loop = asyncio.get_running_loop()
+        leaders = {ctx.leader(pre), ctx.leader(dec)}
+        s = Stream(seq, loop, asyncio.Queue(), leaders, pre, dec, len(ids), max_tokens)
+        with self._lock:
+            self._streams[seq] = s
+        self._book(s, "prefill", +1)
+        self.metrics.started(len(ids))
+        msg = make(MsgType.GENERATE_REQ, seq=seq, prompt_token_ids=ids, max_tokens=max_tokens,
+                   sampling=sampling_map(temperature, top_k, top_p, seed), stop_ids=sorted(self.tokenizer.eos_ids),
+                   decode_replica=dec, gateway=self.address, plan_version=ctx.version)
+        try:
+            await loop.run_in_executor(self._send_pool, self.t.send, ctx.leader(pre), msg)
+        except (TimeoutError, OSError) as e:
+            self.close_stream(s, "error")
+            raise RequestError(f"the prefill replica's leader did not take the request: {e}") from None
+        return s
+
+    async def tokens(self, s: Stream):
+        """Yield (token ids, finish_reason or None) in output order until the sequence ends."""
+        while True:
+            try:
+                item = await asyncio.wait_for(s.queue.get(), self.stall_s)
+            except asyncio.TimeoutError:
+                raise RequestError(f"no token for {self.stall_s:g} s; the mesh stalled") from None
+            toks, finished, reason, error = item
+            if error:
+                raise RequestError(error)
+            yield toks, (reason if finished else None)
+            if finished:
+                return
+
+    def _on_tokens(self, msg: Message, reply: Any) -> None:
+        """I/O thread: order TOKENS by output index and hand them to the request's event loop."""
+        seq = check_seq(msg["seq"])
+        with self._lock:
+            s = self._streams.get(seq)
+        if s is None:
+            return  # finished or abandoned already
+        idx, toks = msg["index"], [int(t) for t in msg["token_ids"]]
+        err = msg.fields.get("error") if msg["finish_reason"] == "error" else None
+        if err is not None:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", str(err)))
+            return
+        if isinstance(msg.fields.get("queue_ms"), (int, float)):
+            s.queue_ms += msg["queue_ms"]
+        if not toks:
+            return
+        s.pending[idx] = (toks, msg["finished"], msg["finish_reason"])
+        while s.next_index in s.pending:  # in order, each index once (a duplicate is overwritten)
+            toks, fin, reason = s.pending.pop(s.next_index)
+            if s.next_index == 0:
+                self._book(s, "prefill", -1)
+                self._book(s, "decode", +1)
+            s.next_index += len(toks)
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, (toks, fin, reason, None))
+            if fin:
+                s.pending.clear()
+                break
+
+    def close_stream(self, s: Stream, status: str, release: bool = False) -> None:
+        """The request is over (done, failed, or abandoned: then free it on its replicas)."""
+        with self._lock:
+            known = self._streams.pop(s.seq, None) is not None
+        if not known:
+            return
+        self._book(s, "decode" if s.next_index > 0 else "prefill", -1)
+        self.metrics.finished(status)
+        if release:
+            for addr in s.leaders:
+                self.t.send(addr, make(MsgType.RELEASE, seq=s.seq, reason=f"gateway: {status}"))
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def close(self) -> None:
+        self._send_pool.shutdown(wait=False, cancel_futures=True)

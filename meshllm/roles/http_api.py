@@ -1,0 +1,363 @@
+"""The OpenAI-compatible HTTP API of a gateway node (aiohttp, in a thread of its own).
+
+    POST /v1/completions        prompt (string, [string] or [token ids]); stream or not
+    POST /v1/chat/completions   messages rendered with the model's chat template
+    GET  /v1/models             the served model
+    GET  /health                200 when every replica of the current plan is loaded, else 503
+    GET  /metrics               Prometheus text (TTFT / ITL / latency histograms, queue depth, tokens)
+    GET  /v1/plan               meshllm extension: the plan being served and its version
+
+Request fields: model, max_tokens, temperature, top_p, seed, stop (string or up to 4), stream,
+n (1 only); `top_k` is accepted as an extension. Every choice carries `token_ids` (extension)
+so clients can compare against `--reference`. Bad input is a 4xx with an OpenAI-style JSON
+error (`{"error": {"message", "type", "param", "code"}}`) and the node keeps serving. A client
+that disconnects mid-stream has its sequence released on every node that holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from meshllm.roles.gateway import Gateway, RequestError, Stream
+
+log = logging.getLogger("meshllm.http")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP = 4
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> web.Response:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+@dataclass(frozen=True)
+class Params:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    stream: bool
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
+    v = body.get(key, default)
+    if v is None:
+        v = default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or not lo <= v <= hi:
+        kind = "an integer" if integer else "a number"
+        raise ApiError(400, f"'{key}' must be {kind} in [{lo:g}, {hi:g}], got {v!r}", key, "invalid_value")
+    return v
+
+
+def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_body")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' is required and must be a string", "model", "invalid_value")
+    if model != gw.model_name:
+        raise ApiError(404, f"model {model!r} is not served here; this mesh serves {gw.model_name!r}", "model",
+                       "model_not_found")
+    ids = _chat_ids(body, gw) if chat else _prompt_ids(body, gw)
+    if len(ids) >= gw.max_context:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context holds {gw.max_context}",
+                       "messages" if chat else "prompt", "context_length_exceeded")
+    max_tokens = _number(body, "max_tokens", DEFAULT_MAX_TOKENS if not chat else gw.max_context, 1, 1 << 31,
+                         integer=True)
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n=1 is supported", "n", "invalid_value")
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(x, str) and x for x in stop):
+        raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop",
+                       "invalid_value")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be true or false", "stream", "invalid_value")
+    return Params(ids, min(max_tokens, gw.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, 2)),
+                  _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
+                  _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream)
+
+
+def _prompt_ids(body: dict, gw: Gateway) -> list[int]:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, str):
+        ids = gw.tokenizer.encode(p)
+    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        if not all(0 <= x < gw.vocab for x in p):
+            raise ApiError(400, f"token ids must be in [0, {gw.vocab})", "prompt", "invalid_value")
+        ids = list(p)
+    else:
+        raise ApiError(400, "'prompt' must be a string, a list of one string, or a list of token ids", "prompt",
+                       "invalid_value")
+    if not ids:
+        raise ApiError(400, "the prompt encodes to zero tokens", "prompt", "invalid_value")
+    return ids
+
+
+def _chat_ids(body: dict, gw: Gateway) -> list[int]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
+    clean = []
+    for i, m in enumerate(msgs):
+        if (not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant")
+                or not isinstance(m.get("content"), str)):
+            raise ApiError(400, f"messages[{i}] must be {{role: system|user|assistant, content: string}}",
+                           f"messages[{i}]", "invalid_value")
+        clean.append({"role": m["role"], "content": m["content"]})
+    try:
+        return gw.tokenizer.encode(gw.tokenizer.render_chat(clean))
+    except ValueError as e:  # e.g. no chat template
+        raise ApiError(400, str(e), "messages", "invalid_value") from None
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: `push(tokens)` returns the text that is safe
+    to show (never half a UTF-8 character, never a possible prefix of a stop string)."""
+
+    def __init__(self, gw: Gateway, stop: tuple[str, ...]):
+        self.tok, self.eos, self.stop = gw.tokenizer, gw.tokenizer.eos_ids, stop
+        self.ids: list[int] = []
+        self.shown = 0
+        self.stopped = False
+
+    def push(self, tokens: list[int], final: bool) -> str:
+        self.ids.extend(tokens)
+        text = self.tok.decode([t for t in self.ids if t not in self.eos])
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, final, text = True, True, text[:cut]
+        end = len(text)
+        if not final:
+            while end > self.shown and text[end - 1] == "\ufffd":
+                end -= 1
+            for s in self.stop:  # hold back what may become a stop string
+                for k in range(min(len(s) - 1, end - self.shown), 0, -1):
+                    if text[end - k:end] == s[:k]:
+                        end -= k
+                        break
+        delta, self.shown = text[self.shown:end], max(self.shown, end)
+        return delta
+
+
+def _chunk(kind: str, rid: str, model: str, text: str, ids: list[int], finish: str | None, first: bool) -> dict:
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, "token_ids": ids}
+        return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                "choices": [choice]}
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None, "token_ids": ids}
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+async def _generate(request: web.Request, gw: Gateway, chat: bool) -> web.StreamResponse:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        return ApiError(400, "the request body is not valid JSON", None, "invalid_json").response()
+    try:
+        p = parse_params(body, gw, chat)
+        s = await gw.submit(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed)
+    except ApiError as e:
+        return e.response()
+    except RequestError as e:
+        return ApiError(503, str(e), None, "unavailable").response()
+    kind, rid = ("chat", f"chatcmpl-{uuid.uuid4().hex}") if chat else ("text", f"cmpl-{uuid.uuid4().hex}")
+    run = Run(gw, s, p, kind, rid)
+    return await (run.stream(request) if p.stream else run.whole())
+
+
+class Run:
+    """One request's life after it entered the mesh: tokens in, text out, metrics, release."""
+
+    def __init__(self, gw: Gateway, s: Stream, p: Params, kind: str, rid: str):
+        self.gw, self.s, self.p, self.kind, self.rid = gw, s, p, kind, rid
+        self.text = TextStream(gw, p.stop)
+        self.ids: list[int] = []
+        self.last_at: float | None = None
+
+    async def events(self):
+        """(text delta, token ids, finish_reason) as tokens arrive; records TTFT and ITL."""
+        async for toks, finish in self.gw.tokens(self.s):
+            now = time.monotonic()
+            if self.last_at is None:
+                self.gw.metrics.first_token(now - self.s.started)
+                self.s.first_at = now
+            else:
+                self.gw.metrics.itl.observe(now - self.last_at)
+            self.last_at = now
+            self.gw.metrics.generation_tokens.inc(len(toks))
+            self.ids.extend(toks)
+            delta = self.text.push(toks, finish is not None)
+            if self.text.stopped:
+                yield delta, toks, "stop"
+                return
+            yield delta, toks, finish
+            if finish is not None:
+                return
+
+    def _end(self, status: str) -> None:
+        early = status != "ok" or self.text.stopped
+        if self.s.first_at is None:
+            self.gw.metrics.waiting.dec()
+        self.gw.metrics.e2e.observe(time.monotonic() - self.s.started)
+        self.gw.metrics.queue_wait.observe(self.s.queue_ms / 1000)
+        self.gw.close_stream(self.s, status, release=early)
+
+    async def whole(self) -> web.Response:
+        status, parts, finish = "error", [], None
+        try:
+            async for delta, _, f in self.events():
+                parts.append(delta)
+                finish = f or finish
+            status = "ok"
+        except RequestError as e:
+            return ApiError(503, str(e), None, "unavailable").response()
+        finally:
+            self._end(status)
+        text = "".join(parts)
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": self.ids}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return web.json_response({
+            "id": self.rid, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": self.gw.model_name, "choices": [choice],
+            "usage": {"prompt_tokens": self.s.n_in, "completion_tokens": len(self.ids),
+                      "total_tokens": self.s.n_in + len(self.ids)},
+            "meshllm": {"queue_ms": round(self.s.queue_ms, 3)}})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        status = "abandoned"
+        try:
+            await resp.prepare(request)
+            first = True
+            async for delta, toks, finish in self.events():
+                chunk = _chunk(self.kind, self.rid, self.gw.model_name, delta, toks, finish, first)
+                if finish is not None:
+                    chunk["meshllm"] = {"queue_ms": round(self.s.queue_ms, 3)}
+                await resp.write(_sse(chunk))
+                first = False
+            status = "ok"
+        except RequestError as e:
+            status = "error"
+            await resp.write(_sse({"error": {"message": str(e), "type": "server_error", "code": "unavailable"}}))
+        except (ConnectionResetError, asyncio.CancelledError):
+            log.info("request %s: the client went away; releasing its sequence", self.rid)
+            raise
+        finally:
+            self._end(status)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def build_app(gw: Gateway) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await _generate(request, gw, chat=False)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await _generate(request, gw, chat=True)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": gw.model_name, "object": "model",
+                                                               "created": 0, "owned_by": "meshllm"}]})
+
+    async def health(request: web.Request) -> web.Response:
+        ctx = gw.ctx
+        body = {"status": "ok" if gw.ready() else "starting", "plan_version": ctx.version if ctx else 0,
+                "replicas_ready": len(gw.ready_replicas()), "replicas": len(ctx.plan.replicas) if ctx else 0,
+                "in_flight": gw.in_flight()}
+        return web.json_response(body, status=200 if gw.ready() else 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        gw.metrics.replicas_ready.set(len(gw.ready_replicas()))
+        data, ctype = gw.metrics.render()
+        return web.Response(body=data, headers={"Content-Type": ctype})
+
+    async def plan(request: web.Request) -> web.Response:
+        ctx = gw.ctx
+        if ctx is None:
+            return ApiError(503, "no plan yet", None, "unavailable").response()
+        return web.json_response({"version": ctx.version, "plan": ctx.plan.to_json()})
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/plan", plan)
+    return app
+
+
+class ApiServer:
+    """Runs the app on HOST:PORT in a daemon thread with its own event loop."""
+
+    def __init__(self, gw: Gateway, listen: str):
+        self.gw, self.listen = gw, listen
+        self.loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gateway-http", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        if not self._started.wait(timeout_s) or self._error is not None:
+            raise OSError(f"the gateway cannot listen on {self.listen}: {self._error}")
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        host, _, port = self.listen.rpartition(":")
+        try:
+            self._runner = web.AppRunner(build_app(self.gw), handler_cancellation=True, access_log=None)
+            self.loop.run_until_complete(self._runner.setup())
+            self.loop.run_until_complete(web.TCPSite(self._runner, host.strip("[]"), int(port)).start())
+        except OSError as e:
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        self.loop.run_forever()
+
+    def close(self) -> None:
+        if self._runner is not None and self.loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop)
+            try:
+                fut.result(timeout=5)
+            except Exception as e:  # shutting down: report, never hang
+                log.warning("gateway: HTTP shutdown: %s", e)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)

@@ -1,0 +1,266 @@
+"""The leader of a replica: stage 0 plus the scheduler of its micro-batches (Orca-style).
+
+The leader keeps the replica's sequences and, whenever the compute thread is free, builds the
+next micro-batch from them (`step`): every sequence ready to decode gets one row, then prompt
+chunks fill the token budget (chunked prefill, so a long prompt never stalls running decodes).
+Up to one micro-batch per stage is in flight (pipeline parallelism); sequences join and leave
+between micro-batches (iteration-level batching), so a new request never waits for an
+unrelated long one. The leader runs stage 0 itself, sends the hidden states on, and gets the
+chosen tokens back from the last stage in RESULTS.
+
+Phases by replica role (roles/prefill.py and roles/decode.py hold what differs):
+- mixed: prefills its own prompts and decodes them; no KV moves.
+- prefill: after a prompt's last chunk each stage ships its KV to the decode replica chosen by
+  the gateway; the first token goes to the gateway and, with the sequence's settings, to the
+  decode replica's leader (HANDOFF). The sequence then leaves this replica.
+- decode: a handed-off sequence starts once every stage has acknowledged its KV (KV_ACK).
+  The prompt is never recomputed here (`Stage.tokens_computed` proves it).
+
+A sequence finishes on a stop token, at max_tokens or at the context limit; it is then freed on
+every stage (RELEASE). A RELEASE from the gateway aborts it the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from meshllm.defaults import Role
+from meshllm.engine.sampling import SamplingParams
+from meshllm.mesh.protocol import Message, MsgType, SpanKind, WireSpan, make
+from meshllm.roles.stage import Send, Stage, results_of
+
+log = logging.getLogger("meshllm.leader")
+
+TOKEN_BUDGET = 256  # rows per micro-batch, decodes first, then prompt chunks (chunked prefill)
+MAX_ACTIVE_SEQS = 64  # sequences a replica decodes at once; more wait in its queue
+RESULT_TIMEOUT_S = 120.0  # a micro-batch whose RESULTS never come back fails its sequences
+
+
+@dataclass
+class Seq:
+    id: int
+    prompt: list[int]  # tokens still to prefill here ([] for a handed-off sequence)
+    prompt_len: int
+    max_tokens: int
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    gateway: str  # address of the gateway that streams its tokens
+    decode_rid: int  # replica that decodes it (this one when mixed)
+    out: list[int] = field(default_factory=list)  # output tokens so far
+    fed: int = 0  # positions sent into the pipeline
+    busy: bool = False  # a span whose logits we need is in flight
+    missing_kv: set[str] = field(default_factory=set)  # decode: stages that have not acknowledged KV
+    arrived: float = field(default_factory=time.monotonic)
+    queued_s: float = 0.0  # time waiting to be scheduled, reported to the gateway
+
+    @property
+    def context(self) -> int:
+        return self.prompt_len + len(self.out)
+
+    def ready_to_decode(self) -> bool:
+        return not self.busy and not self.missing_kv and self.out and self.fed == self.context - 1
+
+    def next_chunk(self, budget: int) -> list[int]:
+        return self.prompt[self.fed:self.fed + budget] if self.fed < self.prompt_len else []
+
+
+@dataclass
+class InFlight:
+    spans: list[WireSpan]
+    sent: float
+
+
+class Leader:
+    """Scheduler of one replica, on its stage-0 node's compute thread."""
+
+    def __init__(self, stage: Stage, send: Send, max_context: int,
+                 on_prefilled: Callable[[Seq, int], bool] | None = None):
+        self.stage, self.ctx, self._send = stage, stage.ctx, send
+        self.rid, self.role = stage.replica.id, stage.replica.role
+        self.n_stages = len(stage.replica.stages)
+        self.max_context = max_context
+        self.on_prefilled = on_prefilled  # prefill replicas: hand the sequence off (roles/prefill.py)
+        self.seqs: dict[int, Seq] = {}
+        self.queue: list[int] = []  # sequences not yet started, in arrival order
+        self.in_flight: dict[int, InFlight] = {}
+        self._batch_ids = itertools.count(1)
+        self.stats = {"micro_batches": 0, "rows": 0, "finished": 0, "aborted": 0}
+
+    # -- admission ------------------------------------------------------------------------------
+    def admit(self, s: Seq) -> None:
+        self.seqs[s.id] = s
+        self.queue.append(s.id)
+
+    def active(self) -> int:
+        return sum(1 for s in self.seqs.values() if s.id not in self.queue)
+
+    # -- the scheduler --------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Launch the next micro-batch if the pipeline has room; True if one was launched."""
+        self._expire()
+        if len(self.in_flight) >= self.n_stages:
+            return False
+        spans, ids = self._build()
+        if not spans:
+            return False
+        self._launch(spans, ids)
+        return True
+
+    def _build(self) -> tuple[list[WireSpan], list[int]]:
+        spans, ids = [], []
+        self._start_queued()
+        ready = [s for s in self.seqs.values() if s.id not in self.queue and s.ready_to_decode()]
+        per_batch = max(1, math.ceil(len(ready) / self.n_stages))  # spread over the pipeline
+        for s in ready[:min(per_batch, TOKEN_BUDGET)]:
+            spans.append(self._span(s, 1, SpanKind.DECODE))
+            ids.append(s.out[-1])
+            s.busy, s.fed = True, s.fed + 1
+        budget = TOKEN_BUDGET - len(ids)
+        for s in self.seqs.values():
+            chunk = s.next_chunk(budget) if s.id not in self.queue and not s.busy else []
+            if not chunk:
+                continue
+            last = s.fed + len(chunk) == s.prompt_len
+            spans.append(self._span(s, len(chunk), SpanKind.PREFILL_LAST if last else SpanKind.PREFILL))
+            ids.extend(chunk)
+            s.fed += len(chunk)
+            s.busy = last
+            budget -= len(chunk)
+            if budget <= 0:
+                break
+        return spans, ids
+
+    def _start_queued(self) -> None:
+        """Move queued sequences into the running set while there is room."""
+        now = time.monotonic()
+        while self.queue and self.active() < MAX_ACTIVE_SEQS:
+            s = self.seqs[self.queue.pop(0)]
+            s.queued_s += now - s.arrived
+
+    def _span(self, s: Seq, n: int, kind: SpanKind) -> WireSpan:
+        p = s.params
+        return WireSpan(s.id, s.fed, n, kind, len(s.out), p.temperature, p.top_k, p.top_p, s.seed)
+
+    def _launch(self, spans: list[WireSpan], ids: list[int]) -> None:
+        ship = {s.seq: self.seqs[s.seq].decode_rid for s in spans
+                if s.kind is SpanKind.PREFILL_LAST and self.seqs[s.seq].decode_rid != self.rid}
+        out = self.stage.compute(torch.tensor(ids, dtype=torch.long), spans)
+        self.stage.after_batch(spans, ship)
+        self.stats["micro_batches"] += 1
+        self.stats["rows"] += len(ids)
+        batch = next(self._batch_ids)
+        if self.n_stages == 1:
+            self._apply(spans, results_of(out, spans))
+            return
+        self.in_flight[batch] = InFlight(spans, time.monotonic())
+        self._send(self.ctx.next_stage(self.rid, 0),
+                   make(MsgType.ACTIVATIONS, tensors={"hidden": out}, replica=self.rid, batch=batch,
+                        plan_version=self.ctx.version, spans=[s.to_wire() for s in spans],
+                        ship=[[k, v] for k, v in ship.items()]))
+
+    # -- results --------------------------------------------------------------------------------
+    def on_results(self, msg: Message) -> None:
+        fl = self.in_flight.pop(msg["batch"], None)
+        if fl is None:
+            log.warning("replica %d: results for unknown micro-batch %r", self.rid, msg["batch"])
+            return
+        self._apply(fl.spans, msg["out"])
+
+    def _apply(self, spans: list[WireSpan], out: list) -> None:
+        by_seq = {e[0]: e for e in out if isinstance(e, (list, tuple)) and len(e) == 3}
+        for sp in spans:
+            s = self.seqs.get(sp.seq)
+            if s is None or sp.kind is SpanKind.PREFILL:
+                continue  # released meanwhile, or a chunk with no logits
+            s.busy = False
+            entry = by_seq.get(sp.seq)
+            if entry is None or not entry[1]:
+                self.fail(s, "the last stage returned no token")
+                continue
+            if sp.kind is SpanKind.PREFILL_LAST and s.decode_rid != self.rid:
+                self._handoff(s, int(entry[1][0]))
+            else:
+                self.emit(s, [int(entry[1][0])])
+
+    def _handoff(self, s: Seq, token: int) -> None:
+        del self.seqs[s.id]
+        s.out.append(token)
+        finished = self._finish_reason(s, token)
+        self._tokens(s, [token], finished)
+        if self.on_prefilled is not None:
+            self.on_prefilled(s, finished is not None)
+
+    def emit(self, s: Seq, tokens: list[int]) -> None:
+        """New output tokens of `s`: stream them to the gateway; finish the sequence when done."""
+        s.out.extend(tokens)
+        finished = self._finish_reason(s, tokens[-1])
+        self._tokens(s, tokens, finished)
+        if finished is not None:
+            self.stats["finished"] += 1
+            self.drop(s.id)
+
+    def _finish_reason(self, s: Seq, last: int) -> str | None:
+        if last in s.stop_ids:
+            return "stop"
+        if len(s.out) >= s.max_tokens or s.context >= self.max_context:
+            return "length"
+        return None
+
+    def _tokens(self, s: Seq, tokens: list[int], finished: str | None) -> None:
+        m = make(MsgType.TOKENS, seq=s.id, token_ids=tokens, index=len(s.out) - len(tokens),
+                 finished=finished is not None, finish_reason=finished, queue_ms=round(1000 * s.queued_s, 3))
+        s.queued_s = 0.0
+        self._send(s.gateway, m)
+
+    # -- ending sequences -----------------------------------------------------------------------
+    def drop(self, seq: int) -> None:
+        """Free a sequence here and on every other stage of this replica."""
+        self.seqs.pop(seq, None)
+        if seq in self.queue:
+            self.queue.remove(seq)
+        self.stage.release(seq)
+        for st in self.stage.replica.stages[1:]:
+            self._send(self.ctx.address(st.node), make(MsgType.RELEASE, seq=seq, reason="finished"))
+
+    def fail(self, s: Seq, why: str) -> None:
+        log.error("replica %d: sequence %d failed: %s", self.rid, s.id, why)
+        self.stats["aborted"] += 1
+        self._send(s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=len(s.out), finished=True,
+                                   finish_reason="error", error=why))
+        self.drop(s.id)
+
+    def abort(self, seq: int) -> None:
+        """The gateway gave up on `seq` (client gone, stop string): free it everywhere."""
+        if seq in self.seqs:
+            self.stats["aborted"] += 1
+        self.drop(seq)
+
+    def fail_all(self, why: str) -> None:
+        for s in list(self.seqs.values()):
+            self.fail(s, why)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for batch, fl in list(self.in_flight.items()):
+            if now - fl.sent > RESULT_TIMEOUT_S:
+                del self.in_flight[batch]
+                for sp in fl.spans:
+                    if sp.seq in self.seqs:
+                        self.fail(self.seqs[sp.seq], f"micro-batch {batch} got no results in {RESULT_TIMEOUT_S:g} s")
+
+    def load(self) -> dict:
+        """What the gateway's router and `--status` see of this replica."""
+        return {"replica": self.rid, "role": str(self.role), "queued": len(self.queue), "active": self.active(),
+                "in_flight": len(self.in_flight), "max_active": MAX_ACTIVE_SEQS, **self.stats}
+
+
+def is_phase(role: Role, phase: Role) -> bool:
+    return role == Role.MIXED or role == phase

@@ -1,0 +1,52 @@
+"""The gateway's Prometheus metrics (`GET /metrics`), in a registry of its own."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# seconds; wide enough for emulated Raspberry Pis at time_scale 10
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("meshllm_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("meshllm_inter_token_latency_seconds", "Gap between two tokens reaching the client",
+                             registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("meshllm_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.queue_wait = Histogram("meshllm_queue_wait_seconds", "Time a request waited to be scheduled",
+                                    registry=r, buckets=LATENCY_BUCKETS)
+        self.requests = Counter("meshllm_requests", "Finished requests by status", ["status"], registry=r)
+        self.prompt_tokens = Counter("meshllm_prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("meshllm_generation_tokens", "Tokens generated", registry=r)
+        self.running = Gauge("meshllm_requests_running", "Requests in the mesh", registry=r)
+        self.waiting = Gauge("meshllm_requests_waiting_first_token", "Requests before their first token",
+                             registry=r)
+        self.replicas_ready = Gauge("meshllm_replicas_ready", "Replicas of the current plan ready", registry=r)
+
+    def started(self, n_prompt: int) -> None:
+        self.prompt_tokens.inc(n_prompt)
+        self.running.inc()
+        self.waiting.inc()
+
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        self.waiting.dec()
+
+    def finished(self, status: str) -> None:
+        self.requests.labels(status=status).inc()
+        self.running.dec()
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,207 @@
+"""A pipeline stage: layers [start, end) of the target on this node, its KV cache, its pacing.
+
+Every node that holds a stage runs one `Stage` on its compute thread:
+- ACTIVATIONS (from the previous stage): run its layers over the ragged micro-batch; forward
+  the hidden states to the next stage, or, on the last stage, choose the tokens of the rows
+  that need logits (`engine.sampling.choose_tokens`, the reference's sampling) and send RESULTS
+  to the replica's leader (stage 0, roles/leader.py), which runs `compute` itself.
+- After the last prompt chunk of a sequence on a prefill replica (`ship`), export this stage's
+  KV of that sequence and push it at once to the stages of the decode replica holding those
+  layers (re-sharded by layer index), then free the slot (Splitwise's overlapped transfer).
+- KV_TRANSFER (on a decode replica): import, and once this stage holds all its layers of the
+  sequence, KV_ACK to its leader.
+- RELEASE: free the sequence's slot; a tombstone drops KV that is still on its way.
+
+Everything from the network is checked first (ProtocolError: the sender gets ERROR, the node
+keeps serving). Compute time is stretched by the Pacer to the device profile's prediction.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from meshllm.engine.model import SeqSpan, Transformer
+from meshllm.engine.sampling import SamplingParams, choose_tokens
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, SpanKind, WireSpan, check_seq, make
+from meshllm.roles.context import PlanContext
+from meshllm.roles.pacer import Pacer
+
+log = logging.getLogger("meshllm.stage")
+
+TOMBSTONES = 4096  # released sequence ids remembered, so late KV for them is dropped
+Send = Callable[[str, Message], None]
+
+
+def logit_rows(spans: Sequence[WireSpan]) -> list[int]:
+    """Packed-row indices whose logits a micro-batch needs, span by span."""
+    rows, lo = [], 0
+    for s in spans:
+        if s.kind in (SpanKind.PREFILL_LAST, SpanKind.DECODE):
+            rows.append(lo + s.n - 1)
+        elif s.kind is SpanKind.VERIFY:
+            rows.extend(range(lo, lo + s.n))
+        lo += s.n
+    return rows
+
+
+def results_of(logits: torch.Tensor, spans: Sequence[WireSpan]) -> list[list]:
+    """RESULTS entries [seq, tokens, margins] from the logits of `logit_rows(spans)`, in order."""
+    out, r = [], 0
+    for s in spans:
+        n = 0 if s.kind is SpanKind.PREFILL else (s.n if s.kind is SpanKind.VERIFY else 1)
+        if n:
+            params = SamplingParams(s.temperature, s.top_k, s.top_p)
+            toks, marg = choose_tokens(logits[r:r + n], params, s.seed, s.index)
+            out.append([s.seq, toks, [round(m, 6) for m in marg]])
+        r += n
+    return out
+
+
+class Stage:
+    def __init__(self, ctx: PlanContext, model: Transformer, send: Send, pacer: Pacer | None = None):
+        mine = ctx.mine
+        if mine is None:
+            raise ValueError(f"{ctx.me} holds no stage in plan v{ctx.version}")
+        self.ctx, self.model, self._send, self.pacer = ctx, model, send, pacer
+        self.replica, self.index = mine
+        self.first, self.last = self.index == 0, self.index == len(self.replica.stages) - 1
+        self.cache = model.new_cache()
+        self._tombstones: OrderedDict[int, None] = OrderedDict()
+        self._kv_have: dict[int, set[int]] = {}  # seq -> layers imported so far (decode replicas)
+        self.kv_bytes_sent = self.kv_bytes_received = 0
+        self.tokens_computed = {k: 0 for k in SpanKind}  # rows run, by span kind
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return self.model.start, self.model.end
+
+    # -- compute ------------------------------------------------------------------------------
+    def compute(self, x: torch.Tensor, spans: Sequence[WireSpan]) -> torch.Tensor:
+        """Run this stage over a micro-batch: hidden states out, or (last stage) the logits of
+        `logit_rows(spans)`. `x` is token ids on stage 0, hidden states after it."""
+        zombies = self._check_spans(spans, x)
+        model_spans = [SeqSpan(s.seq, s.start, s.n) for s in spans]
+        for s in spans:
+            if s.seq not in self.cache:
+                self.cache.allocate(s.seq, s.start + s.n, length=s.start if s.seq in zombies else 0)
+            self.tokens_computed[s.kind] += s.n
+        rows = torch.tensor(logit_rows(spans), dtype=torch.long) if self.last else None
+        try:
+            if self.pacer is not None and self.pacer.predict is not None:
+                with self.pacer.step(spans, 0 if rows is None else len(rows)):
+                    return self.model(x, model_spans, self.cache, logits_rows=rows)
+            return self.model(x, model_spans, self.cache, logits_rows=rows)
+        finally:
+            for seq in zombies:
+                self.cache.free(seq)
+
+    def _check_spans(self, spans: Sequence[WireSpan], x: torch.Tensor) -> set[int]:
+        """Validate a micro-batch against this stage's cache; returns the released sequences it
+        still carries (their rows run on scratch slots and are discarded: the other sequences'
+        rows stay exactly as they would be without them)."""
+        rows = sum(s.n for s in spans)
+        if not spans or x.shape[0] != rows:
+            raise ProtocolError(f"micro-batch of {x.shape[0]} rows for spans covering {rows}")
+        if not self.first and (x.dim() != 2 or x.shape[1] != self.model.args.dim):
+            raise ProtocolError(f"hidden states of shape {tuple(x.shape)}, expected ({rows}, {self.model.args.dim})")
+        seen: set[int] = set()
+        zombies: set[int] = set()
+        for s in spans:
+            have = self.cache.length(s.seq) if s.seq in self.cache else 0
+            if s.seq not in self.cache and s.start > 0 and s.seq in self._tombstones:
+                zombies.add(s.seq)
+            elif s.seq in seen or s.start != have:
+                raise ProtocolError(f"seq {s.seq}: span at {s.start} but this stage holds {have} positions")
+            if s.start + s.n > self.model.args.max_seq_len:
+                raise ProtocolError(f"seq {s.seq}: position {s.start + s.n} beyond the context")
+            seen.add(s.seq)
+        return zombies
+
+    def after_batch(self, spans: Sequence[WireSpan], ship: dict[int, int]) -> None:
+        """Ship the KV of sequences whose prompt just ended here to their decode replica."""
+        for s in spans:
+            if s.kind is SpanKind.PREFILL_LAST and s.seq in ship and s.seq in self.cache:
+                self.ship_kv(s.seq, ship[s.seq])  # (not in the cache: released mid-prefill)
+
+    # -- messages -------------------------------------------------------------------------------
+    def on_activations(self, msg: Message) -> None:
+        """A micro-batch from the previous stage (never called on stage 0)."""
+        spans = [WireSpan.from_wire(x) for x in msg["spans"]]
+        ship = parse_ship(msg["ship"])
+        hidden = msg.tensors["hidden"]
+        if hidden.dtype not in ("float32", "bfloat16"):
+            raise ProtocolError(f"hidden states of dtype {hidden.dtype}")
+        out = self.compute(hidden.torch().to(self.model.act_dtype), spans)
+        self.after_batch(spans, ship)
+        rid, batch, v = self.replica.id, msg["batch"], self.ctx.version
+        if self.last:
+            self._send(self.ctx.leader(rid), make(MsgType.RESULTS, replica=rid, batch=batch, plan_version=v,
+                                                  out=results_of(out, spans)))
+        else:
+            self._send(self.ctx.next_stage(rid, self.index),
+                       make(MsgType.ACTIVATIONS, tensors={"hidden": out}, replica=rid, batch=batch, plan_version=v,
+                            spans=msg["spans"], ship=msg["ship"]))
+
+    def ship_kv(self, seq: int, rid: int) -> None:
+        k, v = self.cache.export(seq)  # (n_layers, nkv, length, hd) each
+        length = k.shape[2]
+        for node, (a, b) in self.ctx.holders(rid, self.layers):
+            lo, hi = a - self.layers[0], b - self.layers[0]
+            m = make(MsgType.KV_TRANSFER, tensors={"k": k[lo:hi], "v": v[lo:hi]}, seq=seq, layers=[a, b],
+                     length=length, replica=rid, plan_version=self.ctx.version)
+            self.kv_bytes_sent += m.nbytes
+            self._send(self.ctx.address(node), m)
+        self.cache.free(seq)
+
+    def on_kv_transfer(self, msg: Message) -> bool:
+        """Import one layer range of a sequence's KV; True once this stage holds all its layers
+        (the caller acknowledges to the leader)."""
+        seq = check_seq(msg["seq"])
+        if seq in self._tombstones:
+            return False
+        a, b = parse_layers(msg["layers"], self.layers)
+        k, v = msg.tensors["k"], msg.tensors["v"]
+        shape = (b - a, self.model.args.n_kv_heads, msg["length"], self.model.args.head_dim)
+        if k.shape != shape or v.shape != shape or k.dtype != v.dtype or msg["length"] < 1:
+            raise ProtocolError(f"seq {seq}: KV of shape {k.shape}/{v.shape}, expected {shape}")
+        dtype = self.cache.dtype
+        self.cache.import_seq(seq, k.torch().to(dtype), v.torch().to(dtype), a)
+        self.kv_bytes_received += k.nbytes + v.nbytes
+        have = self._kv_have.setdefault(seq, set())
+        have.update(range(a, b))
+        if len(have) == self.layers[1] - self.layers[0]:
+            del self._kv_have[seq]
+            return True
+        return False
+
+    def release(self, seq: int) -> None:
+        self.cache.free(seq)
+        self._kv_have.pop(seq, None)
+        self._tombstones[seq] = None
+        while len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def released(self, seq: int) -> bool:
+        return seq in self._tombstones
+
+
+def parse_ship(x: object) -> dict[int, int]:
+    if not isinstance(x, (list, tuple)):
+        raise ProtocolError("ship must be a list of [seq, replica]")
+    out = {}
+    for e in x:
+        if not isinstance(e, (list, tuple)) or len(e) != 2 or not isinstance(e[1], int):
+            raise ProtocolError(f"bad ship entry {e!r:.60}")
+        out[check_seq(e[0])] = e[1]
+    return out
+
+
+def parse_layers(x: object, mine: tuple[int, int]) -> tuple[int, int]:
+    if (not isinstance(x, (list, tuple)) or len(x) != 2 or not all(isinstance(i, int) for i in x)
+            or not mine[0] <= x[0] < x[1] <= mine[1]):
+        raise ProtocolError(f"layers {x!r:.40} are not inside this stage's {list(mine)}")
+    return x[0], x[1]

@@ -1,0 +1,170 @@
+"""A workload client for a gateway's OpenAI API: what `--cluster` and the benchmarks send.
+
+Each request streams (SSE) and every token's arrival time is recorded, so TTFT and ITL are
+what a client sees. Arrivals are all at once (rate 0) or Poisson (seeded). Concurrency is
+bounded by the number of requests; every request has a timeout. The metrics follow `vllm
+bench serve`: TTFT from send to the first token; ITL the gaps between successive tokens
+(tokens that arrive together have a gap of 0); output tokens/s over the whole run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: str
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    chat: bool = False
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass
+class Outcome:
+    prompt: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    ttft_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    queue_ms: float = 0.0
+    error: str | None = None
+    sent: float = 0.0
+    done: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"prompt": self.prompt, "token_ids": self.token_ids, "text": self.text,
+               "finish_reason": self.finish_reason, "ttft_ms": self.ttft_ms, "itl_ms": self.itl_ms}
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Send offsets in seconds: all 0 for rate 0, else a seeded Poisson process."""
+    if rate <= 0:
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
+    body: dict[str, Any] = {"model": model, "max_tokens": job.max_tokens, "temperature": job.temperature,
+                            "seed": job.seed, "top_p": job.top_p, "top_k": job.top_k, "stream": True}
+    if job.chat:
+        body["messages"] = [{"role": "user", "content": job.prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = job.prompt
+        path = "/v1/completions"
+    out.sent = time.monotonic()
+    last = None
+    async with session.post(url + path, json=body) as resp:
+        if resp.status != 200:
+            out.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+            return
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                out.error = ev["error"].get("message", "error")
+                return
+            now = time.monotonic()
+            ch = ev["choices"][0]
+            ids = ch.get("token_ids") or []
+            for i, _ in enumerate(ids):
+                if last is None:
+                    out.ttft_ms = round(1000 * (now - out.sent), 3)
+                else:
+                    out.itl_ms.append(round(1000 * (now - last), 3) if i == 0 else 0.0)
+                last = now
+            out.token_ids.extend(ids)
+            out.text += ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content") or ""
+            if ch.get("finish_reason"):
+                out.finish_reason = ch["finish_reason"]
+                out.queue_ms = float((ev.get("meshllm") or {}).get("queue_ms", 0.0))
+    out.done = time.monotonic()
+
+
+async def _run(url: str, model: str, jobs: list[Job], rate: float, seed: int, progress: bool) -> list[Outcome]:
+    import aiohttp
+
+    outs = [Outcome(j.prompt) for j in jobs]
+    at = arrival_times(len(jobs), rate, seed)
+    bar = _bar(len(jobs)) if progress else None
+    t0 = time.monotonic()
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+
+    async def go(i: int, session) -> None:
+        await asyncio.sleep(max(0.0, t0 + at[i] - time.monotonic()))
+        try:
+            await asyncio.wait_for(_one(session, url, model, jobs[i], outs[i]), REQUEST_TIMEOUT_S)
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+            outs[i].error = f"{type(e).__name__}: {e}"
+        if bar is not None:
+            bar.update(1)
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(go(i, session) for i in range(len(jobs))))
+    if bar is not None:
+        bar.close()
+    return outs
+
+
+def _bar(n: int):
+    from tqdm import tqdm
+
+    return tqdm(total=n, desc="requests", unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def run_jobs(url: str, model: str, jobs: list[Job], rate: float = 0.0, seed: int = 0,
+             progress: bool = True) -> list[Outcome]:
+    """Send `jobs` to the gateway at `url` (http://HOST:PORT) and wait for every one."""
+    return asyncio.run(_run(url, model, jobs, rate, seed, progress))
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))], 3)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(statistics.fmean(xs), 3) if xs else None
+
+
+def summarize(outs: list[Outcome]) -> dict[str, Any]:
+    """The BRIEF's `metrics` object (speculation fields are filled in by the caller)."""
+    ok = [o for o in outs if o.error is None]
+    ttft = [o.ttft_ms for o in ok if o.ttft_ms is not None]
+    itl = [x for o in ok for x in o.itl_ms]
+    span = (max(o.done for o in ok) - min(o.sent for o in ok)) if ok else 0.0
+    n_tok = sum(len(o.token_ids) for o in ok)
+    return {
+        "requests": len(outs), "failed": len(outs) - len(ok),
+        "ttft_ms_mean": _mean(ttft), "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
+        "itl_ms_mean": _mean(itl), "itl_ms_p50": _pct(itl, 0.5), "itl_ms_p99": _pct(itl, 0.99),
+        "output_tokens": n_tok, "output_tokens_per_s": round(n_tok / span, 3) if span > 0 else None,
+        "queue_wait_ms_mean": _mean([o.queue_ms for o in ok]),
+        "acceptance_rate": None, "mean_acceptance_length": None, "drafted_tokens": None, "accepted_tokens": None,
+    }
