@@ -1,5 +1,6 @@
 """GA replica grouping: near the exhaustive optimum on small instances, beats random groupings
-on larger ones, deterministic, respects `roles:` limits; the max-min role rule."""
+and greedy packing on larger ones, deterministic, respects `roles:` limits; the role rule with
+prefill / decode / mixed replicas; the latency phase; 200 devices x 80 layers in seconds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from meshllm.device import load_device
 from meshllm.partition.cost import model_costs
 from meshllm.partition.dp import Member, Net
-from meshllm.partition.genetic import Evaluator, all_groupings, assign_roles, evolve, random_genes
+from meshllm.partition.genetic import CAPACITY_FLOOR, all_groupings, evolve, evolve_plan, random_genes
+from meshllm.partition.grouping import Evaluator, assign_roles, greedy_genes
 from meshllm.partition.replica import Mix
 from meshllm.shapes import model_args
 
@@ -23,14 +25,23 @@ def evaluator(rng: random.Random, n: int, model: str, forced=None) -> Evaluator:
     members = [Member(f"n{i}", load_device(rng.choice(PROFILES)), rng.choice(["fog", "fog", "edge"]))
                for i in range(n)]
     mix = Mix(rng.choice([128, 512, 2048]), rng.choice([32, 128, 512]))
-    return Evaluator(model_costs(model_args(model)), members, NET, mix, forced or [None] * n)
+    return Evaluator(model_costs(model_args(model)), members, NET, mix, forced or [None] * n, (0.43, 0.43))
 
 
-def test_assign_roles_max_min():
-    fit, roles = assign_roles([(10.0, 1.0), (1.0, 10.0), (4.0, 4.0)], [None] * 3)
-    assert roles == ["prefill", "decode", "decode"] and fit == pytest.approx(10.0)
-    fit, roles = assign_roles([(10.0, 1.0), (1.0, 10.0)], ["decode", None])
+def test_assign_roles_max_min_with_mixed():
+    # a prefill-heavy, a decode-heavy and a balanced replica; mixed rates low: pure pools win
+    fit, roles = assign_roles([(10.0, 1.0, 0.5), (1.0, 10.0, 0.5), (4.0, 4.0, 0.5)], [None] * 3)
+    assert roles == ["prefill", "decode", "mixed"] and fit == pytest.approx(10.5)
+    # the surplus of the larger pool turns mixed when that adds capacity
+    fit, roles = assign_roles([(10.0, 1.0, 0.5), (1.0, 10.0, 0.5), (1.0, 10.0, 3.0)], [None] * 3)
+    assert roles == ["prefill", "decode", "mixed"] and fit == pytest.approx(13.0)
+    # slow ports: all mixed beats shipping KV
+    fit, roles = assign_roles([(1.0, 1.0, 5.0), (1.0, 1.0, 5.0)], [None, None])
+    assert roles == ["mixed", "mixed"] and fit == pytest.approx(10.0)
+    # forced roles are kept and never mixed
+    fit, roles = assign_roles([(10.0, 1.0, 0.5), (1.0, 10.0, 0.5)], ["decode", None])
     assert roles == ["decode", "prefill"] and fit == pytest.approx(1.0)
+    assert assign_roles([(3.0, 4.0, 2.0)], [None]) == (2.0, ["mixed"])  # a lone replica is mixed
 
 
 @pytest.mark.parametrize("case", range(5))
@@ -43,13 +54,26 @@ def test_ga_within_3_percent_of_exhaustive(case):
     assert got >= 0.97 * best, (got, best)
 
 
-def test_ga_beats_best_of_100_random_groupings_on_larger_instances():
+def test_ga_beats_random_groupings_and_greedy_packing_on_larger_instances():
     for case in range(2):
         rng = random.Random(7 + case)
         ev = evaluator(rng, 30, "llama-2-70b" if case else "llama-3-8b")
         rand_best = max(ev.fitness(random_genes(rng, len(ev.members))) for _ in range(100))
         got = evolve(ev, seed=case, log=False).fitness
         assert got > rand_best, (got, rand_best)
+        assert got >= ev.fitness(greedy_genes(ev)), "greedy packing is in the search space"
+
+
+def test_latency_phase_keeps_capacity_and_lowers_the_predicted_cost():
+    rng = random.Random(21)
+    ev = evaluator(rng, 16, "llama-3-8b")
+    cap = evolve(ev, seed=1, log=False)
+    rate = 0.5 * cap.fitness
+    got = evolve_plan(ev, rate, seed=1, log=False)
+    assert got.fitness >= CAPACITY_FLOOR * cap.fitness * (1 - 1e-9)
+    assert got.prediction is not None and got.prediction.rate_per_s == rate
+    assert got.prediction.cost(1.0) <= ev.latency(cap, rate).cost(1.0) * (1 + 1e-9)
+    assert 0 <= got.prediction.wait_s < got.prediction.e2e_s and got.prediction.ttft_s < got.prediction.e2e_s
 
 
 def test_ga_is_deterministic_for_a_seed():

@@ -1,4 +1,5 @@
-"""Discrete-event simulator: accounting on hand-checkable cases, stability rule, policies, CLI."""
+"""Discrete-event simulator: accounting on hand-checkable cases, ports and links, mixed replicas,
+the stability rule, the baselines, the bound, the CLI."""
 
 from __future__ import annotations
 
@@ -10,16 +11,20 @@ import pytest
 
 from meshllm.config import load_cluster, plan_inputs
 from meshllm.device import DeviceProfile
+from meshllm.partition.cost import request_flops
 from meshllm.partition.dp import Member
-from meshllm.partition.inputs import LengthDist
+from meshllm.partition.inputs import LengthDist, PlanLink
 from meshllm.partition.plan import plan_cluster
-from meshllm.sim.replica import SimReplica, from_plan, memory_ring, splitwise
+from meshllm.sim.baselines import memory_ring, mixed_dp, splitwise
+from meshllm.sim.metrics import bound_rate_per_s, metrics, weighted_quantiles
+from meshllm.sim.replica import SimReplica, from_plan
 from meshllm.sim.simulator import Request, Simulator
 from meshllm.sim.sweep import draw_length, make_trace, simulate, simulate_policies, stable
 from tests.conftest import REPO, run_cli
 
-FIELDS = {"mean_wait_ms", "p99_wait_ms", "mean_prefill_wait_ms", "mean_ttft_ms", "throughput_tok_s",
-          "saturation_rate_per_s"}
+FIELDS = {"mean_wait_ms", "p99_wait_ms", "mean_prefill_wait_ms", "mean_ttft_ms", "ttft_p50_ms", "ttft_p99_ms",
+          "itl_p50_ms", "itl_p99_ms", "mean_e2e_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s",
+          "saturation_rate_per_s", "saturation_of_bound", "replicas", "idle"}
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +43,14 @@ def test_lone_request_has_no_wait(demo):
     pre = replica(inp, 0, "prefill", ["fog-1"], (30,))
     dec = replica(inp, 1, "decode", ["fog-2"], (30,))
     req = Simulator([pre, dec], [Request(0, 0.0, 100, 10)]).run()[0]
-    occ, lat = pre.prefill_s(100)
+    _, lat = pre.prefill_s(100)
     assert req.wait_s == pytest.approx(0.0, abs=1e-12)
     assert req.first_token == pytest.approx(lat) and req.prefill_start == 0.0
     assert req.kv_ready > req.first_token and req.done > req.kv_ready
+    assert sum(n for _, n in req.gaps) == 9  # 10 tokens, the first from the prefill
 
 
-def test_shared_port_makes_the_second_transfer_wait(demo):
+def test_same_port_direction_makes_the_second_transfer_wait(demo):
     _, inp = demo
     pre = replica(inp, 0, "prefill", ["fog-1"], (30,))
     dec = replica(inp, 1, "decode", ["fog-2"], (30,))
@@ -53,15 +59,72 @@ def test_shared_port_makes_the_second_transfer_wait(demo):
     assert b.prefill_start == pytest.approx(occ)  # waited for the pipeline slot
     kv_s = 30 * 4000 * inp.mc.kv_bytes_per_token * 8 / 1e9  # 1 Gb/s ports
     port_wait = max(0.0, (a.first_token + kv_s) - b.first_token)
+    assert port_wait > 0 and b.port_wait_s == pytest.approx(port_wait, rel=1e-6)
     assert b.wait_s == pytest.approx(occ + port_wait, rel=1e-6)
 
 
-def test_mixed_replica_batches_and_accounts_pauses(demo):
+def test_ports_are_full_duplex(demo):
+    """fog-2 receives KV from fog-1 while it sends its own to fog-3: neither waits for the other."""
+    _, inp = demo
+    reps = [replica(inp, 0, "prefill", ["fog-1"], (30,)), replica(inp, 1, "prefill", ["fog-2"], (30,)),
+            replica(inp, 2, "decode", ["fog-3"], (30,)), replica(inp, 3, "decode", ["fog-4"], (30,))]
+    sim = Simulator(reps, [])
+    flows_in = sim.router.kv_flows(reps[0], reps[1], 4000)  # fog-1 -> fog-2 (rx of fog-2)
+    flows_out = sim.router.kv_flows(reps[1], reps[2], 4000)  # fog-2 -> fog-3 (tx of fog-2)
+    e1, i1 = sim.ports.transfers(flows_in, 0.0, commit=True)
+    e2, i2 = sim.ports.transfers(flows_out, 0.0, commit=True)
+    assert e1 == pytest.approx(i1) and e2 == pytest.approx(i2)
+    e3, i3 = sim.ports.transfers(flows_out, 0.0, commit=False)  # same direction again: queues
+    assert e3 == pytest.approx(e2 + (i3 - 0.0005), rel=1e-6) and e3 > i3
+
+
+def test_links_between_zones_are_shared_within_a_zone_per_flow(demo):
+    _, inp = demo
+    inp = replace(inp, links=(PlanLink(("a", "b"), 0.0, 100.0), PlanLink(("a", "a"), 0.0, 100.0)))
+    dev = DeviceProfile("d", 8, 10, 100, 10000)  # fast ports: the links are the bottleneck
+    m = {x: Member(x, dev, z) for x, z in (("a1", "a"), ("a2", "a"), ("a3", "a"), ("b1", "b"), ("b2", "b"))}
+    from meshllm.sim.ports import PortBook
+
+    book = PortBook(inp.net)
+    one = 1e6 * 8 / 100e6  # 1 MB over 100 Mb/s
+    assert book.transfer(m["a1"], m["b1"], 1e6, 0.0)[0] == pytest.approx(one)
+    assert book.transfer(m["a2"], m["b2"], 1e6, 0.0)[0] == pytest.approx(2 * one)  # the a-b link is shared
+    assert book.transfer(m["b1"], m["a1"], 1e6, 0.0)[0] == pytest.approx(one)  # the other direction is not
+    assert book.transfer(m["a1"], m["a2"], 1e6, 0.0)[0] == pytest.approx(one)
+    assert book.transfer(m["a3"], m["a1"], 1e6, 0.0)[0] == pytest.approx(one)  # in a zone: per flow
+
+
+def test_prefill_activations_cross_ports(demo):
+    """A two-stage prefill pipeline sends its activations on the ports: a KV transfer queued on the
+    first stage's tx delays them (and their wait is booked)."""
+    _, inp = demo
+    pre = replica(inp, 0, "prefill", ["fog-1", "fog-2"], (15, 15))
+    dec = replica(inp, 1, "decode", ["fog-3"], (30,))
+    sim = Simulator([pre, dec], [Request(0, 0.0, 500, 2)])
+    sim.ports.free[("fog-1", "tx")] = 5.0  # something queued on fog-1's port for 5 s
+    req = sim.run()[0]
+    stages, _, lat = pre.prefill_stages(500)
+    assert req.port_wait_s == pytest.approx(5.0 - stages[0], rel=1e-6)
+    assert req.first_token == pytest.approx(lat + req.port_wait_s, rel=1e-6)
+
+
+def test_mixed_replica_chunks_prompts_into_decode_steps(demo):
     _, inp = demo
     ring = replica(inp, 0, "mixed", ["fog-1", "fog-2"], (15, 15))
-    reqs = Simulator([ring], [Request(i, 0.01 * i, 50, 20) for i in range(6)]).run()
-    assert all(r.done > r.first_token > r.arrival for r in reqs)
-    assert any(r.paused_s > 0 for r in reqs) and all(r.wait_s >= r.paused_s for r in reqs)
+    reqs = Simulator([ring], [Request(i, 0.05 * i, 50, 40) for i in range(12)]).run()
+    assert all(r.done > r.first_token >= r.prefill_start >= r.arrival for r in reqs)
+    assert all(r.wait_s >= r.paused_s >= 0 for r in reqs)
+    assert sum(n for r in reqs for _, n in r.gaps) == sum(r.n_out - 1 for r in reqs)
+    free = ring.free_chunk(6, 80, 50)
+    assert free >= 16 and ring.decode_iter_s(6, 80, free, 50) <= ring.decode_iter_s(6, 80) * 1.02
+
+
+def test_mixed_replica_never_ships_kv(demo):
+    _, inp = demo
+    reps = [replica(inp, 0, "mixed", ["fog-1"], (30,)), replica(inp, 1, "mixed", ["fog-2"], (30,))]
+    sim = Simulator(reps, [Request(i, 0.01 * i, 200, 20) for i in range(20)])
+    sim.run()
+    assert not any(k[1] in ("tx", "rx") for k in sim.ports.free)  # no KV, no activations (one stage)
 
 
 def test_lengths_and_trace(demo):
@@ -71,43 +134,65 @@ def test_lengths_and_trace(demo):
     assert sum(xs) / len(xs) == pytest.approx(200, rel=0.08)
     ys = [draw_length(rng, LengthDist(50, "uniform")) for _ in range(4000)]
     assert 1 <= min(ys) and max(ys) <= 99 and sum(ys) / len(ys) == pytest.approx(50, rel=0.05)
+    zs = [draw_length(rng, LengthDist(100, "exponential")) for _ in range(8000)]
+    assert sum(zs) / len(zs) == pytest.approx(100, rel=0.05)
     _, inp = demo
     inp = replace(inp, input_tokens=LengthDist(10, "fixed"), output_tokens=LengthDist(5, "fixed"))
     tr = make_trace(inp, 3000, 1)
     assert tr == make_trace(inp, 3000, 1) and {(a, b) for _, a, b in tr} == {(10, 5)}
     assert tr[-1][0] / 3000 == pytest.approx(1.0, rel=0.06)
+    assert make_trace(inp, 6000, 1)[:3000] == tr  # a longer trace starts with the shorter one
 
 
 def test_stability_rule_separates_low_and_overload(demo):
-    cfg, inp = demo
+    _, inp = demo
     reps = from_plan(inp, plan_cluster(inp, log=False))
-    trace = make_trace(inp, 600, 0)
+    trace = make_trace(inp, 1200, 0)
     assert stable(simulate(reps, trace, 20.0))
     assert not stable(simulate(reps, trace, 5000.0))
+
+
+def test_metrics_percentiles():
+    assert weighted_quantiles([(3.0, 1), (1.0, 98), (2.0, 1)], (0.5, 0.99, 1.0)) == [1.0, 2.0, 3.0]
+    r = Request(0, 0.0, 10, 3, prefill_start=0.5, first_token=1.0, done=3.0, wait_s=0.5, gaps=[(1.0, 2)])
+    m = metrics([r])
+    assert m["mean_ttft_ms"] == 1000 and m["mean_e2e_ms"] == 3000 and m["itl_p50_ms"] == 1000
 
 
 def test_baseline_builders(demo):
     _, inp = demo
     sw = splitwise(inp)
-    assert {r.role for r in sw} == {"prefill", "decode"}
-    top = max(sw, key=lambda r: sum(m.device.compute_tflops for m in r.members))
-    assert top.role == "prefill" and len({m.device.name for r in sw for m in r.members if r is top}) == 1
-    for r in sw:
+    assert {r.role for r in sw.replicas} == {"prefill", "decode"}
+    for r in sw.replicas:
         assert len({m.device.name for m in r.members}) == 1 and sum(r.counts) == 30
-    (ring,) = memory_ring(inp)
-    assert ring.role == "mixed" and sum(ring.counts) == 30 and len(ring.members) == len(inp.members)
-    mem = {m.id: m.device.memory_gb for m in ring.members}
-    biggest = max(ring.members, key=lambda m: mem[m.id])
-    assert ring.counts[ring.members.index(biggest)] == max(ring.counts)
+    used = {m.id for r in sw.replicas for m in r.members}
+    assert used | set(sw.idle) == {m.id for m in inp.members}  # idle ones say why
+    dp = mixed_dp(inp)
+    assert {r.role for r in dp.replicas} == {"mixed"} and len(dp.replicas) == len(sw.replicas)
+    ring = memory_ring(inp)
+    (rep,) = ring.replicas
+    assert rep.role == "mixed" and sum(rep.counts) == 30 and len(rep.members) == len(inp.members)
+    mem = {m.id: m.device.memory_gb for m in rep.members}
+    biggest = max(rep.members, key=lambda m: mem[m.id])
+    assert rep.counts[rep.members.index(biggest)] == max(rep.counts)
+
+
+def test_bound_is_compute_over_request_flops(demo):
+    _, inp = demo
+    lengths = [(16, 32)] * 10
+    got = bound_rate_per_s(inp, lengths)
+    total = sum(m.device.compute_tflops for m in inp.members) * 1e12 * 0.5
+    assert got == pytest.approx(total / request_flops(inp.mc, 16, 32))  # small model: every device holds it
 
 
 def test_simulate_policies_schema_and_determinism():
     cfg = load_cluster(REPO / "clusters/failure.yaml")
     a = simulate_policies(plan_inputs(cfg), rate=20.0, seed=3, sweep_requests=300)
-    assert {"meshllm", "splitwise", "memory-ring"} <= set(a["policies"])
+    assert {"meshllm", "splitwise", "mixed-dp", "memory-ring"} <= set(a["policies"])
+    assert a["bound_rate_per_s"] > 0
     for name, got in a["policies"].items():
         assert got is not None and set(got) == FIELDS, name
-        assert got["saturation_rate_per_s"] > 0 and got["mean_wait_ms"] >= 0
+        assert 0 < got["saturation_rate_per_s"] <= a["bound_rate_per_s"] and got["mean_wait_ms"] >= 0
     assert simulate_policies(plan_inputs(cfg), rate=20.0, seed=3, sweep_requests=300) == a
 
 
@@ -115,7 +200,7 @@ def test_simulate_cli_json():
     p = run_cli("--simulate", "clusters/wan.yaml", "--json", "--rate", "50")
     assert p.returncode == 0, p.stderr
     obj = json.loads(p.stdout)
-    assert obj["policies"]["meshllm"]["saturation_rate_per_s"] > 0
+    assert obj["policies"]["meshllm"]["saturation_rate_per_s"] > 0 and obj["bound_rate_per_s"] > 0
 
 
 def test_device_slower_means_longer(demo):

@@ -205,14 +205,16 @@ def pipeline_s(stage_s: Sequence[float], hop_s: Sequence[float]) -> tuple[float,
     return float(occupancy), float(sum(stage_s) + sum(hop_s))
 
 
-def decode_iteration_s(stage_s: Sequence[float], hop_s: Sequence[float], micro: int) -> float:
+def decode_iteration_s(stage_s, hop_s, ring_s, micro: int):
     """Seconds for every sequence of a batch, cut into `micro` micro-batches that follow each
-    other through the pipeline, to get one more token. stage_s: one micro-batch per stage; hop_s:
-    k links including the one from the last stage back to the first (the sampled token).
-    Either the slowest stage/link is busy all the time (micro x occupancy) or the ring is
-    latency-bound (one micro-batch's round trip)."""
-    occupancy, _ = pipeline_s(stage_s, hop_s[:-1])
-    return float(max(micro * occupancy, sum(stage_s) + sum(hop_s)))
+    other through the pipeline, to get one more token. stage_s: one micro-batch on each stage
+    (k rows); hop_s: the k - 1 links between stages; ring_s: the link from the last stage back
+    to the first (the sampled tokens). Either the slowest stage or link is busy all the time
+    (micro x occupancy) or the ring is latency-bound (one micro-batch's round trip). Rows may
+    be numpy arrays (one column per batch composition)."""
+    stage_s, hop_s = np.asarray(stage_s, dtype=float), np.asarray(hop_s, dtype=float)
+    occupancy = np.maximum(stage_s.max(axis=0), hop_s.max(axis=0, initial=0.0))
+    return np.maximum(micro * occupancy, stage_s.sum(axis=0) + hop_s.sum(axis=0) + ring_s)
 
 
 def transfer_s(nbytes: float, mbps: float) -> float:

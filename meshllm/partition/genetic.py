@@ -1,20 +1,23 @@
-"""Replica grouping by a genetic algorithm (deap), with prefill/decode roles (E2LLM, seed 003).
+"""Replica grouping by a genetic algorithm (deap), with prefill / decode / mixed roles (E2LLM, seed 003).
 
-Chromosome: one gene per eligible device, the index of its replica or -1 (not in a replica).
-Fitness: the request rate the grouping sustains for the workload mix, min(prefill capacity,
-decode capacity), where every replica's per-role capacity comes from replica.py (DP split,
-compute and KV shipping over ports). Roles: rank replicas by prefill-rate / decode-rate and
-choose the split point that maximises the min (`assign_roles`). A single usable replica does
-both phases itself (no KV shipping).
+Chromosome: one gene per eligible device, the index of its replica or NONE (grouping.py turns
+it into replicas with roles and a capacity). Two phases, one deap loop:
+1. capacity: fitness = the request rate the grouping sustains (mixed replicas + min(prefill
+   pool, decode pool), each replica's rates from the DP split, compute and ports);
+2. latency: from phase 1's population, fitness = (min(capacity, CAPACITY_FLOOR x the best
+   capacity found), -cost) compared lexicographically, where cost = predicted e2e +
+   WAIT_WEIGHT x predicted mean wait at the planned rate (latency.py): among the groupings
+   that keep capacity within 3% of the best, the one whose users wait least. Without a rate,
+   the planned rate is NO_RATE_LOAD x the best capacity.
+Each phase ends with a bounded first-improvement local search (single-gene moves and swaps) of
+its best individual; phase 1 also tries each replica of its best alone (a lone replica is mixed).
 
 Search: the population is seeded with greedy packings (devices by memory, compute or type,
 closing a replica at 1.05 / 1.5 / 2.5 x the model's memory), the whole cluster as one
 replica and the fastest devices alone; tournament selection, two-point crossover and a
-mutation that moves genes, merges or dissolves replicas; elitism; it stops after
-STALL_GENERATIONS without improvement. The best individual, and each of its replicas kept
-alone, is then polished by a bounded first-improvement local search (single-gene moves and
-swaps). Replica evaluations are cached by the multiset of (device profile, zone),
-since members with the same key are interchangeable; this is what makes 200-device clusters
+mutation that moves genes, merges or dissolves replicas; elitism; a phase stops after its
+stall limit. Replica evaluations are cached by the multiset of (device profile, zone), since
+members with the same key are interchangeable; this is what makes 200-device clusters
 plannable in seconds. Deterministic for a seed: deap draws from the global `random`, which is
 seeded here and restored afterwards.
 """
@@ -22,129 +25,36 @@ seeded here and restored afterwards.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 from deap import base, creator, tools
 
-from meshllm.partition.cost import ModelCosts
-from meshllm.partition.dp import Member, Net, Splitter
-from meshllm.partition.replica import Mix, ReplicaEval, evaluate_replica, mixed_req_s
+from meshllm.partition.grouping import NONE, Evaluator, Grouping, pack
+from meshllm.partition.latency import WAIT_WEIGHT
 
 POP_SIZE = 40
 POP_SMALL, SMALL_CLUSTER = 80, 40  # larger population for clusters of <= 40 devices (cheap)
 MAX_GENERATIONS = 150
-STALL_GENERATIONS = 30  # stop after this many generations without improvement
+STALL_GENERATIONS = 30  # phase 1 stops after this many generations without improvement
+LATENCY_GENERATIONS, LATENCY_STALL = 60, 15  # phase 2
 CX_PROB, MUT_PROB, GENE_PROB = 0.5, 0.6, 0.05
 ELITE = 2
 PACK_SLACK = (1.05, 1.5, 2.5)  # replica memory / model memory targets of the greedy seeds
 SOLO_SEEDS = 4  # seeds with one of the fastest devices alone
 PROGRESS_EVERY_S = 2.0  # progress lines on stderr for long runs
-NONE = -1
-POLISH_EVALS = 1500  # fitness evaluations of the final local search
+POLISH_EVALS = 1500  # fitness evaluations of each final local search
+CAPACITY_FLOOR = 0.97  # phase 2 keeps capacity >= this x the best capacity found
+NO_RATE_LOAD = 0.7  # without a workload rate, plan for this fraction of the best capacity
 
-if not hasattr(creator, "MeshFitness"):
-    creator.create("MeshFitness", base.Fitness, weights=(1.0,))
-    creator.create("MeshIndividual", list, fitness=creator.MeshFitness)
+if not hasattr(creator, "MeshFitness2"):
+    creator.create("MeshFitness2", base.Fitness, weights=(1.0, 1.0))
+    creator.create("MeshIndividual2", list, fitness=creator.MeshFitness2)
 
-
-@dataclass(frozen=True)
-class Grouping:
-    groups: tuple[tuple[int, ...], ...]  # member indices of each usable replica
-    roles: tuple[str, ...]  # "prefill" | "decode" per replica
-    evals: tuple[ReplicaEval, ...]
-    fitness: float  # sustainable requests/s
-
-
-def assign_roles(rates: Sequence[tuple[float, float]], forced: Sequence[str | None]) -> tuple[float, list[str]]:
-    """(prefill req/s, decode req/s) per replica -> (min(prefill, decode) capacity, roles)."""
-    if len(rates) == 1 and forced[0] is None:
-        return 0.0, ["decode"]  # caller uses the mixed capacity
-    fixed_p = sum(p for (p, _), f in zip(rates, forced, strict=True) if f == "prefill")
-    fixed_d = sum(d for (_, d), f in zip(rates, forced, strict=True) if f == "decode")
-    free = sorted((i for i, f in enumerate(forced) if f is None),
-                  key=lambda i: (-rates[i][0] / max(rates[i][1], 1e-12), i))
-    best, best_m = -1.0, 0
-    for m in range(len(free) + 1):
-        p = fixed_p + sum(rates[i][0] for i in free[:m])
-        d = fixed_d + sum(rates[i][1] for i in free[m:])
-        if min(p, d) > best:
-            best, best_m = min(p, d), m
-    roles = [f or "decode" for f in forced]
-    for i in free[:best_m]:
-        roles[i] = "prefill"
-    return best, roles
-
-
-class Evaluator:
-    """Scores chromosomes; caches replica evaluations by member-key multiset."""
-
-    def __init__(self, mc: ModelCosts, members: Sequence[Member], net: Net, mix: Mix,
-                 forced: Sequence[str | None]):
-        self.mc, self.members, self.net, self.mix = mc, list(members), net, mix
-        self.forced = list(forced)  # per member: "prefill" / "decode" if its roles allow only that
-        self.cache: dict[tuple, ReplicaEval] = {}
-        self.splitters = (Splitter(mc, net, mix.prefill_wp()), Splitter(mc, net, mix.decode_wp()))
-        ranked = sorted(range(len(self.members)), key=lambda i: (self.members[i].key, i))
-        self.rank = [0] * len(self.members)
-        for r, i in enumerate(ranked):
-            self.rank[i] = r
-        kinds = {k: n for n, k in enumerate(sorted({m.key for m in self.members}))}
-        self.kind = [kinds[m.key] for m in self.members]  # small int per interchangeable class
-
-    def replica(self, idx: Sequence[int]) -> tuple[tuple[int, ...], ReplicaEval]:
-        """(member indices in the evaluation's canonical order, evaluation)."""
-        canon = tuple(sorted(idx, key=self.rank.__getitem__))
-        key = tuple(self.kind[i] for i in canon)
-        ev = self.cache.get(key)
-        if ev is None:
-            ev = evaluate_replica(self.mc, [self.members[i] for i in canon], self.net, self.mix, self.splitters)
-            self.cache[key] = ev
-        return canon, ev
-
-    def group_role(self, idx: Sequence[int]) -> str | None | bool:
-        want = {self.forced[i] for i in idx} - {None}
-        return False if len(want) > 1 else (want.pop() if want else None)
-
-    def decode(self, genes: Sequence[int]) -> Grouping:
-        by_label: dict[int, list[int]] = {}
-        for i, g in enumerate(genes):
-            if g != NONE:
-                by_label.setdefault(g, []).append(i)
-        groups, evals, forced = [], [], []
-        for label in sorted(by_label):
-            canon, ev = self.replica(by_label[label])
-            role = self.group_role(canon)
-            if ev.ok and role is not False:
-                groups.append(canon)
-                evals.append(ev)
-                forced.append(role)
-        if not groups:
-            return Grouping((), (), (), 0.0)
-        fit, roles = assign_roles([(e.prefill_req_s, e.decode_req_s) for e in evals], forced)
-        if len(groups) == 1 and forced[0] is None:
-            fit = mixed_req_s(evals[0])
-        return Grouping(tuple(groups), tuple(roles), tuple(evals), fit)
-
-    def fitness(self, genes: Sequence[int]) -> float:
-        return self.decode(genes).fitness
-
-
-def pack(ev: Evaluator, order: Sequence[int], slack: float) -> list[int]:
-    """Greedy seed: walk `order`, closing a replica once its memory reaches slack x the model's."""
-    need = (ev.mc.weight_bytes + ev.mc.n_layers * ev.mix.kv_tokens * ev.mc.kv_bytes_per_token) * slack
-    genes, label, acc = [NONE] * len(ev.members), 0, 0.0
-    for i in order:
-        genes[i] = label
-        acc += ev.members[i].device.memory_bytes
-        if acc >= need:
-            label, acc = label + 1, 0.0
-    if acc:  # the last, incomplete replica
-        genes = [NONE if g == label else g for g in genes]
-    return genes
+Score = Callable[[Sequence[int]], tuple[float, float]]
 
 
 def seed_population(ev: Evaluator, rng: random.Random, size: int) -> list[list[int]]:
@@ -191,9 +101,16 @@ def neighbours(genes: list[int]):
             yield ((i, genes[j]), (j, genes[i]))
 
 
-def polish(ev: Evaluator, genes: list[int], max_evals: int = POLISH_EVALS) -> tuple[list[int], float]:
-    """First-improvement local search over `neighbours` (bounded), applied to the GA's best."""
-    best = ev.fitness(genes)
+def better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Lexicographic, with a relative tolerance so float noise is no improvement."""
+    if a[0] > b[0] * (1 + 1e-9) + 1e-12:
+        return True
+    return a[0] >= b[0] * (1 - 1e-9) and a[1] > b[1] + 1e-9 * abs(b[1]) + 1e-12
+
+
+def polish(score: Score, genes: list[int], max_evals: int = POLISH_EVALS) -> tuple[list[int], tuple]:
+    """First-improvement local search over `neighbours` (bounded), applied to a phase's best."""
+    best = score(genes)
     evals, improved = 0, True
     while improved and evals < max_evals:
         improved = False
@@ -204,8 +121,8 @@ def polish(ev: Evaluator, genes: list[int], max_evals: int = POLISH_EVALS) -> tu
             for i, g in move:
                 genes[i] = g
             evals += 1
-            f = ev.fitness(genes)
-            if f > best * (1 + 1e-9):
+            f = score(genes)
+            if better(f, best):
                 best, improved = f, True
                 break
             for i, g in old:
@@ -213,48 +130,109 @@ def polish(ev: Evaluator, genes: list[int], max_evals: int = POLISH_EVALS) -> tu
     return genes, best
 
 
-def evolve(ev: Evaluator, seed: int = 0, pop_size: int | None = None, generations: int = MAX_GENERATIONS,
-           log: bool = True) -> Grouping:
-    """Run the GA; returns the best grouping found (deterministic for `seed`)."""
-    n = len(ev.members)
-    if n == 0:
-        return Grouping((), (), (), 0.0)
-    pop_size = pop_size or (POP_SMALL if n <= SMALL_CLUSTER else POP_SIZE)
-    state = random.getstate()
-    random.seed(seed)
-    try:
-        return _evolve(ev, random.Random(seed), pop_size, generations, log)
-    finally:
-        random.setstate(state)
+class Memo:
+    """A score with a cache: the GA revisits the same chromosomes often."""
+
+    def __init__(self, fn: Score):
+        self.fn, self.cache = fn, {}
+
+    def __call__(self, genes: Sequence[int]) -> tuple[float, float]:
+        key = tuple(genes)
+        got = self.cache.get(key)
+        if got is None:
+            got = self.cache[key] = self.fn(genes)
+        return got
 
 
-def _evolve(ev: Evaluator, rng: random.Random, pop_size: int, generations: int, log: bool) -> Grouping:
-    pop = [creator.MeshIndividual(g) for g in seed_population(ev, rng, pop_size)]
+def run_ga(score: Score, pop: list[list[int]], n_genes: int, generations: int, stall_limit: int,
+           log: bool, label: str) -> list[list[int]]:
+    """The deap loop: returns the final population, best first."""
+    pop = [creator.MeshIndividual2(g) for g in pop]
     for ind in pop:
-        ind.fitness.values = (ev.fitness(ind),)
-    best, stall, t0, last_log = tools.selBest(pop, 1)[0].fitness.values[0], 0, time.monotonic(), time.monotonic()
+        ind.fitness.values = score(ind)
+    best, stall, t0 = tools.selBest(pop, 1)[0].fitness.values, 0, time.monotonic()
+    last_log = t0
     for gen in range(generations):
-        off = [creator.MeshIndividual(x) for x in tools.selTournament(pop, len(pop) - ELITE, tournsize=3)]
+        off = [creator.MeshIndividual2(x) for x in tools.selTournament(pop, len(pop) - ELITE, tournsize=3)]
         for a, b in zip(off[::2], off[1::2]):
             if random.random() < CX_PROB:
                 tools.cxTwoPoint(a, b)
         for ind in off:
             if random.random() < MUT_PROB:
-                mutate(ind, len(ev.members))
-            ind.fitness.values = (ev.fitness(ind),)
+                mutate(ind, n_genes)
+            ind.fitness.values = score(ind)
         pop = tools.selBest(pop, ELITE) + off
-        top = tools.selBest(pop, 1)[0].fitness.values[0]
-        stall = 0 if top > best * (1 + 1e-9) else stall + 1
+        top = tools.selBest(pop, 1)[0].fitness.values
+        stall = 0 if better(top, best) else stall + 1
         best = max(best, top)
         if log and time.monotonic() - last_log > PROGRESS_EVERY_S:
             last_log = time.monotonic()
-            print(f"planner: generation {gen}, best {best:.3f} req/s, {len(ev.cache)} replica shapes, "
+            print(f"planner: {label} generation {gen}, best {best[0]:.3f}, {best[1]:.3f}, "
                   f"{last_log - t0:.1f} s", file=sys.stderr)
-        if stall >= STALL_GENERATIONS:
+        if stall >= stall_limit:
             break
-    best_genes = max(single_replica_variants(list(tools.selBest(pop, 1)[0])), key=ev.fitness)
-    genes, _ = polish(ev, best_genes)
-    return ev.decode(genes)
+    return [list(x) for x in tools.selBest(pop, len(pop))]
+
+
+def capacity_score(ev: Evaluator) -> Memo:
+    return Memo(lambda genes: (ev.fitness(genes), 0.0))
+
+
+def latency_score(ev: Evaluator, rate: float, floor: float) -> Memo:
+    def score(genes: Sequence[int]) -> tuple[float, float]:
+        g = ev.decode(genes)
+        if g.fitness < floor or rate >= g.fitness:
+            return min(g.fitness, floor), -math.inf
+        return floor, -ev.latency(g, rate).cost(WAIT_WEIGHT)
+    return Memo(score)
+
+
+def seeded(seed: int, fn: Callable[[random.Random], Grouping]) -> Grouping:
+    """Run `fn` with the global RNG (deap's) seeded, restoring it afterwards."""
+    state = random.getstate()
+    random.seed(seed)
+    try:
+        return fn(random.Random(seed))
+    finally:
+        random.setstate(state)
+
+
+def evolve(ev: Evaluator, seed: int = 0, pop_size: int | None = None, generations: int = MAX_GENERATIONS,
+           log: bool = True) -> Grouping:
+    """Phase 1 only: the grouping of highest capacity found (deterministic for `seed`)."""
+    if not ev.members:
+        return Grouping((), (), (), 0.0)
+    return seeded(seed, lambda rng: ev.decode(_capacity_phase(ev, rng, pop_size, generations, log)[0][0]))
+
+
+def _capacity_phase(ev: Evaluator, rng: random.Random, pop_size: int | None, generations: int,
+                    log: bool) -> tuple[list[list[int]], float]:
+    n = len(ev.members)
+    size = pop_size or (POP_SMALL if n <= SMALL_CLUSTER else POP_SIZE)
+    score = capacity_score(ev)
+    pop = run_ga(score, seed_population(ev, rng, size), n, generations, STALL_GENERATIONS, log, "capacity")
+    best = max(single_replica_variants(pop[0]), key=lambda g: score(g)[0])
+    best, (cap, _) = polish(score, best)
+    return [best] + pop[1:], cap
+
+
+def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> Grouping:
+    """Both phases: capacity, then the lowest predicted cost at `rate` (0: NO_RATE_LOAD x capacity)
+    among groupings within CAPACITY_FLOOR of the best capacity. The result carries its prediction."""
+    if not ev.members:
+        return Grouping((), (), (), 0.0)
+
+    def run(rng: random.Random) -> Grouping:
+        pop, cap = _capacity_phase(ev, rng, None, MAX_GENERATIONS, log)
+        if cap <= 0:
+            return ev.decode(pop[0])
+        lam = rate if rate > 0 else NO_RATE_LOAD * cap
+        score = latency_score(ev, lam, CAPACITY_FLOOR * cap)
+        pop = run_ga(score, pop, len(ev.members), LATENCY_GENERATIONS, LATENCY_STALL, log, "latency")
+        genes, _ = polish(score, pop[0])
+        g = ev.decode(genes)
+        return Grouping(g.groups, g.roles, g.evals, g.fitness, ev.latency(g, lam))
+    return seeded(seed, run)
 
 
 def single_replica_variants(genes: list[int]) -> list[list[int]]:

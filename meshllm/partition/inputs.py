@@ -8,6 +8,8 @@ the simulator and the baselines need is here, and nothing else: they never read 
 from __future__ import annotations
 
 import functools
+import math
+import random
 from dataclasses import dataclass
 
 from meshllm.defaults import STAGE_ROLES, Role
@@ -17,13 +19,39 @@ from meshllm.partition.dp import Member, Net
 from meshllm.partition.replica import Mix
 from meshllm.shapes import ModelArgs
 
+LOGNORMAL_SIGMA = 0.6  # shape of lognormal lengths (the mean is the file's mean)
+MAX_LENGTH_FACTOR = 8  # lengths are clipped to [1, factor x mean]
+
 
 @dataclass(frozen=True)
 class LengthDist:
-    """Token lengths of a workload: a mean and a distribution (fixed | uniform | lognormal)."""
+    """Token lengths of a workload: a mean and a distribution (fixed | uniform | lognormal;
+    exponential for the simulator's queueing-theory tests)."""
 
     mean: float
     dist: str = "lognormal"
+
+    @property
+    def cs2(self) -> float:
+        """Squared coefficient of variation (variance / mean^2), before clipping and rounding."""
+        if self.dist == "fixed":
+            return 0.0
+        if self.dist == "uniform":
+            return (2 * self.mean - 2) ** 2 / 12 / self.mean ** 2
+        if self.dist == "exponential":
+            return 1.0
+        return math.exp(LOGNORMAL_SIGMA ** 2) - 1
+
+    def draw(self, rng: random.Random) -> int:
+        if self.dist == "fixed":
+            x = self.mean
+        elif self.dist == "uniform":
+            x = rng.uniform(1, 2 * self.mean - 1)
+        elif self.dist == "exponential":
+            x = rng.expovariate(1 / self.mean)
+        else:
+            x = rng.lognormvariate(math.log(self.mean) - LOGNORMAL_SIGMA ** 2 / 2, LOGNORMAL_SIGMA)
+        return int(min(max(1, round(x)), MAX_LENGTH_FACTOR * self.mean))
 
 
 @dataclass(frozen=True)

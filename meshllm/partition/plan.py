@@ -1,7 +1,9 @@
 """The Plan: replicas (stages + roles), drafters, unused nodes; JSON (BRIEF schema), validation.
 
 `plan_cluster(inp)` is the planner: GA grouping (genetic.py) over the nodes allowed to hold a
-stage, DP split per replica (dp.py), roles by the max-min rule, drafters among the rest. Its
+stage, DP split per replica (dp.py), prefill / decode / mixed roles (grouping.py), latency at
+the workload's rate (latency.py), drafters among the rest, and why each node outside a
+replica is there (unused.py). Its
 input is a plain `PlanInputs` (inputs.py), built from a cluster file by config.py or from the
 peer table by a live coordinator. `Plan.to_json` / `Plan.from_json` are the BRIEF's `--plan`
 object and the PLAN message's payload.
@@ -11,16 +13,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from meshllm.defaults import REPLICA_ROLES, Role
 from meshllm.errors import InputError
 from meshllm.partition.cost import DRAFT_DTYPE, model_costs
 from meshllm.partition.dp import Split
-from meshllm.partition.genetic import Evaluator, Grouping, evolve
+from meshllm.partition.genetic import evolve_plan
+from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.replica import decode_fit, evaluate_replica, prefill_fit
+from meshllm.partition.unused import outside_reasons
 
 GB = 1e9
 
@@ -60,6 +64,8 @@ class Plan:
     unused: tuple[str, ...]
     planner_s: float
     capacity_req_s: float  # the GA fitness: sustainable requests/s for the workload mix
+    reasons: dict[str, str] = field(default_factory=dict)  # node outside every replica -> why
+    prediction: dict[str, float] = field(default_factory=dict)  # latency.py at the planned rate (ms, req/s)
 
     def to_json(self) -> dict:
         return {
@@ -73,6 +79,9 @@ class Plan:
             "planner_s": round(self.planner_s, 4),
             "model": self.model, "n_layers": self.n_layers, "dtype": self.dtype,
             "capacity_req_s": round(self.capacity_req_s, 6),
+            "unused_reasons": {n: self.reasons[n] for n in self.unused if n in self.reasons},
+            "drafter_reasons": {n: self.reasons[n] for n in self.drafters if n in self.reasons},
+            "prediction": dict(self.prediction),
         }
 
     @classmethod
@@ -87,10 +96,13 @@ class Plan:
                 p = r["predicted"]
                 reps.append(Replica(int(r["id"]), Role(r["role"]), stages, float(p["prefill_tok_s"]),
                                     float(p["decode_tok_s"]), float(p["bottleneck_ms"])))
+            reasons = {str(k): str(v) for key in ("unused_reasons", "drafter_reasons")
+                       for k, v in dict(obj.get(key, {})).items()}
             plan = cls(str(obj["model"]), int(obj["n_layers"]), str(obj["dtype"]), tuple(reps),
                        tuple(str(x) for x in obj["drafters"]), tuple(str(x) for x in obj["unused"]),
-                       float(obj["planner_s"]), float(obj["capacity_req_s"]))
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+                       float(obj["planner_s"]), float(obj["capacity_req_s"]), reasons,
+                       {str(k): float(v) for k, v in dict(obj.get("prediction", {})).items()})
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
         for r in plan.replicas:
             if r.role not in REPLICA_ROLES:
@@ -113,24 +125,27 @@ class Plan:
             stages = "  ".join(f"{s.node}[{s.layers[0]},{s.layers[1]})" for s in r.stages)
             lines.append(f"  replica {r.id} {r.role:7s} prefill {r.prefill_tok_s:9.1f} tok/s  decode "
                          f"{r.decode_tok_s:8.1f} tok/s  bottleneck {r.bottleneck_ms:8.2f} ms  {stages}")
+        if self.prediction:
+            p = self.prediction
+            lines.append(f"  predicted at {p['rate_per_s']:.3f} req/s: mean wait {p['mean_wait_ms']:.1f} ms, "
+                         f"TTFT {p['mean_ttft_ms']:.1f} ms, end-to-end {p['mean_e2e_ms']:.1f} ms")
         lines.append(f"  drafters: {', '.join(self.drafters) or '-'}")
         lines.append(f"  unused:   {', '.join(self.unused) or '-'}")
+        lines += [f"    {n}: {why}" for n, why in self.reasons.items()]
         return "\n".join(lines)
 
 
 def build_replicas(inp: PlanInputs, grouping: Grouping) -> tuple[Replica, ...]:
     out = []
-    alone = len(grouping.groups) == 1
     for rid, (canon, role, ev) in enumerate(zip(grouping.groups, grouping.roles, grouping.evals, strict=True)):
-        fit = ev.prefill if role == Role.PREFILL else ev.decode
+        fit = {"prefill": ev.prefill, "decode": ev.decode, "mixed": ev.mixed}[role]
         assert fit is not None
         split: Split = fit.split
         members = ev.members
         stages = tuple(Stage(inp.members[canon[i]].id, rng) for i, rng in zip(split.order, split.ranges))
         pf = prefill_fit(inp.mc, members, split, inp.net, inp.mix)
         df = decode_fit(inp.mc, members, split, inp.net, inp.mix)
-        role = Role.MIXED if alone else Role(role)  # a lone replica serves both phases itself
-        out.append(Replica(rid, role, stages, pf.tok_s, df.tok_s, split.bottleneck_s * 1000, df.batch))
+        out.append(Replica(rid, Role(role), stages, pf.tok_s, df.tok_s, split.bottleneck_s * 1000, df.batch))
     return tuple(out)
 
 
@@ -148,23 +163,33 @@ def choose_drafters(inp: PlanInputs, in_replicas: set[str]) -> tuple[list[str], 
     return drafters, unused
 
 
-def plan_from_grouping(inp: PlanInputs, grouping: Grouping, t0: float) -> Plan:
+def plan_from_grouping(inp: PlanInputs, grouping: Grouping, t0: float, ev: Evaluator | None = None) -> Plan:
     replicas = build_replicas(inp, grouping)
     drafters, unused = choose_drafters(inp, {s.node for r in replicas for s in r.stages})
+    reasons = outside_reasons(inp, ev, grouping, set(drafters)) if ev is not None else {}
+    pred = grouping.prediction
+    prediction = {} if pred is None else {
+        "rate_per_s": round(pred.rate_per_s, 6), "mean_wait_ms": round(1000 * pred.wait_s, 3),
+        "mean_ttft_ms": round(1000 * pred.ttft_s, 3), "mean_e2e_ms": round(1000 * pred.e2e_s, 3)}
     plan = Plan(inp.args.name, inp.args.n_layers, inp.dtype, replicas, tuple(drafters), tuple(unused),
-                time.perf_counter() - t0, grouping.fitness)
+                time.perf_counter() - t0, grouping.fitness, reasons, prediction)
     validate_plan(plan, inp)
     return plan
 
 
+def planner_evaluator(inp: PlanInputs) -> Evaluator:
+    return Evaluator(inp.mc, inp.members, inp.net, inp.mix, inp.forced, (inp.input_tokens.cs2, inp.output_tokens.cs2))
+
+
 def plan_cluster(inp: PlanInputs, seed: int = 0, log: bool = True) -> Plan:
-    """The planner (GA + DP + roles). Raises PlanInfeasible when no replica can be formed."""
+    """The planner (GA + DP + roles), for the workload's rate (`inp.rate_per_s`; 0: none given).
+    Raises PlanInfeasible when no replica can be formed."""
     t0 = time.perf_counter()
-    ev = Evaluator(inp.mc, inp.members, inp.net, inp.mix, inp.forced)
-    grouping = evolve(ev, seed=seed, log=log)
+    ev = planner_evaluator(inp)
+    grouping = evolve_plan(ev, inp.rate_per_s, seed=seed, log=log)
     if not grouping.groups or grouping.fitness <= 0:
         raise PlanInfeasible(f"{inp.source}: cannot serve {inp.args.name}: {infeasible_reason(inp)}")
-    return plan_from_grouping(inp, grouping, t0)
+    return plan_from_grouping(inp, grouping, t0, ev)
 
 
 def infeasible_reason(inp: PlanInputs) -> str:

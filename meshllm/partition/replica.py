@@ -6,8 +6,14 @@ the lower of
 - compute: prefill 1 / bottleneck; decode tokens/s / mean output length, where decode runs
   min(stages, N) micro-batches through the pipeline and N (the concurrent sequences) is what
   every stage's free memory holds at full sequence length;
-- ports: every device's `network_mbps` carries its own activations plus the KV of its own
-  layers (shipped out after prefill, received before decode), per request.
+- ports (full duplex, cost.py): per request, a device sends (tx) the activations of its stage
+  to the next one plus, on a prefill replica, the KV of its own layers, and receives (rx) the
+  activations of the previous stage plus, on a decode replica, the KV of its layers.
+A mixed replica does both phases itself: no KV crosses a port, and prompts are prefilled in
+chunks riding along its decode steps (the compute a memory-bound step leaves idle), so it is
+bound by its decode or by all the useful FLOPs, whichever is lower; on whichever of its two
+splits is better.
+Links between zones are counted per replica here; the simulator shares them between replicas.
 """
 
 from __future__ import annotations
@@ -16,12 +22,28 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshllm.partition.cost import ModelCosts, stage_decode_s, transfer_s
+import numpy as np
+
+from meshllm.partition.cost import (
+    ModelCosts,
+    bytes_per_s,
+    decode_iteration_s,
+    decode_work,
+    flops_per_s,
+    pipeline_s,
+    prefill_work,
+    roofline_at,
+    span_work,
+    stage_prefill_s,
+    transfer_s,
+)
 from meshllm.partition.dp import Infeasible, Member, Net, Split, Splitter, Workpoint
 
 MAX_DECODE_BATCH = 256  # sequences a replica decodes concurrently at most (runtime limit)
 DECODE_REF_BATCH = 16  # batch the DP's decode split is optimised for
 KV_RESERVE_SEQS = 4  # sequences of KV every stage must hold besides weights (DP memory budget)
+TOKEN_ID_BYTES = 4  # a sampled token sent back from the last stage to the first
+FREE_STEP_SLACK = 0.01  # a prefill chunk "rides free" on a decode step it slows by at most 1%
 
 
 @dataclass(frozen=True)
@@ -35,20 +57,32 @@ class Mix:
     def kv_tokens(self) -> float:
         return KV_RESERVE_SEQS * (self.mean_in + self.mean_out)
 
+    @property
+    def decode_ctx(self) -> float:
+        """Mean context of a decode step: the prompt plus half the output."""
+        return self.mean_in + self.mean_out / 2
+
     def prefill_wp(self) -> Workpoint:
         return Workpoint("prefill", self.mean_in, self.mean_in, self.kv_tokens)
 
     def decode_wp(self) -> Workpoint:
-        return Workpoint("decode", DECODE_REF_BATCH, self.mean_in + self.mean_out / 2, self.kv_tokens)
+        return Workpoint("decode", DECODE_REF_BATCH, self.decode_ctx, self.kv_tokens)
 
 
 @dataclass(frozen=True)
 class RoleFit:
     split: Split
-    req_s: float  # requests/s this replica sustains in the role
-    tok_s: float  # prompt tokens/s (prefill) or output tokens/s (decode), compute only
+    req_s: float  # requests/s this replica sustains in the role (compute and ports)
+    tok_s: float  # prompt tokens/s (prefill) or output tokens/s (decode, mixed), compute only
     batch: int  # decode concurrency (prefill: 1)
     compute_req_s: float  # requests/s from compute alone (no ports)
+    occupancy_s: float = 0.0  # prefill, mixed: a new mean prompt may enter every this many seconds
+    prefill_s: float = 0.0  # prefill, mixed: one mean prompt through the whole pipeline (its TTFT part)
+    ship_s: float = 0.0  # prefill: shipping one mean prompt's KV out (the slowest port)
+    step_s: float = 0.0  # decode, mixed: one iteration at `batch`
+    step1_s: float = 0.0  # decode, mixed: one iteration at batch 1
+    free1: int = 0  # mixed: prompt tokens that ride along an iteration at batch 1 for free
+    free_b: int = 0  # mixed: the same at `batch`
 
 
 @dataclass(frozen=True)
@@ -57,6 +91,7 @@ class ReplicaEval:
     prefill: RoleFit | None
     decode: RoleFit | None
     reason: str = ""
+    mixed: RoleFit | None = None  # both phases on one split; req_s time-shares them
 
     @property
     def ok(self) -> bool:
@@ -70,20 +105,56 @@ class ReplicaEval:
     def decode_req_s(self) -> float:
         return self.decode.req_s if self.decode else 0.0
 
+    @property
+    def mixed_req_s(self) -> float:
+        return self.mixed.req_s if self.mixed else 0.0
+
 
 def ordered(members: Sequence[Member], split: Split) -> list[Member]:
     return [members[i] for i in split.order]
 
 
+def hops_s(net: Net, seq: Sequence[Member], nbytes: float) -> list[float]:
+    """Link seconds between consecutive stages, each carrying `nbytes` of activations."""
+    return [net.hop_s(a, b, nbytes) for a, b in zip(seq, seq[1:])]
+
+
+def ring_s(net: Net, seq: Sequence[Member], n_seqs):
+    """The link from the last stage back to the first, carrying the sampled token ids of a decode
+    step (none for a one-stage replica). Elementwise in `n_seqs`."""
+    if len(seq) < 2:
+        return 0.0 * np.asarray(n_seqs)
+    a, b = seq[-1], seq[0]
+    rtt, _ = net.rtt_mbps(a.zone, b.zone)
+    return rtt / 2000.0 + transfer_s(np.asarray(n_seqs) * TOKEN_ID_BYTES, hop_mbps(net, a, b))
+
+
+def port_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], tokens: float,
+           kv_tx: float, kv_rx: float) -> float:
+    """Seconds the busiest port direction needs per request: activations of `tokens` tokens to the
+    next stage (tx) and from the previous one (rx), plus kv_tx / kv_rx tokens of KV of each
+    device's own layers."""
+    worst, k = 0.0, len(seq)
+    for i, (m, n) in enumerate(zip(seq, counts, strict=True)):
+        act = tokens * mc.act_bytes_per_token
+        tx = act * (i < k - 1) + kv_tx * n * mc.kv_bytes_per_token
+        rx = act * (i > 0) + kv_rx * n * mc.kv_bytes_per_token
+        worst = max(worst, transfer_s(max(tx, rx), m.device.network_mbps))
+    return worst
+
+
+def capped(rate: float, seconds: float) -> float:
+    return min(rate, 1.0 / seconds) if seconds > 0 else rate
+
+
 def prefill_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net, mix: Mix) -> RoleFit:
     seq = ordered(members, split)
-    port_s = 0.0
-    for i, (m, n) in enumerate(zip(seq, split.counts, strict=True)):
-        act = mix.mean_in * mc.act_bytes_per_token * ((i > 0) + (i < len(seq) - 1))
-        kv = n * mix.mean_in * mc.kv_bytes_per_token
-        port_s = max(port_s, transfer_s(act + kv, m.device.network_mbps))
-    compute = 1.0 / split.bottleneck_s
-    return RoleFit(split, min(compute, 1.0 / port_s) if port_s else compute, compute * mix.mean_in, 1, compute)
+    occupancy, latency = pipeline_s(*prefill_stage_s(mc, seq, split.counts, net, mix.mean_in))
+    ship = max(transfer_s(n * mix.mean_in * mc.kv_bytes_per_token, m.device.network_mbps)
+               for m, n in zip(seq, split.counts))
+    compute = 1.0 / occupancy
+    ports = port_s(mc, seq, split.counts, mix.mean_in, mix.mean_in, 0.0)
+    return RoleFit(split, capped(compute, ports), compute * mix.mean_in, 1, compute, occupancy, latency, ship)
 
 
 def decode_concurrency(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], mix: Mix) -> int:
@@ -95,32 +166,139 @@ def decode_concurrency(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[i
     return max(0, n_seq)
 
 
+def prefill_stage_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], net: Net,
+                    tokens: float) -> tuple[list[float], list[float]]:
+    """(seconds per stage, seconds per link) of one prompt of `tokens` tokens."""
+    k = len(seq)
+    stages = [float(stage_prefill_s(mc, m.device, n, tokens, i == k - 1)) for i, (m, n) in enumerate(zip(seq, counts))]
+    return stages, hops_s(net, seq, tokens * mc.act_bytes_per_token)
+
+
+_PIPES: dict[tuple, dict] = {}
+PIPE_CACHE = 4096  # pipelines whose arrays are kept (the GA re-costs the same replica many times)
+
+
+def pipe_arrays(seq: Sequence[Member], counts: Sequence[int], net: Net) -> dict:
+    """Per-stage numpy columns of a pipeline (layers, last flag, FLOP/s, bytes/s) and per-link ones
+    (rtt/2, Mb/s), so a step is costed for all stages and chunk sizes at once. Cached."""
+    key = (tuple(seq), tuple(counts), id(net))
+    got = _PIPES.get(key)
+    if got is not None:
+        return got
+    if len(_PIPES) >= PIPE_CACHE:
+        _PIPES.clear()
+    k = len(seq)
+    col = lambda xs: np.array(xs, dtype=float).reshape(len(xs), 1)  # noqa: E731
+    links = [net.rtt_mbps(a.zone, c.zone)[0] / 2000.0 for a, c in zip(seq, seq[1:])]
+    got = _PIPES[key] = {
+        "n": col(counts), "last": col([i == k - 1 for i in range(k)]),
+        "flop_s": col([flops_per_s(m.device) for m in seq]), "byte_s": col([bytes_per_s(m.device) for m in seq]),
+        "half_rtt": col(links), "mbps": col([hop_mbps(net, a, c) for a, c in zip(seq, seq[1:])]),
+        "net": net}  # keeps `net` alive, so its id is not reused while the entry exists
+    return got
+
+
+def fused_step_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], net: Net, batch: float,
+                 context: float, chunk=0.0, chunk_ctx=0.0, prompts: int = 0):
+    """Seconds for each of `batch` decoding sequences to get one token, in min(stages, batch +
+    prompts) micro-batches, while `chunk` tokens of `prompts` prompts (attending as one span
+    ending at `chunk_ctx`) ride along, split over the micro-batches (chunked prefill, Sarathi /
+    vLLM). `chunk` / `chunk_ctx` may be numpy arrays (one step time per chunk size)."""
+    k, p = len(seq), pipe_arrays(seq, counts, net)
+    micro = max(1, min(k, math.ceil(batch) + prompts))
+    scalar = np.ndim(chunk) == 0
+    b, t = batch / micro, np.atleast_1d(np.asarray(chunk, dtype=float)).reshape(1, -1) / micro
+    flops, nbytes = decode_work(mc, p["n"], b, context, p["last"])
+    f2, b2 = span_work(mc, p["n"], t, np.asarray(chunk_ctx, dtype=float).reshape(1, -1))
+    stages = roofline_at(flops + f2, nbytes + np.where(t > 0, b2 / micro, 0.0), p["flop_s"], p["byte_s"])
+    hops = p["half_rtt"] + transfer_s((b + t) * mc.act_bytes_per_token, p["mbps"])  # (k - 1, chunks)
+    out = decode_iteration_s(stages, hops, ring_s(net, seq, b), micro)
+    return float(out[0]) if scalar else out
+
+
+def hop_mbps(net: Net, a: Member, b: Member) -> float:
+    rtt, mbps = net.rtt_mbps(a.zone, b.zone)
+    return min(a.device.network_mbps, b.device.network_mbps, mbps or math.inf)
+
+
+def decode_step_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], net: Net, batch: float,
+                  context: float) -> float:
+    """Seconds for each of `batch` sequences to get one token, in min(stages, batch) micro-batches."""
+    return fused_step_s(mc, seq, counts, net, batch, context)
+
+
+def free_chunk_tokens(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], net: Net, batch: float,
+                      context: float, prompt: float) -> int:
+    """Most prompt tokens (<= `prompt`) that ride along a decode step of `batch` sequences making it
+    at most FREE_STEP_SLACK slower (reading the prompt's own KV costs a little): the compute a
+    memory-bound step leaves idle (0 without a decode batch). The step time grows with the chunk:
+    a grid of powers of two, then a finer grid between the last that fits and the next."""
+    if batch < 1 or prompt < 1:
+        return 0
+    base = decode_step_s(mc, seq, counts, net, batch, context) * (1 + FREE_STEP_SLACK)
+    lo, hi = 0.0, float(prompt)
+    for grid in (np.unique(np.r_[0, 2.0 ** np.arange(int(math.log2(prompt)) + 1), prompt]), None):
+        if grid is None:  # refine between the last power of two that fits and the next
+            grid = np.linspace(lo, hi, 17)
+        times = fused_step_s(mc, seq, counts, net, batch, context, grid, prompt / 2 + grid / 2)
+        fits = np.nonzero(times <= base)[0]
+        if fits.size == 0:
+            return int(lo)
+        j = int(fits[-1])
+        if j == len(grid) - 1:
+            return int(grid[j])
+        lo, hi = float(grid[j]), float(grid[j + 1])
+    return int(lo)
+
+
 def decode_tok_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], net: Net, mix: Mix,
                  n_seq: int) -> float:
     """Output tokens/s with n_seq sequences in min(stages, n_seq) micro-batches."""
     if n_seq < 1:
         return 0.0
-    micro = min(len(seq), n_seq)
-    b = n_seq / micro
-    ctx = mix.mean_in + mix.mean_out / 2
-    k = len(seq)
-    stages = [stage_decode_s(mc, m.device, n, b, ctx, i == k - 1) for i, (m, n) in enumerate(zip(seq, counts))]
-    hops = [net.hop_s(a, c, b * mc.act_bytes_per_token) for a, c in zip(seq, seq[1:] + seq[:1])]
-    bottleneck = max(stages + hops[:-1])
-    latency = sum(stages) + sum(hops)
-    return micro * b / max(micro * bottleneck, latency)
+    return n_seq / decode_step_s(mc, seq, counts, net, n_seq, mix.decode_ctx)
 
 
 def decode_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net, mix: Mix) -> RoleFit:
     seq = ordered(members, split)
     n_seq = decode_concurrency(mc, seq, split.counts, mix)
-    tok_s = decode_tok_s(mc, seq, split.counts, net, mix, n_seq)
-    port_s = 0.0
-    for i, (m, n) in enumerate(zip(seq, split.counts, strict=True)):
-        act = mix.mean_out * mc.act_bytes_per_token * ((i > 0) + (i < len(seq) - 1))
-        port_s = max(port_s, transfer_s(act + n * mix.mean_in * mc.kv_bytes_per_token, m.device.network_mbps))
+    if n_seq < 1:
+        return RoleFit(split, 0.0, 0.0, 0, 0.0)
+    step = decode_step_s(mc, seq, split.counts, net, n_seq, mix.decode_ctx)
+    tok_s = n_seq / step
     req = tok_s / mix.mean_out
-    return RoleFit(split, min(req, 1.0 / port_s) if port_s else req, tok_s, n_seq, req)
+    ports = port_s(mc, seq, split.counts, mix.mean_out, 0.0, mix.mean_in)
+    step1 = decode_step_s(mc, seq, split.counts, net, 1, mix.decode_ctx)
+    return RoleFit(split, capped(req, ports), tok_s, n_seq, req, step_s=step, step1_s=step1)
+
+
+def mixed_compute_req_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], mix: Mix) -> float:
+    """Requests/s of a mixed replica whose compute is fully used (chunked prefill fills the decode
+    steps' idle compute): the busiest stage's FLOPs per request at its achieved FLOP/s."""
+    k, worst = len(seq), 0.0
+    for i, (m, n) in enumerate(zip(seq, counts)):
+        pre, _ = prefill_work(mc, n, mix.mean_in, i == k - 1)
+        dec, _ = decode_work(mc, n, max(0.0, mix.mean_out - 1), mix.decode_ctx, i == k - 1)
+        worst = max(worst, (pre + dec) / flops_per_s(m.device))
+    return 1.0 / worst
+
+
+def mixed_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net, mix: Mix,
+              fits: tuple[RoleFit, RoleFit] | None = None, free: bool = True) -> RoleFit | None:
+    """Both phases on `split`, no KV crosses a port (only activations). Prompts are prefilled in
+    chunks that ride along the decode steps: the replica is bound by its decode (memory) or by
+    its compute (all the useful FLOPs), whichever is lower. `fits`: its prefill and decode fits
+    on this split, if already computed; `free`: also find the prompt tokens that ride free."""
+    pre, dec = fits or (prefill_fit(mc, members, split, net, mix), decode_fit(mc, members, split, net, mix))
+    if dec.batch < 1:
+        return None
+    seq = ordered(members, split)
+    compute = min(dec.compute_req_s, mixed_compute_req_s(mc, seq, split.counts, mix))
+    ports = port_s(mc, seq, split.counts, mix.mean_in + mix.mean_out, 0.0, 0.0)
+    free1 = free_chunk_tokens(mc, seq, split.counts, net, 1, mix.decode_ctx, mix.mean_in) if free else 0
+    free_b = free_chunk_tokens(mc, seq, split.counts, net, dec.batch, mix.decode_ctx, mix.mean_in) if free else 0
+    return RoleFit(split, capped(compute, ports), dec.tok_s, dec.batch, compute, pre.occupancy_s, pre.prefill_s,
+                   step_s=dec.step_s, step1_s=dec.step1_s, free1=free1, free_b=free_b)
 
 
 def evaluate_replica(mc: ModelCosts, members: Sequence[Member], net: Net, mix: Mix,
@@ -135,11 +313,14 @@ def evaluate_replica(mc: ModelCosts, members: Sequence[Member], net: Net, mix: M
     dfit = decode_fit(mc, members, dec, net, mix)
     if dfit.batch < 1:
         return ReplicaEval(members, None, None, "no memory left for the KV of one sequence")
-    return ReplicaEval(members, prefill_fit(mc, members, pre, net, mix), dfit)
+    pfit = prefill_fit(mc, members, pre, net, mix)
+    fits = {pre: (pfit, decode_fit(mc, members, pre, net, mix)), dec: (prefill_fit(mc, members, dec, net, mix), dfit)}
+    rates = {s: mixed_fit(mc, members, s, net, mix, f, free=False) for s, f in fits.items()}
+    best = max((s for s, f in rates.items() if f is not None), key=lambda s: rates[s].req_s, default=None)
+    best_mixed = None if best is None else mixed_fit(mc, members, best, net, mix, fits[best])
+    return ReplicaEval(members, pfit, dfit, mixed=best_mixed)
 
 
 def mixed_req_s(ev: ReplicaEval) -> float:
-    """A replica doing both phases itself (no KV shipping): time-shares prefill and decode."""
-    if ev.prefill is None or ev.decode is None or ev.prefill.compute_req_s <= 0 or ev.decode.compute_req_s <= 0:
-        return 0.0
-    return 1.0 / (1.0 / ev.prefill.compute_req_s + 1.0 / ev.decode.compute_req_s)
+    """A replica doing both phases itself (no KV shipping)."""
+    return ev.mixed_req_s

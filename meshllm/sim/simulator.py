@@ -1,28 +1,30 @@
-"""Discrete-event simulator of serving a workload on a plan, and the policy comparison.
+"""Discrete-event simulator of serving a workload on a set of replicas (one heap of timed events).
 
-Model (one heap of timed events):
-- Requests arrive as a Poisson process (rate 0: all at t=0) with input/output lengths drawn
-  from the workload's distributions (sweep.py). Every policy sees the same trace.
-- Router (same for all policies): a request goes to the prefill replica with the earliest
-  estimated finish (queued work + its own prefill + the time its ports need to ship the KV);
-  a finished prefill goes to the decode replica with the earliest estimated finish (KV
-  transfer over the ports as they are booked now + decode backlog + its own decode).
-- Prefill replicas are pipelines: a prompt may enter every `occupancy` seconds (bottleneck
-  stage) and finishes after `latency`; the first output token comes out of the prefill.
+- Requests arrive at given times (sweep.py draws Poisson traces) with their own lengths.
+- Routing: router.py (the same code the live gateway runs). The router is told the prompt's
+  length and the workload's mean output length, never a request's own.
+- Prefill replicas are pipelines: a prompt may enter every `occupancy` seconds (the slowest
+  stage or link); it then runs stage by stage, and its activations cross each link as a real
+  transfer on the ports (ports.py: full duplex, shared zone links), so they queue behind KV
+  being shipped out of the same port. The first output token comes out of the prefill.
   Back-pressure: a prefill replica starts no prompt while its finished-but-unsent KV would
-  overflow its memory (KV of prompts still in the pipeline is covered by the DP's KV budget).
+  overflow its memory.
 - KV shipping: every prefill stage sends the KV of its layers to the decode stages holding
-  them. Each device's port (`network_mbps`) is a FIFO server shared by all its transfers, in
-  and out; a transfer takes bytes / port rate on the sender's and on the receiver's port,
-  each queued independently (the switch buffers), is no faster than bytes / zone-link rate
-  (a per-flow limit), and is complete when all of these are done, plus rtt/2.
+  them, started together; done when the last one is.
 - Decode replicas batch at iteration level (Orca): sequences join at iteration boundaries up
   to the memory-limited batch; an iteration costs `decode_iter_s(batch, mean context)`.
-  Runs of iterations are one event, cut short when a request could join.
-- Mixed replicas (memory-ring, or a plan without a prefill/decode pair) run queued prefills
-  first at each iteration boundary (vLLM's default), pausing their decodes.
-- Waiting time (BRIEF): prefill queue + port queueing + waiting for a decode slot + decode
-  pauses for other requests' prefills. Prefill wait: before the prefill starts.
+  Runs of iterations are one event, cut short when a request could join. Their activations
+  are booked on the ports when the run ends (work-conserving: they delay KV arriving later).
+- Mixed replicas never ship KV; they prefill in chunks that ride along their decode steps
+  (chunked prefill, as vLLM and Sarathi-Serve do): one prompt at a time, as many of its
+  tokens per step as the compute a memory-bound step leaves idle (`free_chunk`), unless at least as many prompts wait as sequences decode: then the whole
+  prompt goes at once (every decoding sequence waits the extra step time, but fewer requests
+  wait than when the prompts queue). A prompt starts only when a decode slot is free for it.
+- Waiting time (BRIEF): the prefill queue + port and link queueing (activations and KV) +
+  waiting for a decode slot + decode pauses for other requests' prefills. It is what the
+  request's end-to-end latency has beyond its own compute and transfers at idle ports.
+- ITL: per request, the gaps between its tokens: the first decode gap also holds the KV
+  transfer and any slot wait, and a pause lengthens the gap it falls in.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from meshllm.partition.cost import transfer_s
+from meshllm.sim.ports import PortBook
 from meshllm.sim.replica import SimReplica
+from meshllm.sim.router import ReplicaLoad, Router
 
 
 @dataclass
@@ -50,111 +53,25 @@ class Request:
     done: float = math.nan
     wait_s: float = 0.0
     paused_s: float = 0.0  # part of wait_s: decode paused by other requests' prefills (mixed)
+    port_wait_s: float = 0.0  # part of wait_s: queueing on ports and links (activations, KV)
+    slot_wait_s: float = 0.0  # part of wait_s: KV arrived, no decode slot free
+    last_token: float = math.nan
+    gaps: list = field(default_factory=list)  # (seconds between two of its tokens, how many such gaps)
 
 
 @dataclass
 class RepState:
     rep: SimReplica
-    max_batch: int
+    load: ReplicaLoad
     kv_cap: float
     queue: deque = field(default_factory=deque)  # prompts waiting for prefill
     waiting: deque = field(default_factory=deque)  # KV arrived, waiting for a decode slot
     active: list = field(default_factory=list)  # [request, tokens left]
-    next_start: float = 0.0  # prefill pipeline: earliest entry of the next prompt
-    queued_occ: float = 0.0
     pending_kv: float = 0.0  # tokens of prefilled KV not yet shipped
     busy: bool = False
-    chunk: tuple = ()  # (start, step, iterations) of the decode run in flight
+    chunk: tuple = ()  # (start, step, iterations, prompt tokens per step, step without them) in flight
     version: int = 0
-
-
-class PortBook:
-    """Every device's network port as a FIFO server (seconds booked up to `free[node]`)."""
-
-    def __init__(self, mc):
-        self.mc = mc
-        self.free: dict[str, float] = {}  # node -> when its port's queued transfers end
-        self._routes: dict[tuple, list] = {}
-
-    def routes(self, src: SimReplica, dst: SimReplica) -> list[tuple]:
-        """KV transfers src -> dst: (from, to, bytes per token, s/byte on each port, s/byte on
-        the zone link, rtt/2 seconds). Cached per replica pair."""
-        key = (src.id, dst.id)
-        got = self._routes.get(key)
-        if got is None:
-            got = []
-            for (ms, (a, b)) in zip(src.members, src.ranges()):
-                for (md, (c, e)) in zip(dst.members, dst.ranges()):
-                    overlap = min(b, e) - max(a, c)
-                    if overlap <= 0 or ms.id == md.id:
-                        continue
-                    rtt, link = src.inp.net.rtt_mbps(ms.zone, md.zone)
-                    got.append((ms.id, md.id, overlap * self.mc.kv_bytes_per_token, transfer_s(1, ms.device.network_mbps),
-                                transfer_s(1, md.device.network_mbps), transfer_s(1, link) if link else 0.0,
-                                rtt / 2000.0))
-            self._routes[key] = got
-        return got
-
-    def ship(self, src: SimReplica, dst: SimReplica, tokens: int, now: float, commit: bool) -> tuple[float, float]:
-        """Queue the KV transfers (booked only if `commit`); returns (end, end had no other
-        transfer been queued; computed only if `commit`)."""
-        booked: dict[str, float] = {}
-        alone: dict[str, float] = {}
-        end = ideal = now
-        for a, b, per_token, s_a, s_b, s_link, half_rtt in self.routes(src, dst):
-            nbytes = per_token * tokens
-            floor = now + nbytes * s_link + half_rtt
-            t = max(self.book(booked, a, nbytes * s_a, now), self.book(booked, b, nbytes * s_b, now))
-            end = max(end, t + half_rtt, floor)
-            if commit:
-                t = max(self.book(alone, a, nbytes * s_a, now, False), self.book(alone, b, nbytes * s_b, now, False))
-                ideal = max(ideal, t + half_rtt, floor)
-        if commit:
-            self.free.update(booked)
-        return end, ideal
-
-    def book(self, overlay: dict, node: str, serial: float, now: float, shared: bool = True) -> float:
-        """Queue `serial` seconds on `node`'s port in `overlay` (over the real bookings if
-        `shared`); returns when that slice ends."""
-        busy = overlay.get(node, self.free.get(node, 0.0) if shared else 0.0)
-        overlay[node] = end = max(now, busy) + serial
-        return end
-
-    def wait_s(self, node: str, now: float) -> float:
-        return max(self.free.get(node, 0.0) - now, 0.0)
-
-
-class Router:
-    """Earliest estimated finish, the same for every policy (only the plan differs)."""
-
-    def __init__(self, ports: PortBook):
-        self.ports = ports
-
-    def prefill_estimate(self, st: RepState, req: Request, now: float) -> float:
-        """Queue + own prefill + shipping its KV out of this replica's ports (or, on a mixed
-        replica, + its decode)."""
-        occ, lat = st.rep.prefill_s(req.n_in)
-        start = max(now, st.next_start) + st.queued_occ
-        if st.rep.role == "mixed":
-            return start + lat + self.backlog_s(st, req)
-        kv = self.ports.mc.kv_bytes_per_token * req.n_in
-        ship = max(self.ports.wait_s(m.id, now) + transfer_s(n * kv, m.device.network_mbps)
-                   for m, n in zip(st.rep.members, st.rep.counts))
-        return start + lat + ship
-
-    def decode_estimate(self, src: RepState, dst: RepState, req: Request, now: float) -> float:
-        end, _ = self.ports.ship(src.rep, dst.rep, req.n_in, now, commit=False)
-        return end + self.backlog_s(dst, req)
-
-    @staticmethod
-    def backlog_s(st: RepState, req: Request) -> float:
-        """Estimated time until `req` finishes decoding on `st` if it joined now."""
-        ctx = st.rep.inp.mix.mean_in + st.rep.inp.mix.mean_out / 2
-        load = len(st.active) + len(st.waiting) + 1
-        step = st.rep.decode_iter_s(min(load, st.max_batch), ctx)
-        left = sum(x[1] for x in st.active) / max(1, len(st.active))
-        queued = max(0, load - st.max_batch) / st.max_batch * left
-        return (queued + req.n_out) * step
+    prefilling: list = field(default_factory=list)  # mixed: [request, prompt tokens done] in progress
 
 
 class Simulator:
@@ -162,11 +79,11 @@ class Simulator:
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
-        self.states = [RepState(r, max(1, r.max_batch()), r.kv_capacity_tokens()) for r in reps]
-        self.pre = [s for s in self.states if s.rep.role in ("prefill", "mixed")]
-        self.dec = [s for s in self.states if s.rep.role == "decode"]
-        self.ports = PortBook(reps[0].inp.mc if reps else None)
-        self.router = Router(self.ports)
+        self.states = {r.id: RepState(r, ReplicaLoad(max(1, r.max_batch())), r.kv_capacity_tokens()) for r in reps}
+        self.loads = {rid: st.load for rid, st in self.states.items()}
+        self.ports = PortBook(reps[0].inp.net) if reps else None
+        self.router = Router(reps, self.ports) if reps else None
+        self.mean_out = reps[0].inp.mix.mean_out if reps else 0.0
         self.requests = list(requests)
         for r in self.requests:
             self.push(r.arrival, self.on_arrival, r)
@@ -175,7 +92,7 @@ class Simulator:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, fn, args))
 
-    def run(self, max_events: int = 5_000_000) -> list[Request]:
+    def run(self, max_events: int = 20_000_000) -> list[Request]:
         for _ in range(max_events):
             if not self.heap:
                 return self.requests
@@ -185,9 +102,11 @@ class Simulator:
 
     # -- prefill ------------------------------------------------------------------------------
     def on_arrival(self, req: Request) -> None:
-        st = min(self.pre, key=lambda s: (self.router.prefill_estimate(s, req, self.now), s.rep.id))
+        st = self.states[self.router.pick_prefill(self.loads, req.n_in, self.mean_out, self.now)]
         st.queue.append(req)
-        st.queued_occ += st.rep.prefill_s(req.n_in)[0]
+        st.load.prefill_queued_s += st.rep.prefill_s(req.n_in)[0]
+        st.load.prefill_queued_tokens += req.n_in
+        st.load.prefill_queued += 1
         self.kick(st)
 
     def kick(self, st: RepState) -> None:
@@ -197,30 +116,46 @@ class Simulator:
             self.try_iterate(st)
 
     def try_prefill(self, st: RepState) -> None:
-        if not st.queue or self.now < st.next_start:
+        if not st.queue or self.now < st.load.next_prefill_at:
             return
         req = st.queue[0]
         if st.pending_kv > 0 and st.pending_kv + req.n_in > st.kv_cap:
             return  # back-pressure: wait for KV to leave (on_kv_sent kicks again)
         st.queue.popleft()
-        occ, lat = st.rep.prefill_s(req.n_in)
-        st.queued_occ -= occ
+        stages, occ, _ = st.rep.prefill_stages(req.n_in)
+        st.load.prefill_queued_s -= occ
+        st.load.prefill_queued_tokens -= req.n_in
+        st.load.prefill_queued -= 1
         req.prefill_start = self.now
         req.wait_s += self.now - req.arrival
-        st.next_start = self.now + occ
+        st.load.next_prefill_at = self.now + occ
         self.push(self.now + occ, self.try_prefill, st)
-        self.push(self.now + lat, self.on_prefilled, st, req)
+        self.push(self.now + stages[0], self.on_stage, st, req, 0)
+
+    def on_stage(self, st: RepState, req: Request, i: int) -> None:
+        """Stage i of `req`'s prefill is done: send its activations on, or finish."""
+        members = st.rep.members
+        if i == len(members) - 1:
+            self.on_prefilled(st, req)
+            return
+        nbytes = req.n_in * st.rep.inp.mc.act_bytes_per_token
+        end, ideal = self.ports.transfer(members[i], members[i + 1], nbytes, self.now)
+        req.wait_s += end - ideal
+        req.port_wait_s += end - ideal
+        self.push(end + st.rep.prefill_stages(req.n_in)[0][i + 1], self.on_stage, st, req, i + 1)
 
     def on_prefilled(self, st: RepState, req: Request) -> None:
-        req.first_token = self.now
+        req.first_token = req.last_token = self.now
         if req.n_out <= 1:
             req.done = req.decode_start = self.now
             self.try_prefill(st)
             return
-        dst = min(self.dec, key=lambda d: (self.router.decode_estimate(st, d, req, self.now), d.rep.id))
+        dst = self.states[self.router.pick_decode(st.rep.id, self.loads, req.n_in, self.mean_out, self.now)]
         st.pending_kv += req.n_in
-        end, ideal = self.ports.ship(st.rep, dst.rep, req.n_in, self.now, commit=True)
+        dst.load.waiting += 1
+        end, ideal = self.ports.transfers(self.router.kv_flows(st.rep, dst.rep, req.n_in), self.now, commit=True)
         req.wait_s += end - ideal
+        req.port_wait_s += end - ideal
         self.push(end, self.on_kv_sent, st, dst, req)
 
     def on_kv_sent(self, src: RepState, dst: RepState, req: Request) -> None:
@@ -230,75 +165,128 @@ class Simulator:
         self.try_prefill(src)
         self.try_iterate(dst)
 
-    # -- decode -------------------------------------------------------------------------------
+    # -- decode ---------------------------------------------------------------------------------
     def try_iterate(self, st: RepState) -> None:
         if st.busy:
-            if len(st.active) < st.max_batch and (st.waiting or st.queue):
+            if self.could_join(st):
                 self.cut_chunk(st)
             return
-        while st.waiting and len(st.active) < st.max_batch:
+        while st.waiting and len(st.active) < st.load.max_batch:
             req = st.waiting.popleft()
             req.wait_s += self.now - req.kv_ready
+            req.slot_wait_s += self.now - req.kv_ready
             req.decode_start = self.now
+            st.load.waiting -= 1
             st.active.append([req, req.n_out - 1])
-        if st.rep.role == "mixed" and st.queue and len(st.active) < st.max_batch:
-            self.mixed_prefill(st)
-        elif st.active:
-            ctx = sum(r.n_in + r.n_out - left for r, left in st.active) / len(st.active)
-            step = st.rep.decode_iter_s(len(st.active), ctx)
-            iters = min(left for _, left in st.active)
-            st.busy, st.chunk = True, (self.now, step, iters)
-            self.push(self.now + step * iters, self.on_chunk, st, st.version)
+        if st.rep.role == "mixed":
+            self.start_prompts(st)
+        st.load.active = len(st.active)
+        if st.active or st.prefilling:
+            self.run_steps(st)
+
+    def could_join(self, st: RepState) -> bool:
+        """A request waits for this replica's run to end: a decode slot or a prompt to start."""
+        if len(st.active) + len(st.prefilling) >= st.load.max_batch:
+            return False
+        return bool(st.waiting) or (not st.prefilling and bool(st.queue))
+
+    def start_prompts(self, st: RepState) -> None:
+        """Mixed: one prompt in progress, riding along the decode steps; or, when at least as many
+        prompts wait as sequences decode, whole prompts, as many as the pipeline has stages."""
+        full = st.load.prefill_queued >= len(st.active)
+        most = len(st.rep.members) if full else 1
+        while st.queue and len(st.active) + len(st.prefilling) < st.load.max_batch and len(st.prefilling) < most:
+            req = st.queue.popleft()
+            st.load.prefill_queued_s -= st.rep.prefill_s(req.n_in)[0]
+            req.prefill_start = self.now
+            req.wait_s += self.now - req.arrival
+            st.prefilling.append([req, 0])
+
+    def run_steps(self, st: RepState) -> None:
+        """Start a run of identical steps: until a sequence finishes or the prompts are prefilled."""
+        b = len(st.active)
+        ctx = sum(r.n_in + r.n_out - left for r, left in st.active) / b if b else 0.0
+        base = st.rep.decode_iter_s(b, ctx) if b else 0.0
+        iters = min((left for _, left in st.active), default=math.inf)
+        chunk, pos, prompts = 0, 0.0, 0
+        if len(st.prefilling) > 1 or (st.prefilling and st.load.prefill_queued >= b):  # whole prompts
+            lefts = [r.n_in - done for r, done in st.prefilling]
+            chunk, iters, prompts = sum(lefts), 1, len(lefts)
+            pos = chunk / 2 + sum(x * x for x in lefts) / (2 * chunk)  # attention of separate prompts
+        elif st.prefilling:
+            req, done = st.prefilling[0]
+            chunk = min(req.n_in - done, st.rep.chunk_tokens(b, ctx, req.n_in, st.load.prefill_queued_tokens))
+            iters, pos = min(iters, math.ceil((req.n_in - done) / chunk)), done + chunk
+        if chunk and not b and len(st.prefilling) == 1 and st.prefilling[0][1] == 0:
+            step = st.rep.prefill_s(chunk)[1]  # a whole prompt alone
+        else:
+            step = st.rep.decode_iter_s(b, ctx, chunk, pos, prompts)
+        st.load.tokens_left = sum(left for _, left in st.active) / b if b else 0.0
+        st.busy, st.chunk = True, (self.now, step, iters, chunk, base)
+        self.push(self.now + step * iters, self.on_chunk, st, st.version)
 
     def cut_chunk(self, st: RepState) -> None:
-        """A request could join: end the decode run at the next iteration boundary."""
+        """A request could join: end the run at the next step boundary."""
         if not st.chunk:
             return
-        start, step, iters = st.chunk
+        start, step, iters, chunk, base = st.chunk
         done = max(1, math.ceil((self.now - start) / step - 1e-9))
         if done < iters:
             st.version += 1
-            st.chunk = (start, step, done)
+            st.chunk = (start, step, done, chunk, base)
             self.push(start + step * done, self.on_chunk, st, st.version)
 
     def on_chunk(self, st: RepState, version: int) -> None:
         if version != st.version:
             return
-        _, _, iters = st.chunk
+        start, step, iters, chunk, base = st.chunk
         st.busy, st.chunk = False, ()
         keep = []
         for item in st.active:
+            req = item[0]
+            req.gaps.append((start + step - req.last_token, 1))
+            if iters > 1:
+                req.gaps.append((step, iters - 1))
+            if chunk:  # the prompt riding along made these steps longer
+                req.wait_s += iters * (step - base)
+                req.paused_s += iters * (step - base)
+            req.last_token = self.now
             item[1] -= iters
             if item[1] <= 0:
-                item[0].done = self.now
+                req.done = self.now
             else:
                 keep.append(item)
+        self.book_activations(st, start, len(st.active) * iters)
         st.active = keep
+        if chunk:
+            self.advance_prompt(st, iters * chunk)
         self.try_iterate(st)
 
-    def mixed_prefill(self, st: RepState) -> None:
-        """Run queued prompts (as many as free slots) through the pipeline back to back."""
-        batch = []
-        while st.queue and len(st.active) + len(batch) < st.max_batch:
-            batch.append(st.queue.popleft())
-        times = [st.rep.prefill_s(r.n_in) for r in batch]
-        duration = sum(o for o, _ in times) + max(lat - o for o, lat in times)
-        for r, (occ, _) in zip(batch, times):
-            st.queued_occ -= occ
-            r.prefill_start = self.now
-            r.wait_s += self.now - r.arrival
-        for item in st.active:
-            item[0].wait_s += duration  # paused by other requests' prefills
-            item[0].paused_s += duration
-        st.busy, st.chunk = True, ()
-        self.push(self.now + duration, self.on_mixed_prefilled, st, batch)
-
-    def on_mixed_prefilled(self, st: RepState, batch: list[Request]) -> None:
-        st.busy = False
-        for r in batch:
-            r.first_token = r.decode_start = self.now
-            if r.n_out <= 1:
-                r.done = self.now
+    def advance_prompt(self, st: RepState, tokens: int) -> None:
+        """`tokens` more prompt tokens are prefilled (in order); a finished prompt decodes here."""
+        keep = []
+        for item in st.prefilling:
+            req = item[0]
+            got = min(tokens, req.n_in - item[1])
+            item[1] += got
+            tokens -= got
+            st.load.prefill_queued_tokens -= got
+            if item[1] < req.n_in:
+                keep.append(item)
+                continue
+            st.load.prefill_queued -= 1
+            req.first_token = req.last_token = req.decode_start = self.now
+            req.wait_s += max(0.0, self.now - req.prefill_start - st.rep.prefill_s(req.n_in)[1])  # chunking
+            if req.n_out <= 1:
+                req.done = self.now
             else:
-                st.active.append([r, r.n_out - 1])
-        self.try_iterate(st)
+                st.active.append([req, req.n_out - 1])
+        st.prefilling = keep
+
+    def book_activations(self, st: RepState, start: float, tokens: int) -> None:
+        """A decode run's activations between a decode replica's stages, booked from its start."""
+        if st.rep.role != "decode":
+            return  # a mixed replica's ports carry nothing else; its timing already holds the hops
+        nbytes = tokens * st.rep.inp.mc.act_bytes_per_token
+        for a, b in zip(st.rep.members, st.rep.members[1:]):
+            self.ports.transfer(a, b, nbytes, start)

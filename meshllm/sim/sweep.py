@@ -1,21 +1,21 @@
-"""Workload traces, metrics, the saturation sweep and the policy comparison of `--simulate`.
+"""Workload traces, the stability rule, the saturation sweep and the policy comparison of `--simulate`.
 
-Stability rule (for `saturation_rate_per_s`): a run of SWEEP_REQUESTS Poisson arrivals at
-rate r is unstable when its backlog keeps growing. The backlog at time t is the number of
-requests that have arrived but are still queued (waiting for a prefill, or between their
-prefill and their admission to a decode batch, KV transfer included). With `mid` and `late`
-the backlog averaged over BACKLOG_SAMPLES instants around 50% and in the last 10% of the
-arrival window, the run is stable iff
+Stability rule (for `saturation_rate_per_s`): a rate is sustained only if waiting does not
+grow with the run's length. The first 2N requests of the trace are simulated at the rate; with
+W(N) the mean wait of the first N and W(2N) that of all 2N, the rate is stable iff
 
-    late <= STABLE_GROWTH x mid + STABLE_NOISE x N   and   late <= STABLE_MAX x N.
+    W(2N) <= (1 + STABLE_GROWTH) x W(N) + STABLE_NOISE x S,
 
-Above capacity c the backlog grows linearly, about N (1 - c / r) t / T, so late / mid tends
-to 1.8 and the rule accepts rates up to ~1.07 c. Below capacity it levels off: with
-heterogeneous replicas the earliest-finish router holds a standing queue at the fast
-replicas rather than start a request on a slow one, and a standing queue is stable. The
-sweep doubles the rate from the policy's analytic capacity estimate until a run is unstable
-(or halves it until one is stable), then bisects BISECT_STEPS times; the result is the
-highest stable rate found.
+S being the mean service time of a request (its latency with no queue), and if, while the
+second N arrive, at most STABLE_BACKLOG x N more requests arrive than complete. Above
+capacity the wait grows linearly with time, so W(2N) ~ 2 W(N), and the requests in the system
+pile up; below it both level off after a warm-up. (The second test is needed where a replica
+works faster as its queue grows, e.g. a mixed replica that prefills whole prompts once many
+wait: there the wait can grow slower than linearly while the backlog still grows.) N is at least `sweep_requests`, and large enough that the first N span
+WINDOW_SERVICES service times, so that a decode backlog (a request holds a decode slot for
+most of its latency) has time to show. The sweep steps the rate by STEP_FACTOR from the
+policy's analytic capacity until a run is unstable (or down until one is stable), then
+bisects BISECT_STEPS times; the result is the highest stable rate found (resolution ~1%).
 """
 
 from __future__ import annotations
@@ -23,141 +23,163 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
-from meshllm.partition.inputs import LengthDist, PlanInputs
-from meshllm.partition.plan import plan_cluster
-from meshllm.sim.replica import (
-    SimReplica,
-    decode_rate,
-    from_plan,
-    memory_ring,
-    prefill_rate,
-    random_policy,
-    splitwise,
-)
+from meshllm.partition.dp import Split
+from meshllm.partition.inputs import PlanInputs
+from meshllm.partition.plan import PlanInfeasible, plan_cluster
+from meshllm.partition.replica import decode_fit, mixed_fit, prefill_fit
+from meshllm.sim.baselines import BASELINES, Policy, random_policy
+from meshllm.sim.metrics import bound_rate_per_s, metrics
+from meshllm.sim.replica import SimReplica, from_plan
 from meshllm.sim.simulator import Request, Simulator
 
-SWEEP_REQUESTS = 2000
-STABLE_GROWTH = 1.3
-STABLE_NOISE = 0.02  # of the requests in the run
-STABLE_MAX = 0.5
-BACKLOG_SAMPLES = 5
-MAX_DOUBLINGS = 12
-BISECT_STEPS = 5
-LOGNORMAL_SIGMA = 0.6  # shape of lognormal lengths (mean is the file's mean)
-MAX_LENGTH_FACTOR = 8  # lengths are clipped to [1, factor x mean]
+SWEEP_REQUESTS = 2000  # N of the stability rule, at least
+STABLE_GROWTH = 0.25
+STABLE_NOISE = 0.05
+STABLE_BACKLOG = 0.05  # of the second half's arrivals: how many more may arrive than depart in it
+WINDOW_SERVICES = 20  # the first N requests' arrivals span at least this many service times
+MAX_SWEEP_REQUESTS = 20_000  # N at most (bounds a run's cost)
+STEP_FACTOR = 1.5
+MAX_STEPS = 16
+BISECT_STEPS = 6
 REPORT_REQUESTS = 400  # requests simulated at the file's rate when `requests` is 0 and rate > 0
-POLICIES = ("meshllm", "splitwise", "memory-ring", "random")
+POLICIES = ("meshllm", "splitwise", "mixed-dp", "memory-ring", "random", "greedy")
 
-
-def draw_length(rng: random.Random, d: LengthDist) -> int:
-    if d.dist == "fixed":
-        x = d.mean
-    elif d.dist == "uniform":
-        x = rng.uniform(1, 2 * d.mean - 1)
-    else:
-        x = rng.lognormvariate(math.log(d.mean) - LOGNORMAL_SIGMA ** 2 / 2, LOGNORMAL_SIGMA)
-    return int(min(max(1, round(x)), MAX_LENGTH_FACTOR * d.mean))
+Trace = Sequence[tuple[float, int, int]]
 
 
 def make_trace(inp: PlanInputs, n: int, seed: int) -> list[tuple[float, int, int]]:
-    """(unit-rate arrival time, input tokens, output tokens) per request; scale by 1/rate."""
+    """(unit-rate arrival time, input tokens, output tokens) per request; scale by 1/rate. A longer
+    trace of the same seed starts with the shorter one."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for _ in range(n):
         t += rng.expovariate(1.0)
-        out.append((t, draw_length(rng, inp.input_tokens), draw_length(rng, inp.output_tokens)))
+        out.append((t, inp.input_tokens.draw(rng), inp.output_tokens.draw(rng)))
     return out
 
 
-def requests_at(trace: Sequence[tuple[float, int, int]], rate: float) -> list[Request]:
+def draw_length(rng: random.Random, d) -> int:
+    return d.draw(rng)
+
+
+def requests_at(trace: Trace, rate: float) -> list[Request]:
     return [Request(i, t / rate if rate > 0 else 0.0, n_in, n_out) for i, (t, n_in, n_out) in enumerate(trace)]
 
 
-def simulate(reps: Sequence[SimReplica], trace: Sequence[tuple[float, int, int]], rate: float) -> list[Request]:
+def simulate(reps: Sequence[SimReplica], trace: Trace, rate: float) -> list[Request]:
     return Simulator(reps, requests_at(trace, rate)).run()
 
 
-def metrics(reqs: Sequence[Request]) -> dict:
-    waits = sorted(r.wait_s for r in reqs)
-    span = max(r.done for r in reqs) - min(r.arrival for r in reqs)
-    p99 = waits[min(len(waits) - 1, math.ceil(0.99 * len(waits)) - 1)]
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {
-        "mean_wait_ms": round(1000 * mean(waits), 3),
-        "p99_wait_ms": round(1000 * p99, 3),
-        "mean_prefill_wait_ms": round(1000 * mean([r.prefill_start - r.arrival for r in reqs]), 3),
-        "mean_ttft_ms": round(1000 * mean([r.first_token - r.arrival for r in reqs]), 3),
-        "throughput_tok_s": round(sum(r.n_out for r in reqs) / span, 3) if span > 0 else None,
-    }
-
-
-def backlog(reqs: Sequence[Request], t: float) -> int:
-    """Requests queued at time t: arrived, prefill not started; or prefilled, not yet decoding."""
-    return sum(1 for r in reqs if r.arrival <= t < r.prefill_start or r.first_token <= t < r.decode_start)
+def service_s(reqs: Sequence[Request]) -> float:
+    """Mean latency beyond waiting: the requests' own compute and transfers."""
+    return sum(r.done - r.arrival - r.wait_s for r in reqs) / len(reqs)
 
 
 def stable(reqs: Sequence[Request]) -> bool:
-    """The documented stability rule (module docstring)."""
-    first, last = min(r.arrival for r in reqs), max(r.arrival for r in reqs)
-    at = lambda frac: first + (last - first) * frac  # noqa: E731
-    mean_backlog = lambda lo, hi: sum(backlog(reqs, at(lo + (hi - lo) * i / (BACKLOG_SAMPLES - 1)))  # noqa: E731
-                                      for i in range(BACKLOG_SAMPLES)) / BACKLOG_SAMPLES
-    mid, late = mean_backlog(0.45, 0.55), mean_backlog(0.9, 1.0)
-    n = len(reqs)
-    return late <= STABLE_GROWTH * mid + STABLE_NOISE * n and late <= STABLE_MAX * n
+    """The documented stability rule, on a run of 2N requests in arrival order."""
+    n = len(reqs) // 2
+    w_n = sum(r.wait_s for r in reqs[:n]) / n
+    w_2n = sum(r.wait_s for r in reqs) / len(reqs)
+    if w_2n > (1 + STABLE_GROWTH) * w_n + STABLE_NOISE * service_s(reqs):
+        return False
+    t_mid, t_end = reqs[n - 1].arrival, reqs[-1].arrival
+    done = sum(1 for r in reqs if t_mid < r.done <= t_end)
+    return len(reqs) - n - done <= STABLE_BACKLOG * (len(reqs) - n)
 
 
 def capacity_hint(reps: Sequence[SimReplica]) -> float:
-    """Analytic requests/s of a policy's replicas (compute only), the sweep's starting point."""
-    pre = sum(prefill_rate(r) for r in reps if r.role == "prefill")
-    dec = sum(decode_rate(r) for r in reps if r.role == "decode")
-    mixed = sum(1.0 / (1.0 / prefill_rate(r) + 1.0 / decode_rate(r)) for r in reps if r.role == "mixed")
-    return (min(pre, dec) if pre and dec else 0.0) + mixed
+    """The planner's analytic requests/s of a policy's replicas (replica.py), the sweep's start."""
+    rates = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
+    for r in reps:
+        split = Split(tuple(range(len(r.members))), r.counts, 0.0)
+        fit = {"prefill": prefill_fit, "decode": decode_fit, "mixed": mixed_fit}[r.role]
+        got = fit(r.inp.mc, r.members, split, r.inp.net, r.inp.mix)
+        rates[r.role] += got.req_s if got else 0.0
+    return min(rates["prefill"], rates["decode"]) + rates["mixed"]
 
 
-def saturation_rate(reps: Sequence[SimReplica], trace: Sequence[tuple[float, int, int]]) -> float:
-    ok: Callable[[float], bool] = lambda r: stable(simulate(reps, trace, r))  # noqa: E731
-    rate = max(capacity_hint(reps), 1e-3)
-    lo, hi = 0.0, None
-    if ok(rate):
-        for _ in range(MAX_DOUBLINGS):
-            lo, rate = rate, rate * 2
-            if not ok(rate):
-                hi = rate
-                break
-    else:
-        for _ in range(MAX_DOUBLINGS):
-            hi, rate = rate, rate / 2
-            if ok(rate):
-                lo = rate
-                break
-    if hi is None or lo == 0.0:
+class Sweep:
+    """Stability runs of one policy on one long trace (cached per rate)."""
+
+    def __init__(self, reps: Sequence[SimReplica], inp: PlanInputs, seed: int, sweep_requests: int):
+        self.reps, self.inp, self.seed, self.n_min = reps, inp, seed, sweep_requests
+        hint = max(capacity_hint(reps), 1e-6)
+        probe = simulate(reps, make_trace(inp, 50, seed + 1), hint / 100)
+        self.service = service_s(probe)
+        self.hint = hint
+        self.trace = make_trace(inp, 2 * MAX_SWEEP_REQUESTS, seed)
+
+    def n_at(self, rate: float) -> int:
+        return int(min(MAX_SWEEP_REQUESTS, max(self.n_min, math.ceil(rate * WINDOW_SERVICES * self.service))))
+
+    def ok(self, rate: float) -> bool:
+        return stable(simulate(self.reps, self.trace[:2 * self.n_at(rate)], rate))
+
+    def saturation(self) -> float:
+        ok: Callable[[float], bool] = self.ok
+        rate, lo, hi = self.hint, 0.0, None
+        if ok(rate):
+            for _ in range(MAX_STEPS):
+                lo, rate = rate, rate * STEP_FACTOR
+                if not ok(rate):
+                    hi = rate
+                    break
+        else:
+            for _ in range(MAX_STEPS):
+                hi, rate = rate, rate / STEP_FACTOR
+                if ok(rate):
+                    lo = rate
+                    break
+        if hi is None or lo == 0.0:
+            return lo
+        for _ in range(BISECT_STEPS):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
         return lo
-    for _ in range(BISECT_STEPS):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
 
 
-def build_policies(inp: PlanInputs, seed: int, names: Sequence[str] = POLICIES) -> dict:
-    builders = {
-        "meshllm": lambda: from_plan(inp, plan_cluster(inp, seed=seed)),
-        "splitwise": lambda: splitwise(inp),
-        "memory-ring": lambda: memory_ring(inp),
-        "random": lambda: random_policy(inp, seed),
-    }
-    return {name: builders[name]() for name in names}
+def saturation_rate(reps: Sequence[SimReplica], inp: PlanInputs, seed: int = 0,
+                    sweep_requests: int = SWEEP_REQUESTS) -> float:
+    return Sweep(reps, inp, seed, sweep_requests).saturation() if reps else 0.0
 
 
-def report(reps: Sequence[SimReplica], inp: PlanInputs, rate: float, seed: int,
+def meshllm_policy(inp: PlanInputs, rate: float, seed: int) -> Policy:
+    plan = plan_cluster(replace(inp, rate_per_s=rate), seed=seed, log=False)
+    return Policy(from_plan(inp, plan), {n: plan.reasons.get(n, "") for n in plan.unused + plan.drafters
+                                         if n in {m.id for m in inp.members}})
+
+
+def build_policies(inp: PlanInputs, seed: int, names: Sequence[str] = POLICIES, rate: float | None = None) -> dict:
+    rate = inp.rate_per_s if rate is None else rate
+    out = {}
+    for name in names:
+        if name == "meshllm":
+            try:
+                out[name] = meshllm_policy(inp, rate, seed)
+            except PlanInfeasible:
+                out[name] = Policy([], {})
+        elif name == "random":
+            out[name] = random_policy(inp, seed)
+        else:
+            out[name] = BASELINES[name](inp)
+    return out
+
+
+def report(pol: Policy, inp: PlanInputs, rate: float, seed: int, bound: float,
            sweep_requests: int = SWEEP_REQUESTS) -> dict | None:
-    """BRIEF fields at `rate`, plus the saturation rate from a sweep (None: no usable replica)."""
-    if not reps:
+    """BRIEF fields at `rate`, the saturation rate from a sweep and its fraction of the bound
+    (None: the policy has no usable replica)."""
+    if not pol.replicas:
         return None
     n = inp.requests or (inp.n_prompts if rate == 0 and inp.n_prompts else REPORT_REQUESTS)
-    out = metrics(simulate(reps, make_trace(inp, n, seed), rate))
-    out["saturation_rate_per_s"] = round(saturation_rate(reps, make_trace(inp, sweep_requests, seed)), 4)
+    out = metrics(simulate(pol.replicas, make_trace(inp, n, seed), rate))
+    sat = saturation_rate(pol.replicas, inp, seed, sweep_requests)
+    out["saturation_rate_per_s"] = round(sat, 4)
+    out["saturation_of_bound"] = round(sat / bound, 4) if bound > 0 else None
+    out["replicas"] = len(pol.replicas)
+    out["idle"] = dict(pol.idle)
     return out
 
 
@@ -165,6 +187,7 @@ def simulate_policies(inp: PlanInputs, rate: float | None = None, seed: int = 0,
                       names: Sequence[str] = POLICIES, sweep_requests: int = SWEEP_REQUESTS) -> dict:
     """The `--simulate` JSON: every policy on the same trace, router and simulator."""
     rate = inp.rate_per_s if rate is None else rate
-    policies = build_policies(inp, seed, names)
-    return {"policies": {name: report(reps, inp, rate, seed, sweep_requests) for name, reps in policies.items()},
-            "rate_per_s": rate}
+    bound = bound_rate_per_s(inp, [(a, b) for _, a, b in make_trace(inp, max(sweep_requests, 1000), seed)])
+    policies = build_policies(inp, seed, names, rate)
+    return {"policies": {name: report(pol, inp, rate, seed, bound, sweep_requests) for name, pol in policies.items()},
+            "rate_per_s": rate, "bound_rate_per_s": round(bound, 4)}

@@ -1,0 +1,164 @@
+"""Groupings: which devices form which replica, with which role, and what that is worth.
+
+A grouping is a chromosome (genetic.py): one gene per stage-capable device, the index of its
+replica or NONE. `Evaluator.decode` turns it into replicas (DP split and per-role rates from
+replica.py, cached by the multiset of interchangeable devices) and gives them roles:
+
+Roles (`assign_roles`): a grouping's capacity is what its mixed replicas serve plus
+min(prefill pool, decode pool) of the others. Replicas are ranked by prefill-rate /
+decode-rate; for each cut of that ranking into a prefill and a decode pool, the replicas of
+the larger pool that it does not need (its surplus) are turned mixed, the ones that give the
+most mixed capacity per unit of pool capacity first, and then any whose mixed rate exceeds
+what the pools lose. The best cut wins; so does "all mixed" when that is better (slow ports
+make shipping KV cost more than it saves). A lone replica is mixed. A replica holding a node
+whose `roles:` allow only prefill (or decode) keeps that role.
+
+`Evaluator.latency` predicts the grouping's mean wait, TTFT and e2e at a rate (latency.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshllm.partition.cost import ModelCosts
+from meshllm.partition.dp import Member, Net, Splitter
+from meshllm.partition.latency import Prediction, predict
+from meshllm.partition.replica import Mix, ReplicaEval, evaluate_replica
+
+NONE = -1
+
+
+@dataclass(frozen=True)
+class Grouping:
+    groups: tuple[tuple[int, ...], ...]  # member indices of each usable replica
+    roles: tuple[str, ...]  # "prefill" | "decode" | "mixed" per replica
+    evals: tuple[ReplicaEval, ...]
+    fitness: float  # sustainable requests/s (the capacity)
+    prediction: Prediction | None = None  # at the planned rate, when the planner made one
+
+
+def _convert_surplus(rates, roles: list[str], p: float, d: float, side: list[int]) -> float:
+    """Turn replicas of the larger pool mixed while that adds capacity; returns the capacity."""
+    big = 0 if p > d else 1
+    side = sorted(side, key=lambda i: (-rates[i][2] / max(rates[i][big], 1e-12), i))
+    mixed = 0.0
+    for i in side:
+        r, h = rates[i][big], rates[i][2]
+        np_, nd = (p - r, d) if big == 0 else (p, d - r)
+        if h + min(np_, nd) > min(p, d):
+            p, d, mixed = np_, nd, mixed + h
+            roles[i] = "mixed"
+    return mixed + min(p, d)
+
+
+def assign_roles(rates: Sequence[tuple[float, float, float]],
+                 forced: Sequence[str | None]) -> tuple[float, list[str]]:
+    """(prefill, decode, mixed req/s) per replica -> (capacity, roles); see the module docstring."""
+    n = len(rates)
+    if n == 1 and forced[0] is None:
+        return rates[0][2], ["mixed"]
+    fixed_p = sum(r[0] for r, f in zip(rates, forced, strict=True) if f == "prefill")
+    fixed_d = sum(r[1] for r, f in zip(rates, forced, strict=True) if f == "decode")
+    free = sorted((i for i in range(n) if forced[i] is None), key=lambda i: (-rates[i][0] / max(rates[i][1], 1e-12), i))
+    base = [f or "decode" for f in forced]
+    best = (sum(rates[i][2] for i in free) + min(fixed_p, fixed_d), [r if forced[i] else "mixed"
+                                                                     for i, r in enumerate(base)])
+    pre_sum = [0.0]
+    for i in free:
+        pre_sum.append(pre_sum[-1] + rates[i][0])
+    dec_sum = [0.0]
+    for i in reversed(free):
+        dec_sum.append(dec_sum[-1] + rates[i][1])
+    for m in range(len(free) + 1):
+        p, d = fixed_p + pre_sum[m], fixed_d + dec_sum[len(free) - m]
+        if p <= 0 or d <= 0:
+            continue
+        roles = list(base)
+        for i in free[:m]:
+            roles[i] = "prefill"
+        cap = _convert_surplus(rates, roles, p, d, free[:m] if p > d else free[m:])
+        if cap > best[0] * (1 + 1e-12):
+            best = (cap, roles)
+    return best
+
+
+class Evaluator:
+    """Scores chromosomes; caches replica evaluations by member-key multiset."""
+
+    def __init__(self, mc: ModelCosts, members: Sequence[Member], net: Net, mix: Mix,
+                 forced: Sequence[str | None], cs2: tuple[float, float] = (0.0, 0.0)):
+        self.mc, self.members, self.net, self.mix = mc, list(members), net, mix
+        self.forced = list(forced)  # per member: "prefill" / "decode" if its roles allow only that
+        self.cs2 = cs2  # squared coefficients of variation of the input and output lengths
+        self.cache: dict[tuple, ReplicaEval] = {}
+        self.splitters = (Splitter(mc, net, mix.prefill_wp()), Splitter(mc, net, mix.decode_wp()))
+        ranked = sorted(range(len(self.members)), key=lambda i: (self.members[i].key, i))
+        self.rank = [0] * len(self.members)
+        for r, i in enumerate(ranked):
+            self.rank[i] = r
+        kinds = {k: n for n, k in enumerate(sorted({m.key for m in self.members}))}
+        self.kind = [kinds[m.key] for m in self.members]  # small int per interchangeable class
+
+    def replica(self, idx: Sequence[int]) -> tuple[tuple[int, ...], ReplicaEval]:
+        """(member indices in the evaluation's canonical order, evaluation)."""
+        canon = tuple(sorted(idx, key=self.rank.__getitem__))
+        key = tuple(self.kind[i] for i in canon)
+        ev = self.cache.get(key)
+        if ev is None:
+            ev = evaluate_replica(self.mc, [self.members[i] for i in canon], self.net, self.mix, self.splitters)
+            self.cache[key] = ev
+        return canon, ev
+
+    def group_role(self, idx: Sequence[int]) -> str | None | bool:
+        want = {self.forced[i] for i in idx} - {None}
+        return False if len(want) > 1 else (want.pop() if want else None)
+
+    def decode(self, genes: Sequence[int]) -> Grouping:
+        by_label: dict[int, list[int]] = {}
+        for i, g in enumerate(genes):
+            if g != NONE:
+                by_label.setdefault(g, []).append(i)
+        groups, evals, forced = [], [], []
+        for label in sorted(by_label):
+            canon, ev = self.replica(by_label[label])
+            role = self.group_role(canon)
+            if ev.ok and role is not False:
+                groups.append(canon)
+                evals.append(ev)
+                forced.append(role)
+        if not groups:
+            return Grouping((), (), (), 0.0)
+        fit, roles = assign_roles([(e.prefill_req_s, e.decode_req_s, e.mixed_req_s) for e in evals], forced)
+        return Grouping(tuple(groups), tuple(roles), tuple(evals), fit)
+
+    def fitness(self, genes: Sequence[int]) -> float:
+        """Capacity in requests/s."""
+        return self.decode(genes).fitness
+
+    def latency(self, g: Grouping, rate: float) -> Prediction:
+        return predict(g.evals, g.roles, rate, self.mix, *self.cs2)
+
+
+def pack(ev: Evaluator, order: Sequence[int], slack: float) -> list[int]:
+    """Greedy packing: walk `order`, closing a replica once its memory reaches slack x the model's."""
+    need = (ev.mc.weight_bytes + ev.mc.n_layers * ev.mix.kv_tokens * ev.mc.kv_bytes_per_token) * slack
+    genes, label, acc = [NONE] * len(ev.members), 0, 0.0
+    for i in order:
+        genes[i] = label
+        acc += ev.members[i].device.memory_bytes
+        if acc >= need:
+            label, acc = label + 1, 0.0
+    if acc:  # the last, incomplete replica
+        genes = [NONE if g == label else g for g in genes]
+    return genes
+
+
+def type_order(ev: Evaluator) -> list[int]:
+    """Devices grouped by type (interchangeable members together), fastest types first."""
+    return sorted(range(len(ev.members)), key=lambda i: (-ev.members[i].device.compute_tflops, ev.members[i].key, i))
+
+
+def greedy_genes(ev: Evaluator, slack: float = 1.05) -> list[int]:
+    """The no-search baseline: type-ordered packing (what the GA's gain is measured against)."""
+    return pack(ev, type_order(ev), slack)

@@ -1,0 +1,74 @@
+"""Why each node outside every replica is there (the plan's `unused_reasons` / `drafter_reasons`).
+
+A node is left out of the replicas because its `roles:` allow no stage, because it cannot
+hold one layer beside the KV budget, or because no replica gains from it: every single move
+that puts it to work (joining one of the replicas, or alone as a new one) is tried, and the
+reason quotes the best one's capacity against the plan's (or its cost at the planned rate,
+when it adds capacity but the users would wait longer)."""
+
+from __future__ import annotations
+
+from meshllm.partition.dp import memory_cap_layers
+from meshllm.partition.grouping import NONE, Evaluator, Grouping
+from meshllm.partition.inputs import PlanInputs
+from meshllm.partition.latency import WAIT_WEIGHT
+
+
+def genes_of(ev: Evaluator, grouping: Grouping) -> list[int]:
+    genes = [NONE] * len(ev.members)
+    for label, group in enumerate(grouping.groups):
+        for i in group:
+            genes[i] = label
+    return genes
+
+
+def best_move(ev: Evaluator, genes: list[int], i: int) -> tuple[float, list[int], str]:
+    """(capacity, genes, where) of the best single move putting member i in a replica."""
+    n_groups = max(genes, default=NONE) + 1
+    best = (0.0, genes, "nowhere")
+    for label in range(n_groups + 1):
+        trial = list(genes)
+        trial[i] = label
+        cap = ev.fitness(trial)
+        where = f"replica {label}" if label < n_groups else "alone"
+        if cap > best[0]:
+            best = (cap, trial, where)
+    return best
+
+
+def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -> str:
+    m = ev.members[i]
+    if memory_cap_layers(ev.mc, m.device, False, False, ev.mix.kv_tokens) < 1:
+        return f"cannot hold one layer of {ev.mc.name} beside the KV budget ({m.device.memory_gb} GB)"
+    alone = ev.replica([i])[1]
+    alone_note = f"; alone: {alone.reason}" if alone.reason else ""
+    cap0 = grouping.fitness
+    cap, trial, where = best_move(ev, genes, i)
+    if cap <= cap0 * (1 + 1e-6):
+        return (f"adds no capacity: at its best ({where}) the plan serves {cap:.3f} req/s, "
+                f"{cap0:.3f} without it{alone_note}")
+    pred = grouping.prediction
+    if pred is None:
+        return f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but was not chosen"
+    g = ev.decode(trial)
+    after = ev.latency(g, pred.rate_per_s)
+    return (f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but at {pred.rate_per_s:.3f} req/s the "
+            f"predicted cost (e2e + {WAIT_WEIGHT:g} x wait) rises from {pred.cost(WAIT_WEIGHT):.3f} s "
+            f"to {after.cost(WAIT_WEIGHT):.3f} s")
+
+
+def outside_reasons(inp: PlanInputs, ev: Evaluator, grouping: Grouping, drafters: set[str]) -> dict[str, str]:
+    """node id -> why it holds no stage, for every node outside the replicas."""
+    genes = genes_of(ev, grouping)
+    index = {m.id: i for i, m in enumerate(ev.members)}
+    out = {}
+    for n in inp.nodes:
+        i = index.get(n.id)
+        if i is not None and genes[i] != NONE:
+            continue
+        if i is None:
+            why = f"its roles ({', '.join(str(r) for r in n.roles or ())}) allow no stage"
+        else:
+            why = member_reason(ev, grouping, genes, i)
+        out[n.id] = ("drafter; " if n.id in drafters else "") + why
+    return out

@@ -1,0 +1,177 @@
+"""The baselines, each built as its operator would run it, on the same cost model, DP, router
+and simulator as meshllm (only the plan differs). Each returns a `Policy`: its replicas and,
+for every stage-capable device it leaves idle, why.
+
+- splitwise (Patel et al., ISCA 2024): machines of one type form a replica (the fewest that
+  hold the model with the DP split; a type's leftover devices join its replicas, which then
+  hold more KV); the prefill / decode pool split is searched for the workload: every count of
+  prefill replicas per type is tried and the split with the highest min(prefill, decode)
+  capacity wins, rates port-aware (KV shipping over each device's port). May not: mix device
+  types in a replica, or serve both phases on one replica (all prefill or all decode: with a
+  single replica it cannot run at all). Idle: types that cannot hold the model on their own.
+- mixed-dp (vLLM-style data parallel): the same per-type replicas, each serving both phases
+  (prefill first at each iteration boundary, pausing its decodes), no KV shipping. May not:
+  disaggregate, or mix device types in a replica.
+- memory-ring (exo): every stage-capable device in one pipeline (file order; at most one per
+  layer), layers proportional to memory, both phases on the one replica. May not: run more
+  than one replica. Idle: devices beyond one per layer (the smallest).
+- random: a random grouping (seeded) + DP + the planner's role rule.
+- greedy: devices packed in type order (fastest types first) until a replica holds the
+  model, + DP + the planner's role rule: no search; what the GA's gain is measured against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshllm.partition.dp import Infeasible, Member, Splitter, shortfall_reason
+from meshllm.partition.genetic import random_genes
+from meshllm.partition.grouping import Evaluator, greedy_genes
+from meshllm.partition.inputs import PlanInputs
+from meshllm.partition.plan import planner_evaluator
+from meshllm.partition.replica import ReplicaEval, evaluate_replica
+from meshllm.sim.replica import SimReplica, from_grouping
+
+RANDOM_TRIES = 100  # random groupings drawn until one has a usable replica
+MAX_SPLITS = 20_000  # prefill-count combinations the Splitwise search tries exhaustively at most
+
+
+@dataclass
+class Policy:
+    replicas: list[SimReplica]
+    idle: dict[str, str] = field(default_factory=dict)  # stage-capable node left idle -> why
+
+
+def by_type(inp: PlanInputs) -> dict[str, list[Member]]:
+    out: dict[str, list[Member]] = {}
+    for m in sorted(inp.members, key=lambda m: (m.device.name, m.zone)):
+        out.setdefault(m.device.name, []).append(m)
+    return out
+
+
+def type_replicas(inp: PlanInputs, ms: list[Member]) -> tuple[list[ReplicaEval], str]:
+    """Replicas of one device type: as many as fit, leftovers spread over them."""
+    splitters = (Splitter(inp.mc, inp.net, inp.mix.prefill_wp()), Splitter(inp.mc, inp.net, inp.mix.decode_wp()))
+    for k in range(1, min(len(ms), inp.mc.n_layers) + 1):
+        if evaluate_replica(inp.mc, ms[:k], inp.net, inp.mix, splitters).ok:
+            break
+    else:
+        return [], shortfall_reason(inp.mc, ms, inp.mix.prefill_wp())
+    n = len(ms) // k
+    groups: list[list[Member]] = [ms[i * k:(i + 1) * k] for i in range(n)]
+    for j, m in enumerate(ms[n * k:]):
+        groups[j % n].append(m)
+    evs = [evaluate_replica(inp.mc, g, inp.net, inp.mix, splitters) for g in groups]
+    return [e if e.ok else evaluate_replica(inp.mc, g[:k], inp.net, inp.mix, splitters)
+            for e, g in zip(evs, groups)], ""
+
+
+def per_type(inp: PlanInputs) -> tuple[dict[str, list[ReplicaEval]], dict[str, str]]:
+    """Replicas per device type, and why the devices of the types that cannot hold it are idle."""
+    reps, idle = {}, {}
+    for name, ms in by_type(inp).items():
+        evs, why = type_replicas(inp, ms)
+        if evs:
+            reps[name] = evs
+            used = {m.id for e in evs for m in e.members}
+            idle.update({m.id: f"{name}: its replica is full" for m in ms if m.id not in used})
+        else:
+            idle.update({m.id: f"one device type per replica, and {len(ms)} x {name} cannot hold the model: {why}"
+                         for m in ms})
+    return reps, idle
+
+
+def sim_replica(inp: PlanInputs, rid: int, role: str, ev: ReplicaEval) -> SimReplica:
+    fit = {"prefill": ev.prefill, "decode": ev.decode, "mixed": ev.mixed}[role]
+    assert fit is not None and not isinstance(fit.split, Infeasible)
+    return SimReplica(rid, role, tuple(ev.members[i] for i in fit.split.order), fit.split.counts, inp)
+
+
+def splitwise_roles(evs: list[ReplicaEval]) -> list[str]:
+    """The prefill / decode split of `evs` with the highest min(prefill, decode) capacity, port-aware:
+    exhaustive over how many replicas of each class (same members' type and count) prefill when
+    that is at most MAX_SPLITS combinations, else every cut of the prefill/decode-ratio ranking."""
+    classes: dict[tuple, list[int]] = {}
+    for i, e in enumerate(evs):
+        classes.setdefault((e.members[0].device.name, len(e.members)), []).append(i)
+    keys = sorted(classes)
+    rate = [(evs[classes[k][0]].prefill_req_s, evs[classes[k][0]].decode_req_s, len(classes[k])) for k in keys]
+    if np.prod([c + 1 for _, _, c in rate], dtype=float) <= MAX_SPLITS:
+        cands = itertools.product(*(range(c + 1) for _, _, c in rate))
+    else:
+        order = sorted(range(len(keys)), key=lambda j: -rate[j][0] / max(rate[j][1], 1e-12))
+        flat = [j for j in order for _ in range(rate[j][2])]
+        cands = (tuple(flat[:m].count(j) for j in range(len(keys))) for m in range(len(flat) + 1))
+    best, best_x = -1.0, (0,) * len(keys)
+    for x in cands:
+        pre = sum(xi * p for xi, (p, _, _) in zip(x, rate))
+        dec = sum((c - xi) * d for xi, (_, d, c) in zip(x, rate))
+        if min(pre, dec) > best:
+            best, best_x = min(pre, dec), x
+    roles = ["decode"] * len(evs)
+    for k, n_pre in zip(keys, best_x):
+        for i in classes[k][:n_pre]:
+            roles[i] = "prefill"
+    return roles
+
+
+def splitwise(inp: PlanInputs) -> Policy:
+    reps, idle = per_type(inp)
+    evs = [e for n in sorted(reps) for e in reps[n]]
+    roles = splitwise_roles(evs)
+    out = [sim_replica(inp, i, role, ev) for i, (role, ev) in enumerate(zip(roles, evs))]
+    if len(set(roles)) < 2:
+        return Policy([], {m.id: "splitwise needs a prefill and a decode replica" for m in inp.members})
+    return Policy(out, idle)
+
+
+def mixed_dp(inp: PlanInputs) -> Policy:
+    reps, idle = per_type(inp)
+    out = [sim_replica(inp, i, "mixed", ev) for i, ev in enumerate(e for n in sorted(reps) for e in reps[n])]
+    return Policy(out, idle)
+
+
+def memory_ring(inp: PlanInputs) -> Policy:
+    keep = sorted(inp.members, key=lambda m: -m.device.memory_gb)[:inp.mc.n_layers]
+    members = [m for m in inp.members if m in keep]  # file order
+    idle = {m.id: f"one pipeline holds at most one device per layer ({inp.mc.n_layers})"
+            for m in inp.members if m not in keep}
+    if not members:
+        return Policy([], idle)
+    mem = np.array([m.device.memory_gb for m in members])
+    extra = inp.mc.n_layers - len(members)
+    share = mem / mem.sum() * extra
+    counts = np.floor(share).astype(int)
+    for i in np.argsort(-(share - counts), kind="stable")[: extra - counts.sum()]:
+        counts[i] += 1
+    return Policy([SimReplica(0, "mixed", tuple(members), tuple(int(c) + 1 for c in counts), inp)], idle)
+
+
+def grouping_policy(inp: PlanInputs, ev: Evaluator, genes: Sequence[int]) -> Policy:
+    g = ev.decode(genes)
+    used = {inp.members[i].id for grp in g.groups for i in grp}
+    idle = {m.id: "not in a usable replica of this grouping" for m in inp.members if m.id not in used}
+    return Policy(from_grouping(inp, g) if g.fitness > 0 else [], idle)
+
+
+def random_policy(inp: PlanInputs, seed: int) -> Policy:
+    rng = random.Random(seed)
+    ev = planner_evaluator(inp)
+    for _ in range(RANDOM_TRIES):
+        genes = random_genes(rng, len(inp.members))
+        if ev.fitness(genes) > 0:
+            return grouping_policy(inp, ev, genes)
+    return Policy([], {})
+
+
+def greedy(inp: PlanInputs) -> Policy:
+    ev = planner_evaluator(inp)
+    return grouping_policy(inp, ev, greedy_genes(ev))
+
+
+BASELINES = {"splitwise": splitwise, "mixed-dp": mixed_dp, "memory-ring": memory_ring, "greedy": greedy}

@@ -1,0 +1,87 @@
+"""What a run reports (BRIEF "Words and metrics"), and the cluster's physical bound.
+
+Per run: mean / p99 waiting time, mean prefill wait, TTFT mean / p50 / p99, ITL p50 / p99 (over
+every gap between two tokens of every request, as `vllm bench serve` reports it), end-to-end
+latency mean / p50 / p99, output tokens/s. Percentiles are nearest-rank.
+
+`bound_rate_per_s`: the arrival rate at which every stage-capable device would be 100% busy on
+useful FLOPs (cost.request_flops, averaged over the trace), at the achieved compute of
+cost.py. A device that cannot hold the whole model must pass activations to a neighbour for
+every token it works on, so its port at line rate caps it too: at most port bytes/s /
+activation bytes token-passes per second, each through at most as many layers as it holds.
+No plan can beat it; each policy's saturation is reported as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from meshllm.partition.cost import flops_per_s, request_flops
+from meshllm.partition.dp import memory_cap_layers
+from meshllm.partition.inputs import PlanInputs
+from meshllm.sim.simulator import Request
+
+
+def nearest_rank(xs: Sequence[float], q: float) -> float:
+    """q-quantile of sorted `xs`, nearest rank."""
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def weighted_quantiles(pairs: list[tuple[float, int]], qs: Sequence[float]) -> list[float]:
+    """Quantiles of values given as (value, count) pairs."""
+    if not pairs:
+        return [math.nan for _ in qs]
+    pairs.sort()
+    total = sum(c for _, c in pairs)
+    out, acc, j = [], 0, 0
+    for q in qs:
+        rank = max(1, math.ceil(q * total))
+        while acc + pairs[j][1] < rank:
+            acc += pairs[j][1]
+            j += 1
+        out.append(pairs[j][0])
+    return out
+
+
+def ms(x: float) -> float:
+    return round(1000 * x, 3)
+
+
+def metrics(reqs: Sequence[Request]) -> dict:
+    waits = sorted(r.wait_s for r in reqs)
+    ttft = sorted(r.first_token - r.arrival for r in reqs)
+    e2e = sorted(r.done - r.arrival for r in reqs)
+    itl50, itl99 = weighted_quantiles([g for r in reqs for g in r.gaps], (0.5, 0.99))
+    span = max(r.done for r in reqs) - min(r.arrival for r in reqs)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {
+        "mean_wait_ms": ms(mean(waits)), "p99_wait_ms": ms(nearest_rank(waits, 0.99)),
+        "mean_prefill_wait_ms": ms(mean([r.prefill_start - r.arrival for r in reqs])),
+        "mean_ttft_ms": ms(mean(ttft)), "ttft_p50_ms": ms(nearest_rank(ttft, 0.5)),
+        "ttft_p99_ms": ms(nearest_rank(ttft, 0.99)),
+        "itl_p50_ms": None if math.isnan(itl50) else ms(itl50), "itl_p99_ms": None if math.isnan(itl99) else ms(itl99),
+        "mean_e2e_ms": ms(mean(e2e)), "e2e_p50_ms": ms(nearest_rank(e2e, 0.5)), "e2e_p99_ms": ms(nearest_rank(e2e, 0.99)),
+        "throughput_tok_s": round(sum(r.n_out for r in reqs) / span, 3) if span > 0 else None,
+    }
+
+
+def device_flops_cap(inp: PlanInputs, i: int, ctx: float) -> float:
+    """Useful FLOP/s device i can do at most: its compute, or what its port lets through."""
+    m = inp.members[i]
+    cap = flops_per_s(m.device)
+    mc = inp.mc
+    held = memory_cap_layers(mc, m.device, False, False, 0.0)
+    if held >= mc.n_layers:
+        return cap
+    passes = m.device.network_mbps * 1e6 / 8 / mc.act_bytes_per_token  # token-passes/s per direction
+    return min(cap, passes * held * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * ctx))
+
+
+def bound_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
+    """Requests/s at which every stage-capable device is busy on useful FLOPs (module docstring)."""
+    if not inp.members or not lengths:
+        return 0.0
+    per_req = sum(request_flops(inp.mc, n_in, n_out) for n_in, n_out in lengths) / len(lengths)
+    ctx = inp.mix.decode_ctx
+    return sum(device_flops_cap(inp, i, ctx) for i in range(len(inp.members))) / per_req

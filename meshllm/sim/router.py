@@ -1,0 +1,161 @@
+"""The request router: earliest finish, with waiting counted double. One implementation for the
+simulator and the live gateway (pure: no sockets, no clocks; time is passed in).
+
+API (what a gateway calls with its live view of the replicas):
+
+    reps   = from_plan(inp, plan)                      # sim/replica.py: timing per replica
+    router = Router(reps, PortBook(inp.net))           # ports: sim/ports.py (empty = estimates)
+    loads  = {r.id: ReplicaLoad(max_batch=r.max_batch()) for r in reps}   # kept up to date by the caller
+    rid = router.pick_prefill(loads, n_in, n_out, now)          # a prefill or mixed replica
+    did = router.pick_decode(src_id, loads, n_in, n_out, now)   # a decode replica, after the prefill
+
+`n_in` is the prompt's length; `n_out` the expected output length (the router does not know
+the future: the simulator passes the workload's mean). `now` is seconds on any clock that the
+loads' absolute times use. The module functions `pick_prefill` / `pick_decode` do the same
+without keeping a Router.
+
+Score of a candidate = estimated finish of the request + WAIT_WEIGHT x its estimated waiting
+(queueing before the prefill, for ports, for a decode slot; on a mixed replica also the pause
+its prefill imposes on the sequences decoding there, when it goes whole). Every candidate is scored to the end of
+the request, so a prefill replica (prefill, then KV shipping, then the best decode replica's
+queue and decode) and a mixed replica (prefill, then its own decode) compare like with like.
+Ties go to the lower replica id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from meshllm.partition.cost import transfer_s
+from meshllm.partition.dp import Member
+from meshllm.partition.latency import WAIT_WEIGHT
+from meshllm.sim.ports import RX, TX, PortBook
+from meshllm.sim.replica import SimReplica
+
+
+@dataclass
+class ReplicaLoad:
+    """One replica's queues right now (absolute times in seconds on the caller's clock)."""
+
+    max_batch: int = 1  # decode slots (sequences whose KV fits)
+    prefill_queued_s: float = 0.0  # pipeline occupancy of the prompts queued here, not started
+    prefill_queued: int = 0  # prompts queued here or being prefilled (mixed: in chunks)
+    prefill_queued_tokens: int = 0  # their prompt tokens not prefilled yet
+    next_prefill_at: float = 0.0  # earliest time the pipeline takes a new prompt
+    active: int = 0  # sequences in the decode batch
+    waiting: int = 0  # sequences sent here (KV in flight or arrived) not yet in the batch
+    tokens_left: float = 0.0  # mean output tokens the active sequences still have to generate
+
+
+class Router:
+    def __init__(self, replicas: Sequence[SimReplica], ports: PortBook, wait_weight: float = WAIT_WEIGHT):
+        self.reps = {r.id: r for r in replicas}
+        self.ports = ports
+        self.w = wait_weight
+        self._flows: dict[tuple[int, int], list[tuple[Member, Member, float]]] = {}
+
+    def kv_flows(self, src: SimReplica, dst: SimReplica, tokens: int) -> list[tuple[Member, Member, float]]:
+        """KV transfers of one prompt of `tokens` tokens: every prefill stage to every decode stage
+        holding some of its layers (bytes per token cached per replica pair)."""
+        key = (src.id, dst.id)
+        per_token = self._flows.get(key)
+        if per_token is None:
+            per_token = []
+            for ms, (a, b) in zip(src.members, src.ranges()):
+                for md, (c, e) in zip(dst.members, dst.ranges()):
+                    overlap = min(b, e) - max(a, c)
+                    if overlap > 0 and ms.id != md.id:
+                        per_token.append((ms, md, overlap * src.inp.mc.kv_bytes_per_token))
+            self._flows[key] = per_token
+        return [(a, b, per * tokens) for a, b, per in per_token]
+
+    def decode_cost(self, rep: SimReplica, load: ReplicaLoad, n_out: float) -> tuple[float, float]:
+        """(seconds from the KV's arrival (mixed: the prefill's end) to the last token, of which
+        waiting for a slot). A mixed replica's queued prompts will hold slots too."""
+        there = load.active + load.waiting + (load.prefill_queued if rep.role == "mixed" else 0)
+        step = rep.decode_iter_s(min(there + 1, load.max_batch), rep.inp.mix.decode_ctx)
+        queue_pos = there + 1 - load.max_batch
+        # the q-th of B active sequences to finish has ~ q/B of 2 x (mean tokens left) to go
+        slot_wait = max(0, queue_pos) / load.max_batch * 2 * load.tokens_left * step
+        return slot_wait + max(0.0, n_out - 1) * step, slot_wait
+
+    def pick_decode(self, src_id: int, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float,
+                    now: float) -> int:
+        """The decode replica for a prompt prefilled on `src_id` whose KV is ready at `now`."""
+        src, best = self.reps[src_id], None
+        for rep in self.reps.values():
+            if rep.role != "decode":
+                continue
+            end, ideal = self.ports.transfers(self.kv_flows(src, rep, n_in), now, commit=False)
+            rest, slot_wait = self.decode_cost(rep, loads[rep.id], n_out)
+            score = end + rest + self.w * (end - ideal + slot_wait)
+            if best is None or score < best[0]:
+                best = (score, rep.id)
+        assert best is not None, "no decode replica"
+        return best[1]
+
+    def best_decode_rest(self, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float, now: float) -> float:
+        """Scored seconds from KV shipped to done on the best decode replica (its rx queue included)."""
+        best = float("inf")
+        for rep in self.reps.values():
+            if rep.role == "decode":
+                rest, slot_wait = self.decode_cost(rep, loads[rep.id], n_out)
+                rx = max(self.ports.wait_s(m.id, RX, now) for m in rep.members)
+                best = min(best, rest + (1 + self.w) * rx + self.w * slot_wait)
+        return best
+
+    def mixed_score(self, rep: SimReplica, load: ReplicaLoad, n_in: int, n_out: float, now: float) -> float:
+        """A mixed replica prefills its prompts in chunks riding along its decode steps (as many
+        tokens per step as `chunk_tokens` gives), or, when as many prompts wait as sequences
+        decode, whole; either way the decoding sequences wait for the steps' extra time."""
+        _, lat = rep.prefill_s(n_in)
+        b, ctx = load.active, rep.inp.mix.decode_ctx
+        tokens = load.prefill_queued_tokens + n_in
+        if load.prefill_queued + 1 >= b:
+            ttft, pause = now + lat * tokens / n_in, b * lat
+        else:
+            chunk = min(tokens, rep.chunk_tokens(b, ctx, n_in, tokens))
+            steps, base = tokens / chunk, rep.decode_iter_s(b, ctx)
+            step = rep.decode_iter_s(b, ctx, chunk, n_in)
+            ttft, pause = now + steps * step, b * steps * (step - base)
+        rest, slot_wait = self.decode_cost(rep, load, n_out)
+        return ttft + rest + self.w * (max(0.0, ttft - now - lat) + slot_wait + pause)
+
+    def prefill_score(self, rep: SimReplica, load: ReplicaLoad, n_in: int, n_out: float, now: float,
+                      decode_rest: float) -> float:
+        if rep.role == "mixed":
+            return self.mixed_score(rep, load, n_in, n_out, now)
+        _, lat = rep.prefill_s(n_in)
+        start = max(now, load.next_prefill_at) + load.prefill_queued_s
+        ttft = start + lat
+        kv = rep.inp.mc.kv_bytes_per_token * n_in
+        ship = max(self.ports.wait_s(m.id, TX, ttft) + transfer_s(kv * n, m.device.network_mbps)
+                   for m, n in zip(rep.members, rep.counts))
+        port_wait = max(self.ports.wait_s(m.id, TX, ttft) for m in rep.members)
+        return ttft + ship + decode_rest + self.w * (start - now + port_wait)
+
+    def pick_prefill(self, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float, now: float) -> int:
+        """The prefill (or mixed) replica for a new request of `n_in` prompt tokens."""
+        has_decode = any(r.role == "decode" for r in self.reps.values())
+        rest = self.best_decode_rest(loads, n_in, n_out, now) if has_decode else 0.0
+        best = None
+        for rep in self.reps.values():
+            if rep.role in ("prefill", "mixed"):
+                score = self.prefill_score(rep, loads[rep.id], n_in, n_out, now, rest)
+                if best is None or score < best[0]:
+                    best = (score, rep.id)
+        assert best is not None, "no prefill or mixed replica"
+        return best[1]
+
+
+def pick_prefill(replicas: Sequence[SimReplica], loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float,
+                 now: float, ports: PortBook | None = None) -> int:
+    """`Router.pick_prefill` without keeping a Router (ports: estimated idle if None)."""
+    return Router(replicas, ports or PortBook(replicas[0].inp.net)).pick_prefill(loads, n_in, n_out, now)
+
+
+def pick_decode(src: int, replicas: Sequence[SimReplica], loads: Mapping[int, ReplicaLoad], n_in: int,
+                n_out: float, now: float, ports: PortBook | None = None) -> int:
+    """`Router.pick_decode` without keeping a Router (ports: estimated idle if None)."""
+    return Router(replicas, ports or PortBook(replicas[0].inp.net)).pick_decode(src, loads, n_in, n_out, now)
