@@ -292,7 +292,8 @@ def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, for
 
 def node_figures(load: dict) -> dict[str, Any]:
     st = load.get("stage") or {}
-    return {"rss_mb": load.get("rss_mb"), "layers": st.get("layers"), "replica": st.get("replica"),
+    return {"rss_mb": load.get("rss_mb"), "weights_mb": st.get("weights_mb"), "layers": st.get("layers"),
+            "replica": st.get("replica"),
             "kv_bytes_sent": st.get("kv_bytes_sent", 0), "kv_bytes_received": st.get("kv_bytes_received", 0),
             "tokens": st.get("tokens", {}), "pacer": st.get("pacer")}
 

@@ -246,4 +246,32 @@ def load_transformer(spec: str | ModelSource, start: int = 0, end: int | None = 
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelFileError(f"{src.name}: weights missing for {missing[:3]}")
-    return pack_linear_weights(model.to(dtype).eval())
+    model = pack_linear_weights(model.to(dtype).eval())
+    del sd
+    release_freed_memory()
+    return model
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed while loading (dequantized copies, unpacked weights) back to the OS,
+    so a stage's resident memory reflects the layers it holds (glibc keeps them otherwise)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's weights as held (packed oneDNN weights and quantized buffers included)."""
+    from meshllm.engine.model import PackedLinear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            total += m.out_features * m.in_features * m.packed.element_size()
+        else:
+            total += sum(t.nbytes for t in m.parameters(recurse=False)) + sum(b.nbytes for b in m.buffers(recurse=False))
+    return total

@@ -67,6 +67,7 @@ class Node:
             from meshllm.roles.http_api import ApiServer
 
             self.gateway = Gateway(self.transport, self.members, self.me, cfg)
+            self.gateway.local_load = self.mesh.load
             self.host.listeners.append(self.gateway.on_plan)
             self.api = ApiServer(self.gateway, cfg.gateway)
 

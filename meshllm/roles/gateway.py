@@ -78,6 +78,7 @@ class Gateway:
         self.max_context = 0
         self.vocab = 0
         self.metrics = GatewayMetrics()
+        self.local_load = lambda: {}  # this node's own load (the Node wires its RoleHost in)
         self._streams: dict[int, Stream] = {}
         self._lock = threading.Lock()
         self._seq_prefix = random.SystemRandom().getrandbits(30) << 32
@@ -239,6 +240,14 @@ class Gateway:
         if release:
             for addr in s.leaders:
                 self.t.send(addr, make(MsgType.RELEASE, seq=s.seq, reason=f"gateway: {status}"))
+
+    def mesh_view(self) -> dict[str, Any]:
+        """Every node's state and its last heartbeat load (this node's own load included)."""
+        nodes = {p.info.id: {"state": p.state.value, "address": p.info.address, "zone": p.info.zone,
+                             "load": p.load} for p in self.members.peers()}
+        nodes[self.me] = {"state": "alive", "address": self.address, "zone": self.me_info.zone,
+                          "load": self.local_load()}
+        return {"node": self.me, "plan_version": self.ctx.version if self.ctx else 0, "nodes": nodes}
 
     def in_flight(self) -> int:
         with self._lock:

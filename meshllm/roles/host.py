@@ -37,6 +37,7 @@ class RoleHost:
         self.stage = self.leader = self.acks = None
         self._shard_key: tuple | None = None
         self._model = None
+        self._weights_mb = 0.0
         self._stale_logged: set[int] = set()
         self.listeners: list[Callable[[PlanContext], None]] = []  # e.g. the gateway
         for mtype, fn in ((MsgType.ACTIVATIONS, self._on_activations), (MsgType.RESULTS, self._on_results),
@@ -109,12 +110,13 @@ class RoleHost:
     def _load_shard(self, layers: tuple[int, int]):
         key = (self.model_spec, layers)
         if key != self._shard_key:
-            from meshllm.engine.weights import load_transformer
+            from meshllm.engine.weights import load_transformer, weight_bytes
 
             t0 = time.perf_counter()
             self._model = None  # free the old shard before loading the new one
             self._model = load_transformer(self.model_spec, *layers)
             self._shard_key = key
+            self._weights_mb = weight_bytes(self._model) / 1e6
             log.info("%s: loaded layers [%d, %d) of %s in %.1f s (resident %.0f MB)", self.me, *layers,
                      self.model_spec, time.perf_counter() - t0, rss_mb())
         return self._model
@@ -207,6 +209,7 @@ class RoleHost:
         if self.stage is not None:
             st = self.stage
             out["stage"] = {"replica": st.replica.id, "index": st.index, "layers": list(st.layers),
+                            "weights_mb": round(self._weights_mb, 1),
                             "kv_bytes_sent": st.kv_bytes_sent, "kv_bytes_received": st.kv_bytes_received,
                             "tokens": {k.name.lower(): v for k, v in st.tokens_computed.items()},
                             "kv_cache_bytes": st.cache.nbytes()}

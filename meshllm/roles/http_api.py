@@ -6,6 +6,7 @@
     GET  /health                200 when every replica of the current plan is loaded, else 503
     GET  /metrics               Prometheus text (TTFT / ITL / latency histograms, queue depth, tokens)
     GET  /v1/plan               meshllm extension: the plan being served and its version
+    GET  /v1/mesh               meshllm extension: every node's state and load (memory, layers, traffic)
 
 Request fields: model, max_tokens, temperature, top_p, seed, stop (string or up to 4), stream,
 n (1 only); `top_k` is accepted as an extension. Every choice carries `token_ids` (extension)
@@ -318,7 +319,11 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    async def mesh(request: web.Request) -> web.Response:
+        return web.json_response(gw.mesh_view())
+
     app.router.add_get("/v1/plan", plan)
+    app.router.add_get("/v1/mesh", mesh)
     return app
 
 

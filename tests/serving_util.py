@@ -1,0 +1,109 @@
+"""Helpers for the serving tests: emulated meshes started with `--cluster ... --serve`, and the
+single-process reference they are compared with (the same engine call as `--reference`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import REPO
+
+SERVE_TIMEOUT_S = 300  # node processes import torch and load layers on a 2-core machine
+TIE = 1e-3  # BRIEF: a first divergence where the reference's margin is below this is a numerical tie
+
+
+def small_device(name: str, memory_gb: float, tflops: float = 1.0, gbps: float = 60.0) -> dict:
+    return {"name": name, "memory_gb": memory_gb, "compute_tflops": tflops, "memory_bandwidth_gbps": gbps,
+            "network_mbps": 1000, "source": "test profile: small enough to force a multi-stage split"}
+
+
+def write_cluster(path: Path, nodes: list[dict], **extra) -> Path:
+    doc = {"model": "smollm2-135m", "weights_dtype": "fp32", "speculation": {"mode": "off"}, "nodes": nodes,
+           "links": [{"zones": ["fog", "fog"], "rtt_ms": 1, "bandwidth_mbps": 1000}],
+           "workload": {"prompts": ["The capital of France is"], "max_tokens": 16, "temperature": 0,
+                        "input_tokens": {"mean": 32, "dist": "fixed"}, "output_tokens": {"mean": 32, "dist": "fixed"}}}
+    doc.update(extra)
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+class Served:
+    """`python launch.py --cluster FILE --serve` in the background; stop() checks a clean exit."""
+
+    def __init__(self, cluster: Path, log: Path):
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--cluster", str(cluster), "--serve"],
+                                     cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self.url = self._wait_url()
+
+    def _wait_url(self) -> str:
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            m = re.search(r"meshllm: serving on (http://\S+)", self.log.read_text(errors="replace"))
+            if m:
+                return m.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"--serve exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"no serving line in {SERVE_TIMEOUT_S} s:\n{self.log.read_text()[-3000:]}")
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def post(self, path: str, body: bytes | dict, timeout: float = 120) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def reference(model, tokenizer, prompt: str, max_tokens: int, chat: bool = False, temperature: float = 0.0,
+              seed: int = 0) -> dict:
+    """What `--reference` computes (engine.generate, fp32), in this process."""
+    from meshllm.engine.generate import GenerationOptions, generate
+
+    text = tokenizer.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
+    r = generate(model, tokenizer.encode(text), GenerationOptions(max_tokens, temperature, seed=seed, chat=chat),
+                 tokenizer.eos_ids)
+    return {"token_ids": r.token_ids, "margins": r.margins, "finish_reason": r.finish_reason}
+
+
+def same_up_to_tie(got: list[int], ref: dict) -> tuple[bool, str]:
+    """BRIEF's identity rule: equal token lists, or equal up to a first divergence at a numerical tie
+    (the reference's margin there < TIE), reported."""
+    want = ref["token_ids"]
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            m = ref["margins"][i]
+            return m < TIE, f"diverged at {i} (margin {m:.2e}): {a} vs {b}"
+    if len(got) != len(want):
+        return False, f"lengths differ: {len(got)} vs {len(want)}"
+    return True, "identical"

@@ -1,0 +1,274 @@
+"""Distributed serving end to end: emulated meshes of real node processes (`--cluster --serve`),
+requests through the OpenAI API (the official `openai` client and raw HTTP), every output
+compared token for token with the single-process reference (BRIEF's tie rule).
+
+Plans exercised: two 1-stage replicas (prefill -> decode), and a 2-stage prefill replica that
+ships KV to a 3-stage decode replica splitting the layers differently.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import socket
+import time
+
+import pytest
+
+from tests.serving_util import Served, reference, same_up_to_tie, small_device, write_cluster
+
+pytestmark = pytest.mark.slow
+
+LONG = ("The history of the city begins with a small fishing village on the northern bank of the river. "
+        "Over the centuries merchants, monks and soldiers came and went, each leaving roads, walls and "
+        "stories behind. ") * 9 + "Summarize this history in one sentence:"
+PROMPTS = [  # (text, chat)
+    ("The capital of France is", False),
+    ("List three prime numbers:", False),
+    ("def fibonacci(n):\n", False),
+    (LONG, False),
+    ("What is the capital of France?", True),
+    ("Write a haiku about the sea.", True),
+    ("Explain what a transformer is in one sentence.", True),
+    (LONG.replace("river", "lake"), True),
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def disagg(tmp_path_factory):
+    """Two 1-stage replicas: a prefill replica shipping KV to a decode replica."""
+    d = tmp_path_factory.mktemp("disagg")
+    dev = small_device("nuc-like", 8.0)
+    path = write_cluster(d / "disagg.yaml", [{"id": "p1", "device": dev, "zone": "fog", "roles": ["prefill"]},
+                                             {"id": "d1", "device": dev, "zone": "fog", "roles": ["decode"]}])
+    s = Served(path, d / "serve.log")
+    yield s
+    assert s.stop() == 0, s.log.read_text()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory):
+    """A 2-stage prefill replica and a 3-stage decode replica with different layer splits."""
+    d = tmp_path_factory.mktemp("pipes")
+    pre, dec = small_device("half", 0.34), small_device("third", 0.26)
+    nodes = [{"id": f"a{i}", "device": pre, "zone": "fog", "roles": ["prefill"]} for i in (1, 2)]
+    nodes += [{"id": f"b{i}", "device": dec, "zone": "fog", "roles": ["decode"]} for i in (1, 2, 3)]
+    s = Served(write_cluster(d / "pipes.yaml", nodes), d / "serve.log")
+    yield s
+    assert s.stop() == 0, s.log.read_text()[-2000:]
+
+
+def plan_of(served: Served) -> dict:
+    code, body = served.get("/v1/plan")
+    assert code == 200
+    return json.loads(body)["plan"]
+
+
+def ask(client, prompt: str, chat: bool, stream: bool, **kw) -> list[int]:
+    """One request through the official openai client; returns the token ids (meshllm extension)."""
+    kw = {"model": "smollm2-135m", "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    if chat:
+        res = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], stream=stream, **kw)
+    else:
+        res = client.completions.create(prompt=prompt, stream=stream, **kw)
+    if not stream:
+        return res.choices[0].model_extra["token_ids"]
+    ids = []
+    for chunk in res:
+        ids.extend(chunk.choices[0].model_extra.get("token_ids") or [])
+    return ids
+
+
+def openai_client(served: Served):
+    import openai
+
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+@pytest.mark.parametrize("mesh", ["disagg", "pipes"])
+def test_eight_concurrent_openai_requests_equal_the_reference(mesh, request, smollm2, smollm2_tokenizer):
+    served = request.getfixturevalue(mesh)
+    plan = plan_of(served)
+    if mesh == "pipes":
+        splits = {r["role"]: [tuple(s["layers"]) for s in r["stages"]] for r in plan["replicas"]}
+        assert len(splits["prefill"]) == 2 and len(splits["decode"]) == 3 and splits["prefill"] != splits["decode"]
+    client = openai_client(served)
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futs = [pool.submit(ask, client, p, chat, stream=i % 2 == 0) for i, (p, chat) in enumerate(PROMPTS)]
+        got = [f.result(timeout=300) for f in futs]
+    assert len(smollm2_tokenizer.encode(LONG)) >= 300
+    for (p, chat), ids in zip(PROMPTS, got):
+        ok, why = same_up_to_tie(ids, reference(smollm2, smollm2_tokenizer, p, MAX_TOKENS, chat))
+        assert ok, f"{p[:40]!r} (chat={chat}): {why}"
+
+
+def test_sampling_is_the_references(pipes, smollm2, smollm2_tokenizer):
+    for prompt, seed in (("Once upon a time", 7), ("The weather today", 123)):
+        code, body = pipes.post("/v1/completions", {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 20,
+                                                    "temperature": 0.8, "seed": seed})
+        assert code == 200, body
+        ref = reference(smollm2, smollm2_tokenizer, prompt, 20, temperature=0.8, seed=seed)
+        assert body["choices"][0]["token_ids"] == ref["token_ids"]
+
+
+def test_a_long_generation_through_the_pipeline(pipes, smollm2, smollm2_tokenizer):
+    prompt = "Write a long story about a robot who learns to paint."
+    code, body = pipes.post("/v1/chat/completions", {"model": "smollm2-135m", "max_tokens": 300, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": prompt}]}, timeout=300)
+    assert code == 200, body
+    ok, why = same_up_to_tie(body["choices"][0]["token_ids"],
+                             reference(smollm2, smollm2_tokenizer, prompt, 300, chat=True))
+    assert ok, why
+
+
+def mesh_loads(served: Served, settled=lambda loads: True, timeout_s: float = 10.0) -> dict:
+    """Every node's load as the gateway last heard it (heartbeats: up to ~0.5 s old), once `settled`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = {k: v["load"] for k, v in json.loads(served.get("/v1/mesh")[1])["nodes"].items()}
+        if settled(loads) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.3)
+
+
+def test_kv_shipping_bytes_and_no_recompute(pipes):
+    pipes.post("/v1/completions", {"model": "smollm2-135m", "prompt": "Count to five:", "max_tokens": 4})
+    plan = plan_of(pipes)
+    roles = {s["node"]: r["role"] for r in plan["replicas"] for s in r["stages"]}
+
+    def kv(loads: dict, role: str, key: str) -> int:
+        return sum(loads[n]["stage"][key] for n, r in roles.items() if r == role)
+
+    loads = mesh_loads(pipes, lambda ls: kv(ls, "prefill", "kv_bytes_sent") == kv(ls, "decode", "kv_bytes_received"))
+    sent, received = kv(loads, "prefill", "kv_bytes_sent"), kv(loads, "decode", "kv_bytes_received")
+    first = next(n for n, r in roles.items() if r == "prefill" and loads[n]["stage"]["layers"][0] == 0)
+    prefilled = sum(loads[first]["stage"]["tokens"][k] for k in ("prefill", "prefill_last"))
+    n_layers, kv_heads, head_dim, fp32 = 30, 3, 64, 4
+    assert prefilled > 0 and sent == received
+    assert sent / prefilled == 2 * n_layers * kv_heads * head_dim * fp32  # K and V of every layer, once
+    recomputed = sum(loads[n]["stage"]["tokens"][k] for n, r in roles.items() if r == "decode"
+                     for k in ("prefill", "prefill_last"))
+    assert recomputed == 0, "the decode replica never recomputes a prompt"
+
+
+def test_each_stage_holds_only_its_layers(pipes):
+    loads = mesh_loads(pipes)
+    per_layer_mb = 14.16  # fp32 weights of one SmolLM2 block
+    embed_mb = 49152 * 576 * 4 / 1e6  # the embedding, and again the (tied) LM head on the last stage
+    decode = [v["stage"] for v in loads.values() if v.get("stage") and v["stage"]["replica"] == 0] or \
+             [v["stage"] for v in loads.values() if v.get("stage")]
+    for st in decode:
+        a, b = st["layers"]
+        want = (b - a) * per_layer_mb + embed_mb * ((a == 0) + (b == 30))
+        assert st["weights_mb"] == pytest.approx(want, rel=0.03)
+        assert st["weights_mb"] < 0.6 * (30 * per_layer_mb + 2 * embed_mb)
+    for v in loads.values():
+        assert v["rss_mb"] > 0
+
+
+def test_continuous_batching_short_request_overtakes_a_long_one(disagg):
+    long_req = {"model": "smollm2-135m", "prompt": "Count from one to two hundred: 1, 2, 3, 4,", "max_tokens": 150,
+                "temperature": 0}
+    short_req = {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 3, "temperature": 0}
+    done: dict[str, float] = {}
+
+    def run(name: str, body: dict) -> None:
+        code, res = disagg.post("/v1/completions", body, timeout=300)
+        assert code == 200 and res["choices"][0]["finish_reason"] == "length", res
+        done[name] = time.monotonic()
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        a = pool.submit(run, "long", long_req)
+        time.sleep(1.0)  # the long one is decoding
+        b = pool.submit(run, "short", short_req)
+        a.result(timeout=300)
+        b.result(timeout=300)
+    assert done["short"] < done["long"], "the short request waited for the long one"
+
+
+@pytest.mark.parametrize("body,status,code", [
+    (b"{not json", 400, "invalid_json"),
+    (b"[1, 2]", 400, "invalid_body"),
+    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": "ten"}, 400, "invalid_value"),
+    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": -5}, 400, "invalid_value"),
+    ({"model": "smollm2-135m", "prompt": 42}, 400, "invalid_value"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found"),
+    ({"model": "smollm2-135m", "prompt": "hi " * 9000}, 400, "context_length_exceeded"),
+    ({"model": "smollm2-135m", "prompt": "hi", "temperature": -1}, 400, "invalid_value"),
+    ({"model": "smollm2-135m", "messages": "hello"}, 400, "invalid_value"),
+])
+def test_bad_input_is_a_4xx_and_the_mesh_keeps_serving(disagg, body, status, code, smollm2, smollm2_tokenizer):
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    with cf.ThreadPoolExecutor(1) as pool:  # another tenant's request in flight meanwhile
+        other = pool.submit(disagg.post, "/v1/completions", {"model": "smollm2-135m", "prompt": "The sky is",
+                                                             "max_tokens": 12, "temperature": 0})
+        got_status, got = disagg.post(path, body)
+        assert got_status == status and got["error"]["code"] == code, got
+        ok_status, ok = other.result(timeout=120)
+    assert ok_status == 200
+    assert same_up_to_tie(ok["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, "The sky is", 12))[0]
+
+
+def test_a_client_that_disconnects_is_released_everywhere(disagg):
+    host, port = disagg.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "smollm2-135m", "prompt": "Write a very long poem about rivers.",
+                       "max_tokens": 400, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while got.count(b"data: ") < 3:  # a few tokens streamed
+            got += sock.recv(65536)
+    deadline = time.monotonic() + 30  # the socket is closed: the sequence must go from every node
+    while time.monotonic() < deadline:
+        nodes = json.loads(disagg.get("/v1/mesh")[1])["nodes"].values()
+        busy = [n for n in nodes if (n["load"].get("leader") or {}).get("active", 0)
+                or (n["load"].get("stage") or {}).get("kv_cache_bytes", 0)]
+        if not busy:
+            break
+        time.sleep(0.5)
+    assert not busy, f"still holding the abandoned sequence: {busy}"
+
+
+def test_metrics_parse_with_prometheus_client(disagg):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    disagg.post("/v1/completions", {"model": "smollm2-135m", "prompt": "One two", "max_tokens": 4})
+    code, text = disagg.get("/metrics")
+    assert code == 200
+    fams = {f.name: f for f in text_string_to_metric_families(text.decode())}
+    for name in ("meshllm_time_to_first_token_seconds", "meshllm_inter_token_latency_seconds",
+                 "meshllm_e2e_request_latency_seconds", "meshllm_requests_running", "meshllm_generation_tokens"):
+        assert name in fams, sorted(fams)
+    count = next(s.value for s in fams["meshllm_time_to_first_token_seconds"].samples if s.name.endswith("_count"))
+    assert count >= 1
+    assert json.loads(disagg.get("/health")[1])["status"] == "ok"
+    assert json.loads(disagg.get("/v1/models")[1])["data"][0]["id"] == "smollm2-135m"
+
+
+def test_cluster_cli_runs_its_workload_and_reports_the_brief_json(tmp_path, smollm2, smollm2_tokenizer):
+    from tests.conftest import run_cli
+
+    dev = small_device("nuc-like", 8.0)
+    path = write_cluster(tmp_path / "c.yaml", [{"id": "p1", "device": dev, "zone": "fog", "roles": ["prefill"]},
+                                                {"id": "d1", "device": dev, "zone": "fog", "roles": ["decode"]}],
+                         workload={"prompts": ["The capital of France is", "List three prime numbers:"],
+                                   "max_tokens": 12, "temperature": 0, "requests": 3})
+    r = run_cli("--cluster", str(path), "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert [x["prompt"] for x in out["results"]] == ["The capital of France is", "List three prime numbers:",
+                                                      "The capital of France is"]  # requests cycle the prompts
+    for res in out["results"]:
+        assert {"prompt", "token_ids", "text", "finish_reason", "ttft_ms", "itl_ms"} <= set(res)
+        assert res["ttft_ms"] > 0 and len(res["itl_ms"]) == len(res["token_ids"]) - 1
+        assert same_up_to_tie(res["token_ids"], reference(smollm2, smollm2_tokenizer, res["prompt"], 12))[0]
+    m = out["metrics"]
+    for k in ("ttft_ms_mean", "ttft_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s",
+              "queue_wait_ms_mean"):
+        assert isinstance(m[k], (int, float)) and m[k] >= 0, k
+    for k in ("acceptance_rate", "mean_acceptance_length", "drafted_tokens", "accepted_tokens"):
+        assert m[k] is None  # speculation is off
+    assert {r["role"] for r in out["plan"]["replicas"]} == {"prefill", "decode"}
+    assert all(v["rss_mb"] > 0 for v in m["nodes"].values())
