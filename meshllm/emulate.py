@@ -224,7 +224,7 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
     try:
         t0 = time.monotonic()
         with EmulatedCluster(cfg) as cluster:
-            cluster.wait_formed(timeout_s)
+            statuses = cluster.wait_formed(timeout_s)
             formed_s = time.monotonic() - t0
             log.info("mesh of %d nodes formed in %.2f s; loading the plan's layers", len(cfg.nodes), formed_s)
             cluster.wait_serving(max(timeout_s, READY_TIMEOUT_S))
@@ -234,7 +234,7 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
             outs = run_jobs(f"http://{cluster.gateway}", served_name(cfg.model), jobs,
                             cfg.workload.arrival_rate_per_s, getattr(args, "seed", 0) or 0,
                             progress=len(jobs) > 1)
-            return cluster_report(cfg, cluster, outs, formed_s)
+            return cluster_report(cfg, cluster, outs, formed_s, statuses)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -270,7 +270,8 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwinds through the `with`, which tears the cluster down
 
 
-def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, formed_s: float) -> dict[str, Any]:
+def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, formed_s: float,
+                   statuses: dict[str, dict]) -> dict[str, Any]:
     """The BRIEF's `--cluster` JSON: results, metrics (with each node's memory and traffic) and the
     plan the mesh actually served."""
     _, live = http_json(f"http://{cluster.gateway}/v1/plan")
@@ -285,9 +286,13 @@ def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, for
     failed = [o for o in outs if o.error]
     if failed:
         log.error("%d of %d requests failed; first: %s", len(failed), len(outs), failed[0].error)
+    mesh = [{"id": n.id, "zone": n.zone, "device": n.device.name, "address": cluster.addresses[n.id],
+             "pid": cluster.procs[n.id].pid, "peers": sorted(_alive(statuses[n.id]))} for n in cfg.nodes]
     return {"results": [o.to_json() for o in outs], "metrics": metrics, "plan": live.get("plan"),
-            "plan_version": live.get("version"), "mesh": {"formation_s": round(formed_s, 3),
-                                                           "gateway": f"http://{cluster.gateway}"}}
+            "plan_version": live.get("version"),
+            "mesh": {"nodes": mesh, "formation_s": round(formed_s, 3), "gateway": f"http://{cluster.gateway}",
+                     "links": [{"zones": list(ln.zones), "rtt_ms": ln.rtt_ms, "bandwidth_mbps": ln.bandwidth_mbps}
+                               for ln in cfg.links]}}
 
 
 def node_figures(load: dict) -> dict[str, Any]:

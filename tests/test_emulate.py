@@ -25,7 +25,8 @@ DEV = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "networ
 def cluster_yaml(tmp: Path, n: int = 3, **extra) -> Path:
     data = {"model": "smollm2-135m",
             "nodes": [{"id": f"n{i}", "device": DEV, "zone": "edge" if i == 0 else "fog"} for i in range(n)],
-            "links": [{"zones": ["edge", "fog"], "rtt_ms": 20, "bandwidth_mbps": 100}], **extra}
+            "links": [{"zones": ["edge", "fog"], "rtt_ms": 20, "bandwidth_mbps": 100}],
+            "workload": {"prompts": ["Hello there"], "max_tokens": 3}, **extra}
     path = tmp / "cluster.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -101,10 +102,11 @@ def gone(pids: list[int], timeout_s: float = 10.0) -> bool:
 
 @pytest.mark.slow
 def test_cluster_reports_the_mesh_and_leaves_no_process(tmp_path: Path) -> None:
-    r = run_cli("--cluster", str(cluster_yaml(tmp_path, 4)), "--json", timeout=120)
+    r = run_cli("--cluster", str(cluster_yaml(tmp_path, 4)), "--json", timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)  # exactly one JSON object on stdout
-    assert out["results"] == [] and set(out["metrics"]) == set(METRIC_KEYS)
+    assert len(out["results"]) == 1 and len(out["results"][0]["token_ids"]) == 3
+    assert set(METRIC_KEYS) <= set(out["metrics"])
     assert out["plan"]["replicas"]
     for rep in out["plan"]["replicas"]:  # the planner's plan for this cluster, layers covering [0, 30)
         layers = [st["layers"] for st in rep["stages"]]
@@ -148,6 +150,11 @@ def test_nodes_die_with_a_killed_emulator(tmp_path: Path) -> None:
     os.kill(proc.pid, signal.SIGKILL)  # no teardown code runs: PR_SET_PDEATHSIG must do it
     proc.communicate(timeout=60)
     assert gone(kids), [p for p in kids if psutil.pid_exists(p)]
+
+
+def test_a_cluster_run_without_prompts_is_bad_input(tmp_path: Path) -> None:
+    r = run_cli("--cluster", str(cluster_yaml(tmp_path, 2, workload={"max_tokens": 3})), "--json", timeout=60)
+    assert r.returncode == 2 and "workload.prompts" in r.stderr and r.stdout == ""
 
 
 @pytest.mark.parametrize("data, where", [

@@ -45,6 +45,7 @@ class Mesh:
               **extra) -> subprocess.Popen:
         address = f"127.0.0.1:{port or free_port_pair()}"
         cfg = {"id": nid, "device": DEVICE, "zone": "z", "listen": address, "seeds": seeds or [], "mdns": mdns,
+               "model": "tiny",  # random test weights: these tests are about the mesh, not the model
                **extra}
         path = self.tmp / f"{nid}-{len(self.procs)}.yaml"
         path.write_text(yaml.safe_dump(cfg))

@@ -109,6 +109,11 @@ class Gateway:
             self.ctx, self.local_version, self.reps = ctx, ctx.version, reps
             self.loads = {rid: ReplicaLoad(max_batch=max(1, min(r.max_batch(), MAX_ACTIVE_SEQS)))
                           for rid, r in reps.items()}
+            self._decoding.clear()
+            stale = list(self._streams.values())
+        for s in stale:  # their replicas dropped them (a leader that died cannot say so itself)
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"the mesh was re-planned "
+                                        f"(plan v{ctx.version}) while this request ran; retry it"))
 
     def node_version(self, node: str) -> int:
         if node == self.me:
