@@ -36,15 +36,23 @@ class KvAcks:
         stop = frozenset(check_int_list(msg["stop_ids"], "stop_ids", 0, vocab - 1, 64))
         s = Seq(seq, [], p_len, max_tokens, SamplingParams(temperature, top_k, top_p), seed, stop,
                 str(msg["gateway"]), self.leader.rid, out=[tok], fed=p_len)
+        at, ms = msg.fields.get("prefilled_at"), msg.fields.get("prefill_ms")
+        if isinstance(at, float) and isinstance(ms, (int, float)):
+            s.prefilled_at, s.prefill_s = at, ms / 1000
         s.missing_kv = set(self.nodes) - self._early.pop(seq, (0.0, set()))[1]
         self.leader.admit(s)
+        if not s.missing_kv:
+            self.leader.kv_ready(s)
 
     def on_ack(self, seq: int, node: str) -> None:
         if node not in self.nodes:
             raise ProtocolError(f"KV_ACK from {node!r}, not a stage of replica {self.leader.rid}")
         s = self.leader.seqs.get(seq)
         if s is not None:
-            s.missing_kv.discard(node)
+            if node in s.missing_kv:
+                s.missing_kv.discard(node)
+                if not s.missing_kv:
+                    self.leader.kv_ready(s)
             return
         if seq in self._gone:
             return

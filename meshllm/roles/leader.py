@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,6 +61,9 @@ class Seq:
     missing_kv: set[str] = field(default_factory=set)  # decode: stages that have not acknowledged KV
     arrived: float = field(default_factory=time.monotonic)
     queued_s: float = 0.0  # time waiting to be scheduled, reported to the gateway
+    launched: float | None = None  # monotonic time its first prompt chunk entered the pipeline
+    prefill_s: float = 0.0  # prompt in -> first token out (prefill replicas), for the handoff figures
+    prefilled_at: float | None = None  # decode replicas: when the prefill replica had the first token
 
     @property
     def context(self) -> int:
@@ -93,6 +97,10 @@ class Leader:
         self.in_flight: dict[int, InFlight] = {}
         self._batch_ids = itertools.count(1)
         self.stats = {"micro_batches": 0, "rows": 0, "finished": 0, "aborted": 0}
+        # decode replicas: (prefill ms, handoff ms) of recent sequences; handoff = from the prefill
+        # replica having the first token to this replica holding all the KV and the token (one host's
+        # monotonic clock: meaningful in emulation and benchmarks)
+        self.handoffs: deque[tuple[float, float]] = deque(maxlen=64)
 
     # -- admission ------------------------------------------------------------------------------
     def admit(self, s: Seq) -> None:
@@ -128,6 +136,8 @@ class Leader:
             chunk = s.next_chunk(budget) if s.id not in self.queue and not s.busy else []
             if not chunk:
                 continue
+            if s.launched is None:
+                s.launched = time.monotonic()
             last = s.fed + len(chunk) == s.prompt_len
             spans.append(self._span(s, len(chunk), SpanKind.PREFILL_LAST if last else SpanKind.PREFILL))
             ids.extend(chunk)
@@ -192,6 +202,7 @@ class Leader:
 
     def _handoff(self, s: Seq, token: int) -> None:
         del self.seqs[s.id]
+        s.prefill_s = time.monotonic() - (s.launched or s.arrived)
         s.out.append(token)
         finished = self._finish_reason(s, token)
         self._tokens(s, [token], finished)
@@ -256,10 +267,16 @@ class Leader:
                     if sp.seq in self.seqs:
                         self.fail(self.seqs[sp.seq], f"micro-batch {batch} got no results in {RESULT_TIMEOUT_S:g} s")
 
+    def kv_ready(self, s: Seq) -> None:
+        """A handed-off sequence holds its KV everywhere: note how long the handoff took."""
+        if s.prefilled_at is not None:
+            self.handoffs.append((round(1000 * s.prefill_s, 3), round(1000 * (time.monotonic() - s.prefilled_at), 3)))
+
     def load(self) -> dict:
         """What the gateway's router and `--status` see of this replica."""
         return {"replica": self.rid, "role": str(self.role), "queued": len(self.queue), "active": self.active(),
-                "in_flight": len(self.in_flight), "max_active": MAX_ACTIVE_SEQS, **self.stats}
+                "in_flight": len(self.in_flight), "max_active": MAX_ACTIVE_SEQS, **self.stats,
+                "handoffs": list(self.handoffs)}
 
 
 def is_phase(role: Role, phase: Role) -> bool:

@@ -9,6 +9,8 @@ sent instead (RELEASE to each of its stages; they drop KV that arrives after it)
 
 from __future__ import annotations
 
+import time
+
 from meshllm.engine.sampling import SamplingParams
 from meshllm.mesh.protocol import (
     Message,
@@ -54,4 +56,5 @@ def handoff(ctx: PlanContext, send: Send, s: Seq, finished: bool) -> None:
     send(ctx.leader(s.decode_rid),
          make(MsgType.HANDOFF, seq=s.id, prompt_len=s.prompt_len, token=s.out[-1], max_tokens=s.max_tokens,
               sampling=sampling_map(p.temperature, p.top_k, p.top_p, s.seed), stop_ids=sorted(s.stop_ids),
-              gateway=s.gateway, plan_version=ctx.version))
+              gateway=s.gateway, plan_version=ctx.version, prefill_ms=round(1000 * s.prefill_s, 3),
+              prefilled_at=time.monotonic()))
