@@ -1,23 +1,26 @@
-"""Planner benchmark: meshllm (GA + DP + roles) vs splitwise vs memory-ring, on one simulator.
+"""Planner benchmark: meshllm against baselines run as their operators would, on one simulator.
 
-Run:  python bench/planner.py [--quick] [--out bench/results] [--seed 0]
+Run:  python bench/planner.py [--quick] [--out bench/results] [--seed 0] [--clusters a,b]
 
-For each heterogeneous benchmark cluster (clusters/bench-*.yaml: 16, 48 and 200 devices
-serving the shapes of llama-3-8b and llama-2-70b) it prints, side by side from one run:
-- the saturation rate of each policy (the sweep and stability rule of meshllm/sim_sweep.py);
-- at splitwise's highest stable rate: mean / p99 waiting time and mean prefill wait;
-- at low load (25% of that rate): the prefill wait, where a Splitwise plan that prefills on
-  the fastest GPUs can win;
-- the goals: meshllm >= 1.5x splitwise's saturation rate, >= 50% lower mean waiting time at
-  splitwise's highest stable rate, >= 2x memory-ring's saturation rate.
+Per cluster (clusters/bench-*.yaml, and saturation only for the small example clusters), side by
+side from one run, all policies on the same trace, router and simulator (meshllm/sim/):
+- the physical bound (every stage-capable device busy on useful FLOPs) and each policy's
+  saturation rate (the N-vs-2N stability rule of meshllm/sim/sweep.py) as a fraction of it;
+- at 50 / 70 / 90 % of tuned Splitwise's saturation and of the best baseline's: mean / p99
+  wait, TTFT p50 / p99, ITL p50 / p99 and mean end-to-end latency (meshllm plans for each rate,
+  as its operator would give the planner the workload's rate);
+- at the cluster file's own rate, the same;
+- the goals of issue 8, each MET or NOT MET with its figure;
+- the GA's gain over greedy type-ordered packing (analytic capacity and simulated saturation).
 Then the planner's time against cluster size (subsets of the 200-device cluster).
-PNGs: bench/results/planner_wait_vs_rate.png and bench/results/planner_time_vs_size.png.
-`--quick` shortens the runs (fewer requests and rates) for a smoke test.
+Writes bench/results/planner_<cluster>.png (wait and TTFT vs rate), planner_time_vs_size.png and
+planner.json. `--quick`: one cluster, three policies, shorter runs (a smoke test, ~1 min).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -27,72 +30,113 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from meshllm.config import load_cluster, plan_inputs  # noqa: E402
-from meshllm.partition.plan import PlanInfeasible, plan_cluster  # noqa: E402
-from meshllm.sim import sweep as sim_sweep  # noqa: E402
-from meshllm.sim.replica import from_plan, memory_ring, splitwise  # noqa: E402
+from meshllm.partition.grouping import greedy_genes  # noqa: E402
+from meshllm.partition.plan import PlanInfeasible, plan_cluster, planner_evaluator  # noqa: E402
+from meshllm.sim import sweep  # noqa: E402
+from meshllm.sim.metrics import bound_rate_per_s, metrics  # noqa: E402
 
-CLUSTERS = ("bench-edge-8b", "bench-fog-70b", "bench-mesh-200")
-POLICIES = ("meshllm", "splitwise", "memory-ring")
-CURVE_FRACTIONS = (0.2, 0.4, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25)  # x the larger saturation rate
-LOW_LOAD = 0.25  # x splitwise's saturation rate, for the low-load prefill wait
-HIGH_LOAD = 0.8  # x splitwise's saturation rate: high load, clear of the stability edge
+BENCH = ("bench-edge-8b", "bench-fog-40-8b", "bench-fog-70b", "bench-mesh-200", "bench-six-7b")
+SMALL = ("demo", "failure", "mesh-six", "multi-tenant", "wan")
+POLICIES = ("meshllm", "splitwise", "mixed-dp", "memory-ring", "random", "greedy")
+BASELINES = POLICIES[1:]
+LOADS = (0.5, 0.7, 0.9)
+BOUND_GOAL, BOUND_MOONSHOT = 0.93, 0.97
 SIZES = (12, 25, 50, 100, 200)
+COLS = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mean_e2e_ms")
 
 
-def policies_for(cfg, seed: int) -> tuple[dict, float]:
+def at_rate(inp, pols: dict, rate: float, seed: int, n_req: int) -> dict:
+    """Metrics of every policy at `rate` (meshllm re-planned for it)."""
+    trace = sweep.make_trace(inp, n_req, seed)
+    out = {}
+    for name, pol in pols.items():
+        if name == "meshllm":
+            pol = sweep.meshllm_policy(inp, rate, seed)
+        out[name] = metrics(sweep.simulate(pol.replicas, trace, rate)) if pol.replicas else None
+    return out
+
+
+def ga_gain(inp, seed: int, sweep_n: int) -> dict:
+    ev = planner_evaluator(inp)
+    greedy_cap = ev.fitness(greedy_genes(ev))
+    plan = plan_cluster(replace(inp, rate_per_s=0.0), seed=seed, log=False)
+    return {"greedy_capacity": greedy_cap, "ga_capacity": plan.capacity_req_s,
+            "gain": plan.capacity_req_s / greedy_cap if greedy_cap > 0 else None}
+
+
+def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_req: int, loads: bool) -> dict:
+    cfg = load_cluster(REPO / "clusters" / f"{name}.yaml")
     inp = plan_inputs(cfg)
     t0 = time.perf_counter()
-    plan = plan_cluster(inp, seed=seed, log=False)
+    pols = sweep.build_policies(inp, seed, names)
     planner_s = time.perf_counter() - t0
-    return {"meshllm": from_plan(inp, plan), "splitwise": splitwise(inp), "memory-ring": memory_ring(inp)}, planner_s
+    bound = bound_rate_per_s(inp, [(a, b) for _, a, b in sweep.make_trace(inp, 2000, seed)])
+    sat = {p: sweep.saturation_rate(pol.replicas, inp, seed, sweep_n) if pol.replicas else 0.0
+           for p, pol in pols.items()}
+    res = dict(name=name, model=cfg.model, devices=len(cfg.nodes), rate=inp.rate_per_s, bound=bound, sat=sat,
+               planner_s=planner_s, replicas={p: len(pol.replicas) for p, pol in pols.items()},
+               idle={p: len(pol.idle) for p, pol in pols.items()}, loads={})
+    if not loads:
+        return res
+    refs = {"splitwise": sat.get("splitwise", 0.0), "best": max(sat[p] for p in names if p != "meshllm")}
+    for ref, top in refs.items():
+        for f in LOADS:
+            if top > 0:
+                res["loads"][f"{ref}@{f}"] = (f * top, at_rate(inp, pols, f * top, seed, n_req))
+    if inp.rate_per_s > 0:
+        res["loads"]["file"] = (inp.rate_per_s, at_rate(inp, pols, inp.rate_per_s, seed, n_req))
+    res["ga"] = ga_gain(inp, seed, sweep_n)
+    return res
 
 
-def bench_cluster(name: str, seed: int, n_req: int) -> dict:
-    cfg = load_cluster(REPO / "clusters" / f"{name}.yaml")
-    pols, planner_s = policies_for(cfg, seed)
-    trace = sim_sweep.make_trace(plan_inputs(cfg), n_req, seed)
-    sat = {p: sim_sweep.saturation_rate(pols[p], trace) for p in POLICIES}
-    r_sw = sat["splitwise"]
-    at_sw = {p: sim_sweep.metrics(sim_sweep.simulate(pols[p], trace, r_sw)) for p in POLICIES}
-    low = {p: sim_sweep.metrics(sim_sweep.simulate(pols[p], trace, LOW_LOAD * r_sw)) for p in POLICIES}
-    high = {p: sim_sweep.metrics(sim_sweep.simulate(pols[p], trace, HIGH_LOAD * r_sw)) for p in POLICIES}
-    top = max(sat["meshllm"], r_sw)
-    curve = {p: [(f * top, sim_sweep.metrics(sim_sweep.simulate(pols[p], trace, f * top))["mean_wait_ms"])
-                 for f in CURVE_FRACTIONS] for p in POLICIES}
-    return dict(name=name, model=cfg.model, devices=len(cfg.nodes), planner_s=planner_s, sat=sat, at_sw=at_sw,
-                low=low, high=high, curve=curve, replicas={p: len(pols[p]) for p in POLICIES})
+def verdict(ok: bool) -> str:
+    return "MET" if ok else "NOT MET"
 
 
 def print_cluster(res: dict) -> None:
-    print(f"\n## {res['name']}: {res['devices']} devices, {res['model']}, planner {res['planner_s']:.2f} s")
-    print("(ms; @sw = at splitwise's saturation rate, @80% / @25% = at that fraction of it)")
-    print(f"{'policy':12s} {'replicas':>8s} {'sat req/s':>10s} {'wait@sw':>11s} {'p99@sw':>11s} "
-          f"{'wait@80%':>10s} {'prefill@sw':>11s} {'prefill@80%':>11s} {'prefill@25%':>11s}")
-    for p in POLICIES:
-        a, hi, lo = res["at_sw"][p], res["high"][p], res["low"][p]
-        print(f"{p:12s} {res['replicas'][p]:8d} {res['sat'][p]:10.3f} {a['mean_wait_ms']:11.1f} "
-              f"{a['p99_wait_ms']:11.1f} {hi['mean_wait_ms']:10.1f} {a['mean_prefill_wait_ms']:11.1f} "
-              f"{hi['mean_prefill_wait_ms']:11.1f} {lo['mean_prefill_wait_ms']:11.1f}")
-    sat, at = res["sat"], res["at_sw"]
-    g1 = sat["meshllm"] / sat["splitwise"]
-    g2 = 1 - at["meshllm"]["mean_wait_ms"] / at["splitwise"]["mean_wait_ms"]
-    g3 = sat["meshllm"] / max(sat["memory-ring"], 1e-12)
-    g2b = 1 - res["high"]["meshllm"]["mean_wait_ms"] / res["high"]["splitwise"]["mean_wait_ms"]
-    print(f"goal 1  saturation meshllm / splitwise = {g1:.2f}x (>= 1.5x: {'MET' if g1 >= 1.5 else 'NOT MET'})")
-    print(f"goal 2  mean wait at splitwise's max rate: {change(g2)} (>= 50% lower: "
-          f"{'MET' if g2 >= 0.5 else 'NOT MET'}); at 80% of it: {change(g2b)}")
-    print(f"goal 3  saturation meshllm / memory-ring = {g3:.1f}x (>= 2x: {'MET' if g3 >= 2 else 'NOT MET'})")
-    for label, key in (("low load (25%)", "low"), ("80% load", "high"), ("splitwise's max rate", "at_sw")):
-        m, s = (res[key][p]["mean_prefill_wait_ms"] for p in ("meshllm", "splitwise"))
-        if s < m:
-            print(f"note    at {label} splitwise has the lower prefill wait ({s:.1f} vs {m:.1f} ms)")
-        m, s = (res[key][p]["mean_wait_ms"] for p in ("meshllm", "splitwise"))
-        if s < m:
-            print(f"note    at {label} splitwise has the lower mean waiting time ({s:.1f} vs {m:.1f} ms)")
+    print(f"\n## {res['name']}: {res['devices']} devices, {res['model']}, file rate {res['rate']:g} req/s, "
+          f"bound {res['bound']:.3f} req/s, policies built in {res['planner_s']:.1f} s")
+    print(f"{'policy':12s} {'replicas':>8s} {'idle':>5s} {'sat req/s':>10s} {'of bound':>9s}")
+    for p, s in res["sat"].items():
+        print(f"{p:12s} {res['replicas'][p]:8d} {res['idle'][p]:5d} {s:10.3f} {s / res['bound']:9.3f}")
+    for key, (rate, got) in res["loads"].items():
+        print(f"-- at {key} = {rate:.3f} req/s (ms): " + " ".join(f"{c.replace('_ms', '')}" for c in COLS))
+        for p, m in got.items():
+            print(f"   {p:12s} " + ("no replica" if m is None else " ".join(f"{m[c] or 0:10.1f}" for c in COLS)))
+    goals(res)
 
 
-def change(frac_lower: float) -> str:
-    return f"{100 * frac_lower:.0f}% lower" if frac_lower >= 0 else f"{-100 * frac_lower:.0f}% HIGHER"
+def goals(res: dict) -> None:
+    sat, bound = res["sat"], res["bound"]
+    if "meshllm" not in sat:
+        return
+    others = {p: s for p, s in sat.items() if p != "meshllm"}
+    worst = max(others.values(), default=0.0)
+    print(f"goal    saturation meshllm / best baseline = {sat['meshllm'] / max(worst, 1e-12):.3f} "
+          f"(>= 1: {verdict(sat['meshllm'] >= worst * 0.999)})")
+    frac = sat["meshllm"] / bound
+    print(f"goal    saturation meshllm / bound = {frac:.3f} (>= {BOUND_GOAL}: {verdict(frac >= BOUND_GOAL)}; "
+          f"moonshot {BOUND_MOONSHOT}: {verdict(frac >= BOUND_MOONSHOT)})")
+    for f in LOADS[:2]:
+        got = res["loads"].get(f"splitwise@{f}")
+        if not got or got[1].get("splitwise") is None:
+            continue
+        m, s = got[1]["meshllm"], got[1]["splitwise"]
+        w = m["mean_wait_ms"] / max(s["mean_wait_ms"], 1e-9)
+        t = m["ttft_p50_ms"] / max(s["ttft_p50_ms"], 1e-9)
+        e = m["mean_e2e_ms"] / max(s["mean_e2e_ms"], 1e-9)
+        print(f"goal    at {f:.0%} of splitwise's saturation: wait x{w:.2f} (<= 0.5: {verdict(w <= 0.5)}), "
+              f"TTFT p50 x{t:.2f} (<= 1.5: {verdict(t <= 1.5)}), e2e x{e:.2f} (<= 1: {verdict(e <= 1.0)})")
+    got = res["loads"].get("file")
+    if got:
+        best = min((m["mean_wait_ms"], p) for p, m in got[1].items() if p != "meshllm" and m)
+        mine = got[1]["meshllm"]["mean_wait_ms"]
+        print(f"goal    at the file's rate: meshllm wait {mine:.1f} ms, lowest baseline {best[1]} {best[0]:.1f} ms "
+              f"({verdict(mine <= best[0] * 1.001)})")
+    if res.get("ga"):
+        g = res["ga"]
+        print(f"ga      capacity (analytic) GA {g['ga_capacity']:.3f} vs greedy packing {g['greedy_capacity']:.3f} req/s: "
+              f"gain x{g['gain']:.3f}; simulated saturation greedy {sat.get('greedy', 0):.3f}")
 
 
 def planner_time_vs_size(seed: int, sizes: tuple[int, ...]) -> list[tuple[int, str, float | None]]:
@@ -114,26 +158,37 @@ def planner_time_vs_size(seed: int, sizes: tuple[int, ...]) -> list[tuple[int, s
     return out
 
 
-def plot(results: list[dict], times: list, out: Path) -> None:
+def plot_cluster(res: dict, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2))
-    for ax, res in zip(axes if len(results) > 1 else [axes], results):
-        for p in POLICIES:
-            xs, ys = zip(*res["curve"][p])
-            ax.plot(xs, [max(y, 1e-1) for y in ys], marker="o", label=f"{p} (sat {res['sat'][p]:.2f}/s)")
-        ax.axvline(res["sat"]["splitwise"], color="grey", ls=":", lw=1)
+    points = sorted(res["loads"].values(), key=lambda x: x[0])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, col, label in ((axes[0], "mean_wait_ms", "mean waiting time (ms)"),
+                           (axes[1], "ttft_p50_ms", "TTFT p50 (ms)")):
+        for p in res["sat"]:
+            xs = [(r, g[p][col]) for r, g in points if g.get(p) and g[p][col] is not None]
+            if xs:
+                ax.plot(*zip(*xs), marker="o", label=f"{p} (sat {res['sat'][p]:.2f}/s)")
         ax.set_yscale("log")
         ax.set_xlabel("arrival rate (req/s)")
-        ax.set_ylabel("mean waiting time (ms)")
-        ax.set_title(f"{res['name']} ({res['devices']} devices, {res['model']})", fontsize=9)
+        ax.set_ylabel(label)
+        ax.axvline(res["bound"], color="grey", ls=":", lw=1)
         ax.legend(fontsize=7)
+    fig.suptitle(f"{res['name']} ({res['devices']} devices, {res['model']}); dotted: physical bound", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out / "planner_wait_vs_rate.png", dpi=110)
+    fig.savefig(out / f"planner_{res['name']}.png", dpi=100)
     plt.close(fig)
+
+
+def plot_times(times: list, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for model in ("llama-3-8b", "llama-2-70b"):
         pts = [(n, t) for n, m, t in times if m == model and t is not None]
@@ -152,23 +207,30 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "bench/results"))
+    ap.add_argument("--clusters", default="", help="comma-separated cluster names (default: all)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    n_req = 600 if a.quick else sim_sweep.SWEEP_REQUESTS
-    clusters = CLUSTERS[:1] if a.quick else CLUSTERS
+    names = ("meshllm", "splitwise", "mixed-dp") if a.quick else POLICIES
+    sweep_n, n_req = (600, 600) if a.quick else (sweep.SWEEP_REQUESTS, 2000)
+    chosen = a.clusters.split(",") if a.clusters else ([BENCH[0]] if a.quick else list(BENCH) + list(SMALL))
     results = []
-    for name in clusters:
-        results.append(bench_cluster(name, a.seed, n_req))
+    for name in chosen:
+        t0 = time.perf_counter()
+        results.append(bench_cluster(name, a.seed, names, sweep_n, n_req, loads=name not in SMALL))
         print_cluster(results[-1])
+        print(f"(cluster done in {time.perf_counter() - t0:.0f} s)")
+        if results[-1]["loads"]:
+            plot_cluster(results[-1], out)
         sys.stdout.flush()
     times = planner_time_vs_size(a.seed, SIZES[:2] if a.quick else SIZES)
-    print("\n## planner time vs cluster size (one process, this machine; GA + DP)")
+    print("\n## planner time vs cluster size (one process, this machine; both GA phases + DP)")
     print(f"{'devices':>8s} {'model':>12s} {'planner s':>10s}")
     for n, model, t in times:
         print(f"{n:8d} {model:>12s} {('infeasible' if t is None else f'{t:.2f}'):>10s}")
-    plot(results, times, out)
-    print(f"\nPNGs: {out / 'planner_wait_vs_rate.png'}, {out / 'planner_time_vs_size.png'}")
+    plot_times(times, out)
+    if not a.quick:
+        (out / "planner.json").write_text(json.dumps({"clusters": results, "times": times}, indent=1, default=str))
     return 0
 
 

@@ -69,7 +69,9 @@ def test_latency_phase_keeps_capacity_and_lowers_the_predicted_cost():
     ev = evaluator(rng, 16, "llama-3-8b")
     cap = evolve(ev, seed=1, log=False)
     rate = 0.5 * cap.fitness
-    got = evolve_plan(ev, rate, seed=1, log=False)
+    found = evolve_plan(ev, rate, seed=1, log=False)
+    got = found.best
+    assert found.candidates[0] is got and len(found.candidates) >= 2 and found.rate == rate
     assert got.fitness >= CAPACITY_FLOOR * cap.fitness * (1 - 1e-9)
     assert got.prediction is not None and got.prediction.rate_per_s == rate
     assert got.prediction.cost(1.0) <= ev.latency(cap, rate).cost(1.0) * (1 + 1e-9)

@@ -47,7 +47,9 @@ def test_plan_cli_json_and_png(tmp_path):
     obj = json.loads(p.stdout)
     check_schema(obj, load_cluster(REPO / "clusters/demo.yaml"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {"edge-1", "edge-2", "edge-3"} <= set(obj["drafters"])  # roles: [drafter]
+    drafter_only = {n.id for n in load_cluster(REPO / "clusters/demo.yaml").nodes if n.roles == ("drafter",)}
+    assert drafter_only and drafter_only <= set(obj["drafters"]) | set(obj["unused"])  # roles: [drafter]
+    assert set(obj["unused"]) <= set(obj["unused_reasons"])  # every unused node says why
 
 
 def test_impossible_cluster_exits_2_naming_the_shortfall():

@@ -21,6 +21,7 @@ from meshllm.sim.replica import SimReplica, from_plan
 from meshllm.sim.simulator import Request, Simulator
 from meshllm.sim.sweep import draw_length, make_trace, simulate, simulate_policies, stable
 from tests.conftest import REPO, run_cli
+from tests.planner_fixtures import small_inputs
 
 FIELDS = {"mean_wait_ms", "p99_wait_ms", "mean_prefill_wait_ms", "mean_ttft_ms", "ttft_p50_ms", "ttft_p99_ms",
           "itl_p50_ms", "itl_p99_ms", "mean_e2e_ms", "e2e_p50_ms", "e2e_p99_ms", "throughput_tok_s",
@@ -29,8 +30,7 @@ FIELDS = {"mean_wait_ms", "p99_wait_ms", "mean_prefill_wait_ms", "mean_ttft_ms",
 
 @pytest.fixture(scope="module")
 def demo():
-    cfg = load_cluster(REPO / "clusters/demo.yaml")
-    return cfg, plan_inputs(cfg)
+    return None, small_inputs()
 
 
 def replica(inp, rid, role, ids, counts):

@@ -11,6 +11,9 @@ it into replicas with roles and a capacity). Two phases, one deap loop:
    the planned rate is NO_RATE_LOAD x the best capacity.
 Each phase ends with a bounded first-improvement local search (single-gene moves and swaps) of
 its best individual; phase 1 also tries each replica of its best alone (a lone replica is mixed).
+Last, every device left out that would add capacity joins where it adds the most, unless that
+raises the predicted cost by more than FILL_COST_SLACK (`fill_unused`); plan.py says why each
+device still left out is (unused.py).
 
 Search: the population is seeded with greedy packings (devices by memory, compute or type,
 closing a replica at 1.05 / 1.5 / 2.5 x the model's memory), the whole cluster as one
@@ -30,10 +33,11 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from deap import base, creator, tools
 
-from meshllm.partition.grouping import NONE, Evaluator, Grouping, pack
+from meshllm.partition.grouping import NONE, Evaluator, Grouping, all_mixed, greedy_genes, pack, type_genes
 from meshllm.partition.latency import WAIT_WEIGHT
 
 POP_SIZE = 40
@@ -49,6 +53,8 @@ PROGRESS_EVERY_S = 2.0  # progress lines on stderr for long runs
 POLISH_EVALS = 1500  # fitness evaluations of each final local search
 CAPACITY_FLOOR = 0.97  # phase 2 keeps capacity >= this x the best capacity found
 NO_RATE_LOAD = 0.7  # without a workload rate, plan for this fraction of the best capacity
+RUNNERS_UP = 2  # latency-phase individuals offered to a judge besides its pick
+FILL_COST_SLACK = 0.01  # a device that adds capacity joins unless the predicted cost rises more than this
 
 if not hasattr(creator, "MeshFitness2"):
     creator.create("MeshFitness2", base.Fitness, weights=(1.0, 1.0))
@@ -62,7 +68,7 @@ def seed_population(ev: Evaluator, rng: random.Random, size: int) -> list[list[i
     orders = [sorted(range(n), key=lambda i: -ev.members[i].device.memory_gb),
               sorted(range(n), key=lambda i: -ev.members[i].device.compute_tflops),
               sorted(range(n), key=lambda i: (ev.members[i].key, i))]
-    seeds = [pack(ev, o, s) for o in orders for s in PACK_SLACK] + [[0] * n]
+    seeds = [pack(ev, o, s) for o in orders for s in PACK_SLACK] + [[0] * n, type_genes(ev)]
     for i in orders[1][:SOLO_SEEDS]:  # the fastest devices alone: one mixed replica may win
         seeds.append([0 if j == i else NONE for j in range(n)])
     while len(seeds) < size:
@@ -216,23 +222,64 @@ def _capacity_phase(ev: Evaluator, rng: random.Random, pop_size: int | None, gen
     return [best] + pop[1:], cap
 
 
-def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> Grouping:
-    """Both phases: capacity, then the lowest predicted cost at `rate` (0: NO_RATE_LOAD x capacity)
-    among groupings within CAPACITY_FLOOR of the best capacity. The result carries its prediction."""
-    if not ev.members:
-        return Grouping((), (), (), 0.0)
+@dataclass(frozen=True)
+class Search:
+    """What the planner's search found: its pick, the candidates a judge may choose from instead
+    (the pick first), the best capacity found and the rate the latency phase planned for."""
 
-    def run(rng: random.Random) -> Grouping:
+    best: Grouping
+    candidates: tuple[Grouping, ...]
+    capacity: float
+    rate: float
+
+
+def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> Search:
+    """Both phases: capacity, then the lowest predicted cost at `rate` (0: NO_RATE_LOAD x capacity)
+    among groupings within CAPACITY_FLOOR of the best capacity. The pick carries its prediction;
+    the candidates add the capacity phase's best, the runners-up of the latency phase and the
+    groupings an operator would try (one device type per replica, all mixed; greedy packing)."""
+    if not ev.members:
+        return Search(Grouping((), (), (), 0.0), (), 0.0, rate)
+
+    def run(rng: random.Random) -> Search:
         pop, cap = _capacity_phase(ev, rng, None, MAX_GENERATIONS, log)
         if cap <= 0:
-            return ev.decode(pop[0])
+            return Search(ev.decode(pop[0]), (), cap, rate)
         lam = rate if rate > 0 else NO_RATE_LOAD * cap
         score = latency_score(ev, lam, CAPACITY_FLOOR * cap)
+        phase1 = pop[0]
         pop = run_ga(score, pop, len(ev.members), LATENCY_GENERATIONS, LATENCY_STALL, log, "latency")
         genes, _ = polish(score, pop[0])
-        g = ev.decode(genes)
-        return Grouping(g.groups, g.roles, g.evals, g.fitness, ev.latency(g, lam))
+        genes = fill_unused(ev, genes, lam)
+        best = [genes, phase1] + [g for g in pop[1:] if score(g)[0] >= score(genes)[0]][:RUNNERS_UP]
+        best += [type_genes(ev), greedy_genes(ev)]
+        cands = [ev.decode(g) for g in best]
+        cands += [m for m in (all_mixed(ev.decode(type_genes(ev))),) if m is not None]
+        unique = list({(c.groups, c.roles): c for c in cands if c.fitness > 0}.values())
+        with_pred = tuple(Grouping(c.groups, c.roles, c.evals, c.fitness, ev.latency(c, lam)) for c in unique)
+        return Search(with_pred[0], with_pred, cap, lam)
     return seeded(seed, run)
+
+
+def fill_unused(ev: Evaluator, genes: list[int], rate: float) -> list[int]:
+    """Every device that adds capacity is used: each device outside the replicas takes the single
+    move (into a replica, or alone) that adds the most capacity, unless that raises the predicted
+    cost at `rate` by more than FILL_COST_SLACK."""
+    genes = list(genes)
+    for i in sorted(range(len(genes)), key=lambda i: -ev.members[i].device.compute_tflops):
+        if genes[i] != NONE:
+            continue
+        g0 = ev.decode(genes)
+        cost0 = ev.latency(g0, rate).cost(WAIT_WEIGHT)
+        labels = sorted(set(genes) - {NONE})
+        fresh = next(x for x in range(len(genes) + 1) if x not in labels)
+        best = max((ev.fitness(genes[:i] + [g] + genes[i + 1:]), g) for g in labels + [fresh])
+        if best[0] <= g0.fitness * (1 + 1e-6):
+            continue
+        trial = genes[:i] + [best[1]] + genes[i + 1:]
+        if ev.latency(ev.decode(trial), rate).cost(WAIT_WEIGHT) <= cost0 * (1 + FILL_COST_SLACK):
+            genes = trial
+    return genes
 
 
 def single_replica_variants(genes: list[int]) -> list[list[int]]:

@@ -9,7 +9,8 @@ min(prefill pool, decode pool) of the others. Replicas are ranked by prefill-rat
 decode-rate; for each cut of that ranking into a prefill and a decode pool, the replicas of
 the larger pool that it does not need (its surplus) are turned mixed, the ones that give the
 most mixed capacity per unit of pool capacity first, and then any whose mixed rate exceeds
-what the pools lose. The best cut wins; so does "all mixed" when that is better (slow ports
+what the pools lose. The best cut wins (tried: the best cut without mixed replicas and
+CUT_NEIGHBOURS cuts either side of it); so does "all mixed" when that is better (slow ports
 make shipping KV cost more than it saves). A lone replica is mixed. A replica holding a node
 whose `roles:` allow only prefill (or decode) keeps that role.
 
@@ -27,6 +28,7 @@ from meshllm.partition.latency import Prediction, predict
 from meshllm.partition.replica import Mix, ReplicaEval, evaluate_replica
 
 NONE = -1
+CUT_NEIGHBOURS = 2  # cuts either side of the best pure prefill/decode cut whose surplus is turned mixed
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,10 @@ def assign_roles(rates: Sequence[tuple[float, float, float]],
     dec_sum = [0.0]
     for i in reversed(free):
         dec_sum.append(dec_sum[-1] + rates[i][1])
-    for m in range(len(free) + 1):
-        p, d = fixed_p + pre_sum[m], fixed_d + dec_sum[len(free) - m]
+    pools = [(fixed_p + pre_sum[m], fixed_d + dec_sum[len(free) - m]) for m in range(len(free) + 1)]
+    top = max(range(len(pools)), key=lambda m: (min(pools[m]), -m))
+    for m in range(max(0, top - CUT_NEIGHBOURS), min(len(pools), top + CUT_NEIGHBOURS + 1)):
+        p, d = pools[m]
         if p <= 0 or d <= 0:
             continue
         roles = list(base)
@@ -157,6 +161,27 @@ def pack(ev: Evaluator, order: Sequence[int], slack: float) -> list[int]:
 def type_order(ev: Evaluator) -> list[int]:
     """Devices grouped by type (interchangeable members together), fastest types first."""
     return sorted(range(len(ev.members)), key=lambda i: (-ev.members[i].device.compute_tflops, ev.members[i].key, i))
+
+
+def type_genes(ev: Evaluator, slack: float = 1.05) -> list[int]:
+    """Replicas of one device type each (how an operator groups machines), packed per type."""
+    genes, label = [NONE] * len(ev.members), 0
+    for kind in sorted(set(ev.kind)):
+        part = pack(ev, [i for i in range(len(ev.members)) if ev.kind[i] == kind], slack)
+        used = sorted({g for g in part if g != NONE})
+        for i, g in enumerate(part):
+            if g != NONE:
+                genes[i] = label + used.index(g)
+        label += len(used)
+    return genes
+
+
+def all_mixed(g: Grouping) -> Grouping | None:
+    """The same replicas, every one mixed (None if one cannot be: no mixed fit, or its nodes'
+    `roles:` allow one phase only, which the evaluator encoded as a forced role)."""
+    if not g.groups or any(e.mixed is None for e in g.evals):
+        return None
+    return Grouping(g.groups, ("mixed",) * len(g.groups), g.evals, sum(e.mixed_req_s for e in g.evals))
 
 
 def greedy_genes(ev: Evaluator, slack: float = 1.05) -> list[int]:

@@ -8,10 +8,12 @@ when it adds capacity but the users would wait longer)."""
 
 from __future__ import annotations
 
-from meshllm.partition.dp import memory_cap_layers
+from meshllm.partition.dp import memory_cap_layers, shortfall_reason
 from meshllm.partition.grouping import NONE, Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
+
+REASON_MOVES = 12  # replicas tried per left-out device when finding why it adds nothing
 
 
 def genes_of(ev: Evaluator, grouping: Grouping) -> list[int]:
@@ -23,10 +25,12 @@ def genes_of(ev: Evaluator, grouping: Grouping) -> list[int]:
 
 
 def best_move(ev: Evaluator, genes: list[int], i: int) -> tuple[float, list[int], str]:
-    """(capacity, genes, where) of the best single move putting member i in a replica."""
+    """(capacity, genes, where) of the best single move putting member i in a replica: alone, or
+    into one of the REASON_MOVES replicas with the fewest devices (where one more device weighs most)."""
     n_groups = max(genes, default=NONE) + 1
+    sizes = {label: genes.count(label) for label in range(n_groups)}
     best = (0.0, genes, "nowhere")
-    for label in range(n_groups + 1):
+    for label in sorted(sizes, key=lambda x: (sizes[x], x))[:REASON_MOVES] + [n_groups]:
         trial = list(genes)
         trial[i] = label
         cap = ev.fitness(trial)
@@ -41,7 +45,7 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -
     if memory_cap_layers(ev.mc, m.device, False, False, ev.mix.kv_tokens) < 1:
         return f"cannot hold one layer of {ev.mc.name} beside the KV budget ({m.device.memory_gb} GB)"
     alone = ev.replica([i])[1]
-    alone_note = f"; alone: {alone.reason}" if alone.reason else ""
+    alone_note = f"; alone: {shortfall_reason(ev.mc, [m], ev.mix.prefill_wp())}" if alone.reason else ""
     cap0 = grouping.fitness
     cap, trial, where = best_move(ev, genes, i)
     if cap <= cap0 * (1 + 1e-6):

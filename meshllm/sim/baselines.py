@@ -2,6 +2,8 @@
 and simulator as meshllm (only the plan differs). Each returns a `Policy`: its replicas and,
 for every stage-capable device it leaves idle, why.
 
+Every baseline keeps the nodes' `roles:` limits (a node limited to one phase is never mixed).
+
 - splitwise (Patel et al., ISCA 2024): machines of one type form a replica (the fewest that
   hold the model with the DP split; a type's leftover devices join its replicas, which then
   hold more KV); the prefill / decode pool split is searched for the workload: every count of
@@ -25,7 +27,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -48,10 +50,19 @@ class Policy:
 
 
 def by_type(inp: PlanInputs) -> dict[str, list[Member]]:
+    """Stage-capable devices by type (and by the role their `roles:` force, if any)."""
+    forced = dict(zip((m.id for m in inp.members), inp.forced))
     out: dict[str, list[Member]] = {}
-    for m in sorted(inp.members, key=lambda m: (m.device.name, m.zone)):
-        out.setdefault(m.device.name, []).append(m)
+    for m in sorted(inp.members, key=lambda m: (m.device.name, forced[m.id] or "", m.zone)):
+        out.setdefault(m.device.name + (f" ({forced[m.id]} only)" if forced[m.id] else ""), []).append(m)
     return out
+
+
+def unforced(inp: PlanInputs) -> tuple[PlanInputs, dict[str, str]]:
+    """The inputs without the nodes whose `roles:` allow one phase only (a mixed replica does both)."""
+    keep = tuple(n for n in inp.nodes if n.id not in {m.id for m, f in zip(inp.members, inp.forced) if f})
+    idle = {m.id: f"its roles allow {f} only; a mixed replica does both" for m, f in zip(inp.members, inp.forced) if f}
+    return replace(inp, nodes=keep), idle
 
 
 def type_replicas(inp: PlanInputs, ms: list[Member]) -> tuple[list[ReplicaEval], str]:
@@ -92,17 +103,18 @@ def sim_replica(inp: PlanInputs, rid: int, role: str, ev: ReplicaEval) -> SimRep
     return SimReplica(rid, role, tuple(ev.members[i] for i in fit.split.order), fit.split.counts, inp)
 
 
-def splitwise_roles(evs: list[ReplicaEval]) -> list[str]:
+def splitwise_roles(evs: list[ReplicaEval], forced: list[str | None]) -> list[str]:
     """The prefill / decode split of `evs` with the highest min(prefill, decode) capacity, port-aware:
     exhaustive over how many replicas of each class (same members' type and count) prefill when
     that is at most MAX_SPLITS combinations, else every cut of the prefill/decode-ratio ranking."""
     classes: dict[tuple, list[int]] = {}
     for i, e in enumerate(evs):
-        classes.setdefault((e.members[0].device.name, len(e.members)), []).append(i)
+        classes.setdefault((e.members[0].device.name, len(e.members), forced[i] or ""), []).append(i)
     keys = sorted(classes)
     rate = [(evs[classes[k][0]].prefill_req_s, evs[classes[k][0]].decode_req_s, len(classes[k])) for k in keys]
-    if np.prod([c + 1 for _, _, c in rate], dtype=float) <= MAX_SPLITS:
-        cands = itertools.product(*(range(c + 1) for _, _, c in rate))
+    choice = [range(c + 1) if not k[2] else [c if k[2] == "prefill" else 0] for k, (_, _, c) in zip(keys, rate)]
+    if np.prod([len(x) for x in choice], dtype=float) <= MAX_SPLITS:
+        cands = itertools.product(*choice)
     else:
         order = sorted(range(len(keys)), key=lambda j: -rate[j][0] / max(rate[j][1], 1e-12))
         flat = [j for j in order for _ in range(rate[j][2])]
@@ -123,7 +135,8 @@ def splitwise_roles(evs: list[ReplicaEval]) -> list[str]:
 def splitwise(inp: PlanInputs) -> Policy:
     reps, idle = per_type(inp)
     evs = [e for n in sorted(reps) for e in reps[n]]
-    roles = splitwise_roles(evs)
+    forced_of = dict(zip((m.id for m in inp.members), inp.forced))
+    roles = splitwise_roles(evs, [forced_of[e.members[0].id] for e in evs])
     out = [sim_replica(inp, i, role, ev) for i, (role, ev) in enumerate(zip(roles, evs))]
     if len(set(roles)) < 2:
         return Policy([], {m.id: "splitwise needs a prefill and a decode replica" for m in inp.members})
@@ -131,16 +144,18 @@ def splitwise(inp: PlanInputs) -> Policy:
 
 
 def mixed_dp(inp: PlanInputs) -> Policy:
-    reps, idle = per_type(inp)
+    inp, idle = unforced(inp)
+    reps, more = per_type(inp)
     out = [sim_replica(inp, i, "mixed", ev) for i, ev in enumerate(e for n in sorted(reps) for e in reps[n])]
-    return Policy(out, idle)
+    return Policy(out, {**idle, **more})
 
 
 def memory_ring(inp: PlanInputs) -> Policy:
+    inp, idle = unforced(inp)
     keep = sorted(inp.members, key=lambda m: -m.device.memory_gb)[:inp.mc.n_layers]
     members = [m for m in inp.members if m in keep]  # file order
-    idle = {m.id: f"one pipeline holds at most one device per layer ({inp.mc.n_layers})"
-            for m in inp.members if m not in keep}
+    idle.update({m.id: f"one pipeline holds at most one device per layer ({inp.mc.n_layers})"
+                 for m in inp.members if m not in keep})
     if not members:
         return Policy([], idle)
     mem = np.array([m.device.memory_gb for m in members])

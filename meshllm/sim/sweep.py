@@ -146,7 +146,9 @@ def saturation_rate(reps: Sequence[SimReplica], inp: PlanInputs, seed: int = 0,
 
 
 def meshllm_policy(inp: PlanInputs, rate: float, seed: int) -> Policy:
-    plan = plan_cluster(replace(inp, rate_per_s=rate), seed=seed, log=False)
+    from meshllm.sim.judge import simulated_judge  # judge imports this module
+
+    plan = plan_cluster(replace(inp, rate_per_s=rate), seed=seed, log=False, judge=simulated_judge)
     return Policy(from_plan(inp, plan), {n: plan.reasons.get(n, "") for n in plan.unused + plan.drafters
                                          if n in {m.id for m in inp.members}})
 

@@ -1,0 +1,74 @@
+"""The shared router (meshllm/sim/router.py): what the simulator and the live gateway both call."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshllm.sim.ports import PortBook
+from meshllm.sim.replica import SimReplica
+from meshllm.sim.router import ReplicaLoad, Router, pick_decode, pick_prefill
+from meshllm.sim.simulator import Simulator
+from tests.planner_fixtures import small_inputs
+
+
+@pytest.fixture(scope="module")
+def inp():
+    return small_inputs()
+
+
+def rep(inp, rid, role, node):
+    by_id = {m.id: m for m in inp.members}
+    return SimReplica(rid, role, (by_id[node],), (30,), inp)
+
+
+def loads_for(reps):
+    return {r.id: ReplicaLoad(max_batch=r.max_batch()) for r in reps}
+
+
+def test_prefill_goes_where_it_starts_first(inp):
+    reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "prefill", "fog-2"), rep(inp, 2, "decode", "fog-3")]
+    loads = loads_for(reps)
+    assert pick_prefill(reps, loads, 16, 32, 0.0) == 0  # equal devices: the lower id
+    loads[0].prefill_queued_s = 5.0
+    assert pick_prefill(reps, loads, 16, 32, 0.0) == 1
+    loads[1].next_prefill_at = 9.0  # busy until t = 9
+    assert pick_prefill(reps, loads, 16, 32, 0.0) == 0
+
+
+def test_decode_goes_where_a_slot_is_free(inp):
+    reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-2"), rep(inp, 2, "decode", "fog-3")]
+    loads = loads_for(reps)
+    fast = min((1, 2), key=lambda i: reps[i].decode_iter_s(1, 48))
+    slow = 3 - fast
+    assert pick_decode(0, reps, loads, 16, 32, 0.0) == fast
+    loads[fast].active, loads[fast].waiting, loads[fast].tokens_left = loads[fast].max_batch, 50, 30.0
+    assert pick_decode(0, reps, loads, 16, 32, 0.0) == slow  # the fast one is full, with a queue
+
+
+def test_mixed_and_disaggregated_compare_like_with_like(inp):
+    """Both are scored to the request's last token: an idle mixed replica on the same device type
+    as an idle prefill + decode pair wins (no KV to ship); with a full decode batch, a prompt
+    there would pause every sequence, so the pair wins."""
+    reps = [rep(inp, 0, "mixed", "fog-1"), rep(inp, 1, "prefill", "fog-2"), rep(inp, 2, "decode", "fog-1")]
+    router = Router(reps, PortBook(inp.net))
+    loads = loads_for(reps)
+    assert router.pick_prefill(loads, 16, 32, 0.0) == 0
+    loads[0].active, loads[0].tokens_left = loads[0].max_batch - 1, 30.0
+    loads[0].prefill_queued, loads[0].prefill_queued_tokens = 3, 48
+    assert router.pick_prefill(loads, 16, 32, 0.0) == 1
+
+
+def test_port_queues_steer_kv(inp):
+    reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-2"), rep(inp, 2, "decode", "fog-4")]
+    ports = PortBook(inp.net)
+    router = Router(reps, ports)
+    loads = loads_for(reps)
+    first = router.pick_decode(0, loads, 2000, 32, 0.0)
+    ports.free[(reps[first].members[0].id, "rx")] = 100.0  # its port is busy for 100 s
+    assert router.pick_decode(0, loads, 2000, 32, 0.0) != first
+
+
+def test_the_simulator_routes_with_this_router(inp):
+    reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-2")]
+    sim = Simulator(reps, [])
+    assert type(sim.router) is Router and sim.loads[0] is sim.states[0].load
