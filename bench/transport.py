@@ -40,7 +40,7 @@ def addr() -> str:
 
 
 def activation(nbytes: int) -> Message:
-    return make(MsgType.ACTIVATIONS, tensors={"hidden": np.ones(nbytes // 4, np.float32)}, replica=0, batch=0, plan_version=0, ship=[],
+    return make(MsgType.ACTIVATIONS, tensors={"hidden": np.ones(nbytes // 4, np.float32)}, replica=0, batch=0, plan_version=0, ship=[], verify=[],
                 spans=[])
 
 

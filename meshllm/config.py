@@ -32,6 +32,7 @@ from meshllm.errors import ConfigError, InputError
 from meshllm.partition.inputs import LengthDist, PlanInputs, PlanLink, PlanNode
 
 DISTS = ("fixed", "uniform", "lognormal")
+MAX_GAMMA = 16
 PLAN_SETTLE_S = 3.0  # a coordinator plans after membership has been quiet this long
 
 
@@ -44,7 +45,8 @@ class DraftSpec:
 @dataclass(frozen=True)
 class SpeculationSpec:
     mode: str = DEFAULT_SPEC_MODE
-    gamma: int = DEFAULT_GAMMA
+    gamma: int = DEFAULT_GAMMA  # draft length (the first one, when adaptive)
+    adaptive: bool = False  # each session's gamma follows its acceptance and round trip
 
 
 @dataclass(frozen=True)
@@ -251,11 +253,16 @@ def _draft(d: Any, src: str) -> DraftSpec:
 
 
 def _spec(d: Any, src: str) -> SpeculationSpec:
-    _check_keys(d, {"mode", "gamma"}, set(), src, "speculation.")
+    _check_keys(d, {"mode", "gamma", "adaptive"}, set(), src, "speculation.")
     mode = d.get("mode", DEFAULT_SPEC_MODE)
     mode = "off" if mode is False else mode  # YAML 1.1 reads a bare `off` as false
-    return SpeculationSpec(_choice(mode, SPEC_MODES, src, "speculation.mode"),
-                           int(_num(d.get("gamma", DEFAULT_GAMMA), src, "speculation.gamma", lo=1, integer=True)))
+    adaptive = d.get("adaptive", False)
+    if not isinstance(adaptive, bool):
+        raise ConfigError(src, "speculation.adaptive", f"must be true or false, got {adaptive!r}")
+    gamma = int(_num(d.get("gamma", DEFAULT_GAMMA), src, "speculation.gamma", lo=1, integer=True))
+    if gamma > MAX_GAMMA:
+        raise ConfigError(src, "speculation.gamma", f"must be at most {MAX_GAMMA}, got {gamma}")
+    return SpeculationSpec(_choice(mode, SPEC_MODES, src, "speculation.mode"), gamma, adaptive)
 
 
 def _dist(d: Any, src: str, fld: str, default: float) -> LengthDist:

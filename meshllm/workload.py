@@ -42,6 +42,7 @@ class Outcome:
     ttft_ms: float | None = None
     itl_ms: list[float] = field(default_factory=list)
     queue_ms: float = 0.0
+    spec: dict | None = None  # acceptance figures of the session (speculative decoding)
     error: str | None = None
     sent: float = 0.0
     done: float = 0.0
@@ -49,6 +50,8 @@ class Outcome:
     def to_json(self) -> dict[str, Any]:
         out = {"prompt": self.prompt, "token_ids": self.token_ids, "text": self.text,
                "finish_reason": self.finish_reason, "ttft_ms": self.ttft_ms, "itl_ms": self.itl_ms}
+        if self.spec:
+            out["speculation"] = self.spec
         if self.error:
             out["error"] = self.error
         return out
@@ -101,7 +104,9 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
             out.text += ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content") or ""
             if ch.get("finish_reason"):
                 out.finish_reason = ch["finish_reason"]
-                out.queue_ms = float((ev.get("meshllm") or {}).get("queue_ms", 0.0))
+                ext = ev.get("meshllm") or {}
+                out.queue_ms = float(ext.get("queue_ms", 0.0))
+                out.spec = ext.get("spec")
     out.done = time.monotonic()
 
 
@@ -166,5 +171,22 @@ def summarize(outs: list[Outcome]) -> dict[str, Any]:
         "itl_ms_mean": _mean(itl), "itl_ms_p50": _pct(itl, 0.5), "itl_ms_p99": _pct(itl, 0.99),
         "output_tokens": n_tok, "output_tokens_per_s": round(n_tok / span, 3) if span > 0 else None,
         "queue_wait_ms_mean": _mean([o.queue_ms for o in ok]),
-        "acceptance_rate": None, "mean_acceptance_length": None, "drafted_tokens": None, "accepted_tokens": None,
+        **speculation([o.spec for o in ok if o.spec]),
     }
+
+
+def speculation(specs: list[dict]) -> dict[str, Any]:
+    """Acceptance over every session (vLLM's definitions); null fields without speculation."""
+    from meshllm.engine.speculative import AcceptanceStats
+
+    if not specs:
+        return {"acceptance_rate": None, "mean_acceptance_length": None, "drafted_tokens": None,
+                "accepted_tokens": None}
+    st = AcceptanceStats()
+    for sp in specs:
+        st.merge(sp)
+    per_pos = {k: round(st.per_position[int(k)] / v, 4) for k, v in st.to_json()["offered"].items() if v}
+    return {"acceptance_rate": round(st.rate, 4) if st.rate is not None else None,
+            "mean_acceptance_length": round(st.mean_length, 4) if st.mean_length is not None else None,
+            "drafted_tokens": st.drafted, "accepted_tokens": st.accepted, "draft_blocks": st.blocks,
+            "acceptance_by_position": per_pos, "gamma_histogram": st.to_json()["gamma_histogram"]}

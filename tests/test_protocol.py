@@ -33,26 +33,33 @@ def sample(mtype: MsgType) -> p.Message:
         MsgType.PING: lambda: make(mtype),
         MsgType.PONG: lambda: make(mtype),
         MsgType.ACTIVATIONS: lambda: make(mtype, tensors={"hidden": torch.randn(5, 16)}, replica=1, batch=9,
-                                          plan_version=2, spans=[SPAN.to_wire(), SPAN.to_wire()], ship=[[7, 2]]),
+                                          plan_version=2, spans=[SPAN.to_wire(), SPAN.to_wire()], ship=[[7, 2]],
+                                          verify=[[11, [1, 2], [], []]]),
         MsgType.KV_TRANSFER: lambda: make(mtype, tensors={"k": torch.randn(2, 3, 4, 8).to(torch.bfloat16),
                                                           "v": torch.randn(2, 3, 4, 8).to(torch.bfloat16)},
                                           seq=11, layers=[0, 2], length=4, replica=1, plan_version=2),
-        MsgType.DRAFT: lambda: make(mtype, tensors={"probs": np.random.rand(4, 32).astype(np.float16)},
-                                    tenant="t1", seq=11, block=3, start=17, tokens=[1, 2, 3, 4]),
-        MsgType.VERDICT: lambda: make(mtype, tenant="t1", seq=11, block=3, accepted=2, correction=99),
+        MsgType.DRAFT: lambda: make(mtype, tensors={"q_ids": np.random.randint(0, 99, (4, 8)).astype(np.int32),
+                                                    "q_p": np.random.rand(4, 8).astype(np.float16)},
+                                    tenant="t1", seq=11, block=3, start=17, after=5, hash=123, tokens=[1, 2, 3, 4],
+                                    plan_version=2),
+        MsgType.VERDICT: lambda: make(mtype, tenant="t1", seq=11, block=3, accepted=2, tokens=[1, 2, 99],
+                                      context=20, hash=77, replica=1, finished=False),
         MsgType.CAPACITY: lambda: make(mtype, node="d1", replica=0, free_slots=4, queue=1, plan_version=2),
         MsgType.GENERATE_REQ: lambda: make(mtype, seq=11, prompt_token_ids=[1, 2], max_tokens=8,
                                            sampling=p.sampling_map(0.8, 0, 0.9, 5), stop_ids=[2],
-                                           decode_replica=1, gateway="127.0.0.1:7700", plan_version=2),
+                                           decode_replica=1, gateway="127.0.0.1:7700", drafter="", plan_version=2),
         MsgType.TOKENS: lambda: make(mtype, seq=11, token_ids=[5, 6], index=3, finished=True,
                                      finish_reason="length"),
         MsgType.KV_ACK: lambda: make(mtype, seq=11, node="d1", length=12, plan_version=2),
         MsgType.RESULTS: lambda: make(mtype, replica=1, batch=9, plan_version=2, out=[[11, [5], [0.25]]]),
-        MsgType.HANDOFF: lambda: make(mtype, seq=11, prompt_len=12, token=5, max_tokens=8,
+        MsgType.HANDOFF: lambda: make(mtype, seq=11, prompt_len=12, tokens=[5], max_tokens=8,
                                       sampling=p.sampling_map(0, 0, 1.0, 0), stop_ids=[], gateway="h:1",
-                                      plan_version=2),
+                                      drafter="e1", plan_version=2),
         MsgType.RELEASE: lambda: make(mtype, seq=11, reason="finished"),
         MsgType.PLAN: lambda: make(mtype, version=3, coordinator="a", plan={"replicas": []}, addresses={"a": "h:1"}),
+        MsgType.SESSION: lambda: make(mtype, seq=11, prompt_token_ids=[1, 2], max_tokens=8,
+                                      sampling=p.sampling_map(0, 0, 1.0, 0), stop_ids=[2], decode_replica=1, gamma=4,
+                                      adaptive=True, mode="async", gateway="h:1", plan_version=2),
     }
     return t[mtype]()
 
@@ -82,7 +89,7 @@ def test_schema_covers_every_type() -> None:
                                    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool])
 def test_torch_tensors_of_each_dtype(dtype: torch.dtype) -> None:
     x = (torch.randn(3, 4, 5) * 50).to(dtype)
-    msg = make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0, batch=0, plan_version=0, spans=[], ship=[])
+    msg = make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0, batch=0, plan_version=0, spans=[], ship=[], verify=[])
     y = roundtrip(msg).tensors["hidden"].torch()
     assert y.dtype == dtype and torch.equal(x, y)
 
@@ -91,8 +98,9 @@ def test_torch_tensors_of_each_dtype(dtype: torch.dtype) -> None:
                                    "bool"])
 def test_numpy_tensors_of_each_dtype(dtype: str) -> None:
     x = (np.random.rand(2, 7) * 100).astype(dtype)
-    back = roundtrip(make(MsgType.DRAFT, tensors={"probs": x}, tenant="t", seq=0, block=0, start=0, tokens=[]))
-    np.testing.assert_array_equal(back.tensors["probs"].numpy(), x)
+    back = roundtrip(make(MsgType.DRAFT, tensors={"q_ids": np.zeros((0, 0), np.int32), "q_p": x}, tenant="t",
+                          seq=0, block=0, start=0, after=0, hash=0, tokens=[], plan_version=0))
+    np.testing.assert_array_equal(back.tensors["q_p"].numpy(), x)
 
 
 def test_empty_and_noncontiguous_tensors() -> None:
@@ -104,7 +112,7 @@ def test_empty_and_noncontiguous_tensors() -> None:
 
 def test_tensor_frames_are_zero_copy() -> None:
     x = np.ones((1024,), dtype=np.float32)
-    frames = encode(make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0, batch=0, plan_version=0, spans=[], ship=[]))
+    frames = encode(make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0, batch=0, plan_version=0, spans=[], ship=[], verify=[]))
     x[0] = 5.0
     assert np.frombuffer(frames[1], dtype=np.float32)[0] == 5.0
 
@@ -115,7 +123,7 @@ def test_make_checks_fields_and_tensors() -> None:
     with pytest.raises(ProtocolError, match="field 'incarnation' has type str"):
         make(MsgType.LEAVE, node="a", incarnation="1")
     with pytest.raises(ProtocolError, match="tensors must be"):
-        make(MsgType.ACTIVATIONS, replica=0, batch=0, plan_version=0, spans=[], ship=[])
+        make(MsgType.ACTIVATIONS, replica=0, batch=0, plan_version=0, spans=[], ship=[], verify=[])
     with pytest.raises(ProtocolError, match="reserved"):
         make(MsgType.PING, zone="x")
 
@@ -156,7 +164,7 @@ def test_decode_rejects_bad_tensor_descriptors() -> None:
 
 def test_size_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(p, "MAX_MESSAGE_BYTES", 1000)
-    big = make(MsgType.ACTIVATIONS, tensors={"hidden": np.zeros(1000, np.float32)}, replica=0, batch=0, plan_version=0, ship=[],
+    big = make(MsgType.ACTIVATIONS, tensors={"hidden": np.zeros(1000, np.float32)}, replica=0, batch=0, plan_version=0, ship=[], verify=[],
                spans=[])
     with pytest.raises(ProtocolError, match="exceeds MAX_MESSAGE_BYTES"):
         encode(big)

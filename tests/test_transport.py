@@ -75,11 +75,11 @@ def test_tensor_request_and_deferred_reply_from_another_thread(pair) -> None:
     def on_act(msg: Message, reply) -> None:  # reply later from a "compute" thread
         x = msg.tensors["hidden"].numpy() * 2
         threading.Thread(target=lambda: reply(make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0,
-                                                   batch=1, plan_version=0, spans=[], ship=[]))).start()
+                                                   batch=1, plan_version=0, spans=[], ship=[], verify=[]))).start()
 
     b.on(MsgType.ACTIVATIONS, on_act)
     x = np.arange(4096, dtype=np.float32).reshape(64, 64)
-    r = a.request(b_addr, make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0, batch=0, plan_version=0, spans=[], ship=[]), 10)
+    r = a.request(b_addr, make(MsgType.ACTIVATIONS, tensors={"hidden": x}, replica=0, batch=0, plan_version=0, spans=[], ship=[], verify=[]), 10)
     np.testing.assert_array_equal(r.tensors["hidden"].numpy(), x * 2)
 
 
@@ -207,7 +207,7 @@ def test_link_shaping_costs_the_rtt_between_zones_only() -> None:
 
 def node_cfg(nid: str, listen: str, seeds: tuple[str, ...] = ()) -> NodeConfig:
     return NodeConfig(source="test", id=nid, device=DEV, zone="z", listen=listen, seeds=seeds, mdns=False,
-                      heartbeat_interval_s=0.2, failure_timeout_s=1.0)
+                      heartbeat_interval_s=0.2, failure_timeout_s=1.0, model="tiny", plan_settle_s=60.0)
 
 
 def test_heartbeats_survive_a_busy_compute_thread() -> None:

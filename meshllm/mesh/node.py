@@ -30,7 +30,6 @@ from meshllm.mesh.sockets import CurveKeys, endpoint, make_socket
 from meshllm.mesh.transport import LinkShaper, Transport
 from meshllm.roles.coordinator import Coordinator
 from meshllm.roles.host import RoleHost
-from meshllm.roles.pacer import pacer_factory
 
 log = logging.getLogger("meshllm.mesh.node")
 
@@ -55,7 +54,7 @@ class Node:
                                   failure_timeout_s=cfg.failure_timeout_s)
         self.transport = Transport(cfg.id, cfg.zone, cfg.listen, LinkShaper(cfg.zone, cfg.links, cfg.time_scale),
                                    curve=CurveKeys.from_file(cfg.cluster_key))
-        self.host = RoleHost(self.transport, cfg.id, cfg.model, pacer_factory(cfg) if cfg.pace else None)
+        self.host = RoleHost(self.transport, cfg, self.members)
         self.mesh = MeshAgent(self.transport, self.members, self.me, self.host.status)
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
         self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None

@@ -69,6 +69,7 @@ class MsgType(IntEnum):
     HANDOFF = 19  # prefill leader -> decode leader: a prefilled sequence, its first token, its settings
     RELEASE = 20  # free (or abort) a sequence: gateway -> leader, leader -> its stages
     PLAN = 21  # the coordinator's versioned plan, on PUB (and re-sent to newcomers)
+    SESSION = 22  # gateway -> drafter: draft for this sequence, publish on that decode replica's topic
 
 
 class SpanKind(IntEnum):
@@ -99,21 +100,28 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     MsgType.PING: ({}, ()),
     MsgType.PONG: ({}, ()),
     # spans: [WireSpan.to_wire(), ...] in row order of `hidden` (T, dim);
-    # ship: [[seq, decode replica id], ...] sequences whose KV this stage sends on after this batch
+    # ship: [[seq, decode replica id], ...] sequences whose KV this stage sends on after this batch;
+    # verify: [[seq, [draft tokens], [[q ids] per token], [[q probs] per token]], ...] for VERIFY
+    #   spans, read by the last stage (q lists are empty for greedy blocks)
     MsgType.ACTIVATIONS: ({"replica": _INT, "batch": _INT, "plan_version": _INT, "spans": _LIST,
-                           "ship": _LIST}, ("hidden",)),
+                           "ship": _LIST, "verify": _LIST}, ("hidden",)),
     # k, v: (n_layers, n_kv_heads, length, head_dim) for layers [start, end) = "layers"
     MsgType.KV_TRANSFER: ({"seq": _INT, "layers": _LIST, "length": _INT, "replica": _INT,
                            "plan_version": _INT}, ("k", "v")),
-    # probs: (gamma, vocab) draft distribution of each drafted token (empty for greedy)
-    MsgType.DRAFT: ({"tenant": _STR, "seq": _INT, "block": _INT, "start": _INT, "tokens": _LIST},
-                    ("probs",)),
-    MsgType.VERDICT: ({"tenant": _STR, "seq": _INT, "block": _INT, "accepted": _INT,
-                       "correction": _OPT_INT}, ()),
+    # a block of drafts for `seq`, drafted after the committed prefix of length `start` whose hash is
+    # `hash` and whose last token is `after`; q_ids, q_p: (gamma, K) the draft's truncated
+    # distribution of each drafted token (shape (0, 0) for greedy blocks)
+    MsgType.DRAFT: ({"tenant": _STR, "seq": _INT, "block": _INT, "start": _INT, "after": _INT, "hash": _INT,
+                     "tokens": _LIST, "plan_version": _INT}, ("q_ids", "q_p")),
+    # the outcome of block `block` (-1: a step without a draft): `tokens` were committed, the
+    # committed prefix now has length `context` and hash `hash`; `replica` now verifies the session
+    MsgType.VERDICT: ({"tenant": _STR, "seq": _INT, "block": _INT, "accepted": _INT, "tokens": _LIST,
+                       "context": _INT, "hash": _INT, "replica": _INT, "finished": _BOOL}, ()),
     MsgType.CAPACITY: ({"node": _STR, "replica": _INT, "free_slots": _INT, "queue": _INT,
                         "plan_version": _INT}, ()),
+    # drafter: the node drafting for this sequence ("" without speculation)
     MsgType.GENERATE_REQ: ({"seq": _INT, "prompt_token_ids": _LIST, "max_tokens": _INT, "sampling": _MAP,
-                            "stop_ids": _LIST, "decode_replica": _INT, "gateway": _STR,
+                            "stop_ids": _LIST, "decode_replica": _INT, "gateway": _STR, "drafter": _STR,
                             "plan_version": _INT}, ()),
     # index: position in the output of token_ids[0]; queue_ms: the sequence's queueing so far
     MsgType.TOKENS: ({"seq": _INT, "token_ids": _LIST, "index": _INT, "finished": _BOOL,
@@ -121,11 +129,17 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     MsgType.KV_ACK: ({"seq": _INT, "node": _STR, "length": _INT, "plan_version": _INT}, ()),
     # out: [[seq, [token ids], [margins]], ...] one entry per span that needed logits
     MsgType.RESULTS: ({"replica": _INT, "batch": _INT, "plan_version": _INT, "out": _LIST}, ()),
-    MsgType.HANDOFF: ({"seq": _INT, "prompt_len": _INT, "token": _INT, "max_tokens": _INT, "sampling": _MAP,
-                       "stop_ids": _LIST, "gateway": _STR, "plan_version": _INT}, ()),
+    # tokens: the output so far (the first token after a prefill; more when a session migrates)
+    MsgType.HANDOFF: ({"seq": _INT, "prompt_len": _INT, "tokens": _LIST, "max_tokens": _INT,
+                       "sampling": _MAP, "stop_ids": _LIST, "gateway": _STR, "drafter": _STR,
+                       "plan_version": _INT}, ()),
     MsgType.RELEASE: ({"seq": _INT, "reason": _STR}, ()),
     # addresses: node id -> HOST:PORT of every node the plan names
     MsgType.PLAN: ({"version": _INT, "coordinator": _STR, "plan": _MAP, "addresses": _MAP}, ()),
+    # mode: "async" | "sync"; gamma: the fixed draft length, or the first one when `adaptive`
+    MsgType.SESSION: ({"seq": _INT, "prompt_token_ids": _LIST, "max_tokens": _INT, "sampling": _MAP,
+                       "stop_ids": _LIST, "decode_replica": _INT, "gamma": _INT, "adaptive": _BOOL, "mode": _STR,
+                       "gateway": _STR, "plan_version": _INT}, ()),
 }
 
 

@@ -114,8 +114,10 @@ class Worker:
     arrival order, never on the I/O thread. `step` (optional) is background work run whenever
     the queue is empty, e.g. a scheduler's next forward pass; it returns True while it has more."""
 
-    def __init__(self, name: str, step: Callable[[], bool] | None = None):
-        self.name, self._step = name, step
+    def __init__(self, name: str, step: Callable[[], bool] | None = None,
+                 wake_after: Callable[[], float | None] | None = None):
+        self.name, self._step, self._wake_after = name, step, wake_after  # wake_after: s until `step`
+        # must run again even if no message comes (None: only a message wakes it)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False
@@ -140,14 +142,25 @@ class Worker:
         want_step = self._step is not None
         while not self._stopping:
             try:
-                fn = self._q.get(block=not want_step)
-            except queue.Empty:  # nothing queued: one unit of background work
+                fn = self._q.get(block=True, timeout=self._idle_timeout()) if not want_step else self._q.get_nowait()
+            except queue.Empty:  # nothing queued (or a deadline passed): one unit of background work
                 want_step = self._run_step()
                 continue
             if fn is None:
                 return
             guard(fn, self.name)
             want_step = self._step is not None  # drain every queued event, then step
+
+    def _idle_timeout(self) -> float | None:
+        if self._wake_after is None:
+            return None
+        box: list[float | None] = [1.0]  # if the callback fails (logged by guard): look again in 1 s
+
+        def ask() -> None:
+            box[0] = self._wake_after()
+
+        guard(ask, self.name)
+        return None if box[0] is None else max(0.001, box[0])
 
     def _run_step(self) -> bool:
         more = [False]
@@ -184,6 +197,12 @@ class IOLoop:
         else:
             self._calls.append(fn)
             self.wake()
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the I/O thread after the current turn: for changes to the sockets (connect,
+        disconnect, close), never made while a receive loop is reading them."""
+        self._calls.append(fn)
+        self.wake()
 
     def hold(self, due: float, item: Any) -> None:
         heapq.heappush(self._held, (due, next(self._seq), item))
@@ -243,6 +262,7 @@ class Transport:
         self._subscribed: set[str] = set()
         self._poller = zmq.Poller()
         self._stop = threading.Event()
+        self._closed = False
         self.router, self.pub, self.sub = (make_socket(self.ctx, k, curve) for k in (zmq.ROUTER, zmq.PUB, zmq.SUB))
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, not vanishes
         self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC_MESH)
@@ -273,10 +293,22 @@ class Transport:
         self.loop.thread.start()
 
     def close(self) -> None:
+        """Stop the I/O thread; it closes the sockets it owns as it exits (never under its feet)."""
         self._stop.set()
         self.loop.wake()
         if self.loop.thread.is_alive():
             self.loop.thread.join(timeout=5.0)
+            if self.loop.thread.is_alive():
+                log.error("%s: the I/O thread did not stop within 5 s; it will close its sockets itself",
+                          self.node_id)
+                return
+        elif not self._closed:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for s in (self.router, self.pub, self.sub, *self._dealers.values()):
             s.close(linger=0)
         self._dealers.clear()
@@ -310,15 +342,15 @@ class Transport:
 
     def subscribe(self, address: str) -> None:
         """Connect the SUB socket to a peer's PUB (what arrives is filtered by topic)."""
-        self.loop.call_soon(lambda: self._sub(address, True))
+        self.loop.defer(lambda: self._sub(address, True))
 
     def subscribe_topic(self, topic_frame: bytes, on: bool = True) -> None:
         opt = zmq.SUBSCRIBE if on else zmq.UNSUBSCRIBE
-        self.loop.call_soon(lambda: self.sub.setsockopt(opt, topic_frame))
+        self.loop.defer(lambda: self.sub.setsockopt(opt, topic_frame))
 
     def forget(self, address: str) -> None:
         """Drop the SUB connection and the control DEALER to a peer that left."""
-        self.loop.call_soon(lambda: self._sub(address, False))
+        self.loop.defer(lambda: self._sub(address, False))
 
     # -- I/O thread -------------------------------------------------------------------------
     def _stamp(self, msg: Message) -> None:
@@ -367,13 +399,16 @@ class Transport:
         for s in (self.router, self.sub):
             self._poller.register(s, zmq.POLLIN)
         self._poller.register(self.loop.wake_fd, zmq.POLLIN)
-        while not self._stop.is_set():
-            for sock, _ in self._poller.poll(self.loop.timeout_ms()):
-                if sock == self.loop.wake_fd:
-                    self.loop.drain_wake()
-                else:
-                    self._receive(sock)
-            self.loop.run_due(lambda item: self._dispatch(*item))
+        try:
+            while not self._stop.is_set():
+                for sock, _ in self._poller.poll(self.loop.timeout_ms()):
+                    if sock == self.loop.wake_fd:
+                        self.loop.drain_wake()
+                    else:
+                        self._receive(sock)
+                self.loop.run_due(lambda item: self._dispatch(*item))
+        finally:
+            self._close_sockets()
 
     def _receive(self, sock: zmq.Socket) -> None:
         """Read up to RECV_BUDGET ready messages from `sock`; hold back those on an emulated link."""

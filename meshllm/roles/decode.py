@@ -9,6 +9,7 @@ import time
 from collections import OrderedDict
 
 from meshllm.engine.sampling import SamplingParams
+from meshllm.engine.speculative import extend_hash
 from meshllm.mesh.protocol import Message, ProtocolError, check_int_list, check_sampling, check_seq
 from meshllm.roles.leader import Leader, Seq
 
@@ -29,18 +30,23 @@ class KvAcks:
         seq = check_seq(msg["seq"])
         if seq in self._gone or seq in self.leader.seqs:
             return  # aborted already, or a duplicate
-        p_len, tok, max_tokens = msg["prompt_len"], msg["token"], msg["max_tokens"]
-        if p_len < 1 or not 0 <= tok < vocab or max_tokens < 2 or p_len + 1 >= self.leader.max_context:
-            raise ProtocolError(f"seq {seq}: bad HANDOFF (prompt_len {p_len}, token {tok}, max_tokens {max_tokens})")
+        p_len, max_tokens = msg["prompt_len"], msg["max_tokens"]
+        out = check_int_list(msg["tokens"], "tokens", 0, vocab - 1, self.leader.max_context)
+        if p_len < 1 or not out or max_tokens <= len(out) or p_len + len(out) >= self.leader.max_context:
+            raise ProtocolError(f"seq {seq}: bad HANDOFF (prompt_len {p_len}, {len(out)} tokens, "
+                                f"max_tokens {max_tokens})")
         temperature, top_k, top_p, seed = check_sampling(msg["sampling"])
         stop = frozenset(check_int_list(msg["stop_ids"], "stop_ids", 0, vocab - 1, 64))
         s = Seq(seq, [], p_len, max_tokens, SamplingParams(temperature, top_k, top_p), seed, stop,
-                str(msg["gateway"]), self.leader.rid, out=[tok], fed=p_len)
+                str(msg["gateway"]), self.leader.rid, out=list(out), fed=p_len + len(out) - 1,
+                drafter=str(msg["drafter"]), hash=extend_hash(0, out))
         at, ms = msg.fields.get("prefilled_at"), msg.fields.get("prefill_ms")
         if isinstance(at, float) and isinstance(ms, (int, float)):
             s.prefilled_at, s.prefill_s = at, ms / 1000
         s.missing_kv = set(self.nodes) - self._early.pop(seq, (0.0, set()))[1]
         self.leader.admit(s)
+        if s.drafter and self.leader.verifier is not None:
+            self.leader.verifier.started(s)  # drafting overlaps the KV transfer
         if not s.missing_kv:
             self.leader.kv_ready(s)
 

@@ -20,6 +20,7 @@ import logging
 import random
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,8 @@ class Stream:
     pending: dict[int, tuple[list[int], bool, str | None]] = field(default_factory=dict)
     first_at: float | None = None
     queue_ms: float = 0.0
+    spec: dict | None = None  # the session's acceptance figures (speculative decoding)
+    drafter: str = ""
 
 
 class Gateway:
@@ -131,12 +134,15 @@ class Gateway:
         return [r.id for r in ctx.plan.replicas if all(self.node_version(s.node) == ctx.version for s in r.stages)]
 
     def ready(self) -> bool:
-        """Serving: every replica of the current plan is loaded (a prefill-only mesh is not)."""
+        """Serving: every replica of the current plan is loaded, and so is every drafter when
+        speculation is on (requests are routed to what is ready before that)."""
         ctx = self.ctx
         if ctx is None or not ctx.plan.replicas:
             return False
         ready = set(self.ready_replicas())
-        return ready == {r.id for r in ctx.plan.replicas}
+        drafters = ctx.plan.drafters if self.cfg.speculation.mode != "off" else ()
+        return ready == {r.id for r in ctx.plan.replicas} and all(
+            self.node_version(d) == ctx.version for d in drafters)
 
     # -- routing ---------------------------------------------------------------------------------
     def route(self, n_in: int, n_out: int) -> tuple[int, int]:
@@ -177,20 +183,44 @@ class Gateway:
         seq = self._seq_prefix | next(self._seq_counter)
         loop = asyncio.get_running_loop()
         leaders = {ctx.leader(pre), ctx.leader(dec)}
-        s = Stream(seq, loop, asyncio.Queue(), leaders, pre, dec, len(ids), max_tokens)
+        drafter = self.pick_drafter()
+        s = Stream(seq, loop, asyncio.Queue(), leaders, pre, dec, len(ids), max_tokens, drafter=drafter)
+        if drafter:
+            leaders.add(ctx.address(drafter))
         with self._lock:
             self._streams[seq] = s
         self._book(s, "prefill", +1)
         self.metrics.started(len(ids))
-        msg = make(MsgType.GENERATE_REQ, seq=seq, prompt_token_ids=ids, max_tokens=max_tokens,
-                   sampling=sampling_map(temperature, top_k, top_p, seed), stop_ids=sorted(self.tokenizer.eos_ids),
-                   decode_replica=dec, gateway=self.address, plan_version=ctx.version)
+        sampling, stop = sampling_map(temperature, top_k, top_p, seed), sorted(self.tokenizer.eos_ids)
+        msgs = [(ctx.leader(pre), make(MsgType.GENERATE_REQ, seq=seq, prompt_token_ids=ids, max_tokens=max_tokens,
+                                       sampling=sampling, stop_ids=stop, decode_replica=dec, gateway=self.address,
+                                       drafter=drafter, plan_version=ctx.version))]
+        if drafter:  # first, so that the drafter prefills the prompt while the target does
+            sp = self.cfg.speculation
+            msgs.insert(0, (ctx.address(drafter), make(
+                MsgType.SESSION, seq=seq, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling,
+                stop_ids=stop, decode_replica=dec, gamma=sp.gamma, adaptive=sp.adaptive, mode=sp.mode,
+                gateway=self.address, plan_version=ctx.version)))
         try:
-            await loop.run_in_executor(self._send_pool, self.t.send, ctx.leader(pre), msg)
+            for addr, msg in msgs:
+                await loop.run_in_executor(self._send_pool, self.t.send, addr, msg)
         except (TimeoutError, OSError) as e:
-            self.close_stream(s, "error")
-            raise RequestError(f"the prefill replica's leader did not take the request: {e}") from None
+            self.close_stream(s, "error", release=True)
+            raise RequestError(f"the mesh did not take the request: {e}") from None
         return s
+
+    def pick_drafter(self) -> str:
+        """The ready drafter with the fewest sessions ("" when speculation is off or none is ready).
+        One drafter serves many sessions (one-for-many)."""
+        ctx = self.ctx
+        if self.cfg.speculation.mode == "off" or ctx is None:
+            return ""
+        ready = [d for d in ctx.plan.drafters if self.node_version(d) == ctx.version]
+        if not ready:
+            return ""
+        with self._lock:
+            mine = Counter(s.drafter for s in self._streams.values())
+        return min(ready, key=lambda d: (mine[d], d))
 
     async def tokens(self, s: Stream):
         """Yield (token ids, finish_reason or None) in output order until the sequence ends."""
@@ -220,6 +250,8 @@ class Gateway:
             return
         if isinstance(msg.fields.get("queue_ms"), (int, float)):
             s.queue_ms += msg["queue_ms"]
+        if isinstance(msg.fields.get("spec"), dict):
+            s.spec = msg["spec"]
         if not toks:
             return
         s.pending[idx] = (toks, msg["finished"], msg["finish_reason"])
@@ -241,7 +273,7 @@ class Gateway:
         if not known:
             return
         self._book(s, "decode" if s.next_index > 0 else "prefill", -1)
-        self.metrics.finished(status)
+        self.metrics.finished(status, s.spec)
         if release:
             for addr in s.leaders:
                 self.t.send(addr, make(MsgType.RELEASE, seq=s.seq, reason=f"gateway: {status}"))

@@ -1,9 +1,11 @@
 """What this node does under the current plan: it applies each new PLAN and routes the data
-plane to its stage and, on a replica's first node, to the replica's leader.
+plane to its stage and, on a replica's first node, to the replica's leader (with the verifier
+of a decode or mixed replica), or, on a drafter, to its draft server.
 
 All data-plane messages (ACTIVATIONS, RESULTS, KV_TRANSFER, KV_ACK, GENERATE_REQ, HANDOFF,
-RELEASE) run on one compute `Worker`; the leader's scheduler is that worker's background step,
-so a micro-batch is launched whenever no message is waiting. PLAN arrives on the I/O thread and
+RELEASE, DRAFT, VERDICT, SESSION) run on one compute `Worker`; the leader's scheduler (or the
+drafter's loop) is that worker's background step, so a micro-batch is launched whenever no
+message is waiting. PLAN arrives on the I/O thread and
 is applied on the compute thread: in-flight sequences of the old plan fail with a clear error
 (recovering them is the reliability issue's job), the node keeps its shard when its layers did
 not change, and otherwise loads only its own layer range. Messages of another plan version are
@@ -18,19 +20,28 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from meshllm.config import NodeConfig
+from meshllm.defaults import Role
+from meshllm.mesh.membership import Membership, PeerState
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, check_seq, make
-from meshllm.mesh.transport import Transport, Worker
+from meshllm.mesh.transport import Transport, Worker, topic
+from meshllm.partition.cost import DRAFT_DTYPE
 from meshllm.partition.plan import Plan, PlanError
 from meshllm.roles.context import PlanContext
+from meshllm.roles.pacer import pacer_factory
+from meshllm.roles.verifier import draft_topic
 
 log = logging.getLogger("meshllm.host")
 
 
 class RoleHost:
-    def __init__(self, transport: Transport, me: str, model: str, pacer_factory: Callable | None = None):
-        self.t, self.me, self.model_spec = transport, me, model
-        self.pacer_factory = pacer_factory  # (ctx, stage index, layers) -> Pacer | None
-        self.worker = Worker(f"compute-{me}", self._step)
+    def __init__(self, transport: Transport, cfg: NodeConfig, members: Membership | None = None):
+        self.t, self.cfg, self.members = transport, cfg, members
+        self.me, self.model_spec = cfg.id, cfg.model
+        self.pacer_factory = pacer_factory(cfg) if cfg.pace else None  # (layers, dtype) -> Pacer
+        self.worker = Worker(f"compute-{self.me}", self._step, self._wake_after)
+        self.drafter = None
+        self._draft_topic: bytes | None = None
         self.ctx: PlanContext | None = None
         self.offered = 0  # newest plan version received (applied or being applied)
         self.ready_version = 0  # plan version whose stage is loaded and serving
@@ -43,7 +54,8 @@ class RoleHost:
         for mtype, fn in ((MsgType.ACTIVATIONS, self._on_activations), (MsgType.RESULTS, self._on_results),
                           (MsgType.KV_TRANSFER, self._on_kv), (MsgType.KV_ACK, self._on_kv_ack),
                           (MsgType.GENERATE_REQ, self._on_generate), (MsgType.HANDOFF, self._on_handoff),
-                          (MsgType.RELEASE, self._on_release)):
+                          (MsgType.RELEASE, self._on_release), (MsgType.DRAFT, self._on_draft),
+                          (MsgType.VERDICT, self._on_verdict), (MsgType.SESSION, self._on_session)):
             transport.on(mtype, fn, self.worker)
         transport.on(MsgType.PLAN, self._on_plan)
 
@@ -84,10 +96,13 @@ class RoleHost:
             return  # an even newer plan is queued behind this one
         if self.leader is not None:
             self.leader.fail_all(f"the mesh was re-planned (plan v{ctx.version}); retry the request")
-        self.ctx, self.stage, self.leader, self.acks = ctx, None, None, None
+        self.ctx, self.stage, self.leader, self.acks, self.drafter = ctx, None, None, None, None
+        self._listen_drafts(None)
         mine = ctx.mine
         if mine is not None:
             self._build_stage(ctx, *mine)
+        elif self.me in ctx.plan.drafters and self.cfg.speculation.mode != "off":
+            self._build_drafter()
         self.ready_version = ctx.version
         for fn in self.listeners:
             fn(ctx)
@@ -97,17 +112,60 @@ class RoleHost:
         from meshllm.roles.leader import Leader
         from meshllm.roles.prefill import handoff
         from meshllm.roles.stage import Stage
+        from meshllm.roles.verifier import Verifier
 
         layers = replica.stages[index].layers
         model = self._load_shard(layers)
-        pacer = self.pacer_factory(ctx, index, layers) if self.pacer_factory else None
+        pacer = self.pacer_factory(layers, self.cfg.weights_dtype) if self.pacer_factory else None
         self.stage = Stage(ctx, model, self.send, pacer)
         if index == 0:
             self.leader = Leader(self.stage, self.send, model.args.max_seq_len,
                                  lambda s, finished: handoff(ctx, self.send, s, finished))
             self.acks = KvAcks(self.leader)
+            if replica.role in (Role.DECODE, Role.MIXED):
+                self.leader.verifier = Verifier(self.leader, self.send, self.alive, ctx.address, self.cfg.time_scale)
+                self._listen_drafts(replica.id)
 
-    def _load_shard(self, layers: tuple[int, int]):
+    def _build_drafter(self) -> None:
+        """Hold the W4A16 (or W8A16) draft, quantized from the target at the cluster's group size."""
+        from meshllm.engine.quant import quantize_model
+        from meshllm.engine.weights import release_freed_memory
+        from meshllm.roles.drafter import Drafter
+
+        if self._shard_key != ("draft", self.cfg.draft):
+            t0 = time.perf_counter()
+            self._model = None
+            full = self._load_shard((0, None))
+            self._model = quantize_model(full, self.cfg.draft.quant, self.cfg.draft.group_size)
+            self._shard_key = ("draft", self.cfg.draft)
+            release_freed_memory()
+            log.info("%s: %s g%d draft ready in %.1f s (resident %.0f MB)", self.me, self.cfg.draft.quant,
+                     self.cfg.draft.group_size, time.perf_counter() - t0, rss_mb())
+        pacer = self.pacer_factory((0, self._model.args.n_layers), DRAFT_DTYPE[self.cfg.draft.quant]) \
+            if self.pacer_factory else None
+        self.drafter = Drafter(self.me, self._model, self.send, self._publish_draft, pacer, self.cfg.time_scale)
+
+    def _publish_draft(self, msg: Message, rid: int) -> None:
+        msg.fields["plan_version"] = self.ctx.version if self.ctx else 0
+        self.t.publish(msg, topic(draft_topic(rid)))
+
+    def _listen_drafts(self, rid: int | None) -> None:
+        """Subscribe to this decode replica's draft topic (and drop the previous plan's)."""
+        if self._draft_topic is not None:
+            self.t.subscribe_topic(self._draft_topic, False)
+        self._draft_topic = None if rid is None else topic(draft_topic(rid))
+        if self._draft_topic is not None:
+            self.t.subscribe_topic(self._draft_topic)
+
+    def alive(self, node: str) -> bool:
+        if not node:
+            return False
+        if node == self.me or self.members is None:
+            return True
+        p = self.members.get(node)
+        return p is not None and p.state is PeerState.ALIVE
+
+    def _load_shard(self, layers: tuple[int, int | None]):
         key = (self.model_spec, layers)
         if key != self._shard_key:
             from meshllm.engine.weights import load_transformer, weight_bytes
@@ -117,8 +175,8 @@ class RoleHost:
             self._model = load_transformer(self.model_spec, *layers)
             self._shard_key = key
             self._weights_mb = weight_bytes(self._model) / 1e6
-            log.info("%s: loaded layers [%d, %d) of %s in %.1f s (resident %.0f MB)", self.me, *layers,
-                     self.model_spec, time.perf_counter() - t0, rss_mb())
+            log.info("%s: loaded layers [%s, %s) of %s in %.1f s (resident %.0f MB)", self.me, layers[0],
+                     layers[1] if layers[1] is not None else "end", self.model_spec, time.perf_counter() - t0, rss_mb())
         return self._model
 
     def _describe(self, ctx: PlanContext) -> str:
@@ -183,8 +241,23 @@ class RoleHost:
         if self._current(msg):
             self._need("acks", msg).on_handoff(msg, self.stage.model.args.vocab_size)
 
+    def _on_draft(self, msg: Message, reply: Callable) -> None:
+        if self._current(msg) and self.leader is not None and self.leader.verifier is not None:
+            self.leader.verifier.on_draft(msg, self.stage.model.args.vocab_size)
+
+    def _on_verdict(self, msg: Message, reply: Callable) -> None:
+        if self.drafter is not None:
+            self.drafter.on_verdict(msg)
+
+    def _on_session(self, msg: Message, reply: Callable) -> None:
+        if not self._current(msg):
+            return
+        self._need("drafter", msg).on_session(msg, self._model.args.vocab_size, self.cfg.speculation.gamma)
+
     def _on_release(self, msg: Message, reply: Callable) -> None:
         seq = check_seq(msg["seq"])
+        if self.drafter is not None:
+            self.drafter.end(seq)
         if self.leader is not None:
             if seq not in self.leader.seqs:
                 self.acks.forget(seq)  # its HANDOFF may still be on the way
@@ -201,7 +274,14 @@ class RoleHost:
                                                             f"v{self.ctx.version if self.ctx else None}"))
 
     def _step(self) -> bool:
-        return self.leader.step() if self.leader is not None else False
+        if self.leader is not None:
+            return self.leader.step()
+        return self.drafter.step() if self.drafter is not None else False
+
+    def _wake_after(self) -> float | None:
+        if self.leader is not None:
+            return self.leader.next_wake_s()
+        return self.drafter.next_wake_s() if self.drafter is not None else None
 
     # -- reporting -------------------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
@@ -218,6 +298,8 @@ class RoleHost:
                                          "overrun_s": round(st.pacer.overrun_s, 3)}
         if self.leader is not None:
             out["leader"] = self.leader.load()
+        if self.drafter is not None:
+            out["drafter"] = self.drafter.load()
         return out
 
     def status(self) -> dict[str, Any]:

@@ -221,6 +221,13 @@ class Run:
             if finish is not None:
                 return
 
+    def extension(self) -> dict:
+        """meshllm's per-request figures: queueing and, with speculation, acceptance."""
+        out = {"queue_ms": round(self.s.queue_ms, 3)}
+        if self.s.spec:
+            out["spec"] = self.s.spec
+        return out
+
     def _end(self, status: str) -> None:
         early = status != "ok" or self.text.stopped
         if self.s.first_at is None:
@@ -251,7 +258,7 @@ class Run:
             "created": int(time.time()), "model": self.gw.model_name, "choices": [choice],
             "usage": {"prompt_tokens": self.s.n_in, "completion_tokens": len(self.ids),
                       "total_tokens": self.s.n_in + len(self.ids)},
-            "meshllm": {"queue_ms": round(self.s.queue_ms, 3)}})
+            "meshllm": self.extension()})
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -262,7 +269,7 @@ class Run:
             async for delta, toks, finish in self.events():
                 chunk = _chunk(self.kind, self.rid, self.gw.model_name, delta, toks, finish, first)
                 if finish is not None:
-                    chunk["meshllm"] = {"queue_ms": round(self.s.queue_ms, 3)}
+                    chunk["meshllm"] = self.extension()
                 await resp.write(_sse(chunk))
                 first = False
             status = "ok"
@@ -320,7 +327,10 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     async def mesh(request: web.Request) -> web.Response:
-        return web.json_response(gw.mesh_view())
+        view = gw.mesh_view()
+        st = gw.metrics.spec
+        view["speculation"] = {"acceptance_rate": st.rate, "mean_acceptance_length": st.mean_length, **st.to_json()}
+        return web.json_response(view)
 
     app.router.add_get("/v1/plan", plan)
     app.router.add_get("/v1/mesh", mesh)

@@ -16,6 +16,10 @@ Phases by replica role (roles/prefill.py and roles/decode.py hold what differs):
 - decode: a handed-off sequence starts once every stage has acknowledged its KV (KV_ACK).
   The prompt is never recomputed here (`Stage.tokens_computed` proves it).
 
+Speculation (roles/verifier.py): a sequence with a drafter decodes by verifying its drafter's
+blocks, one VERIFY span of gamma + 1 rows each; the stages roll their KV back to the committed
+length when the next span starts earlier (rejected drafts).
+
 A sequence finishes on a stop token, at max_tokens or at the context limit; it is then freed on
 every stage (RELEASE). A RELEASE from the gateway aborts it the same way.
 """
@@ -34,8 +38,10 @@ import torch
 
 from meshllm.defaults import Role
 from meshllm.engine.sampling import SamplingParams
+from meshllm.engine.speculative import AcceptanceStats, extend_hash
 from meshllm.mesh.protocol import Message, MsgType, SpanKind, WireSpan, make
 from meshllm.roles.stage import Send, Stage, results_of
+from meshllm.roles.verifier import WAIT, Block, Verifier
 
 log = logging.getLogger("meshllm.leader")
 
@@ -64,6 +70,12 @@ class Seq:
     launched: float | None = None  # monotonic time its first prompt chunk entered the pipeline
     prefill_s: float = 0.0  # prompt in -> first token out (prefill replicas), for the handoff figures
     prefilled_at: float | None = None  # decode replicas: when the prefill replica had the first token
+    drafter: str = ""  # node drafting for it ("" without speculation)
+    hash: int = 0  # hash of `out` (engine/speculative.py): which drafts were drafted after it
+    spec: AcceptanceStats = field(default_factory=AcceptanceStats)
+    waiting_since: float | None = None  # ready, waiting for its drafter's block since
+    last_block_at: float | None = None
+    block_interval_s: float | None = None
 
     @property
     def context(self) -> int:
@@ -80,6 +92,7 @@ class Seq:
 class InFlight:
     spans: list[WireSpan]
     sent: float
+    blocks: dict[int, Block] = field(default_factory=dict)  # VERIFY spans: seq -> its block
 
 
 class Leader:
@@ -101,6 +114,7 @@ class Leader:
         # replica having the first token to this replica holding all the KV and the token (one host's
         # monotonic clock: meaningful in emulation and benchmarks)
         self.handoffs: deque[tuple[float, float]] = deque(maxlen=64)
+        self.verifier: Verifier | None = None  # decode and mixed replicas (roles/host.py sets it)
 
     # -- admission ------------------------------------------------------------------------------
     def admit(self, s: Seq) -> None:
@@ -116,21 +130,33 @@ class Leader:
         self._expire()
         if len(self.in_flight) >= self.n_stages:
             return False
-        spans, ids = self._build()
-        if not spans:
+        fl, ids = self._build()
+        if not fl.spans:
             return False
-        self._launch(spans, ids)
+        self._launch(fl, ids)
         return True
 
-    def _build(self) -> tuple[list[WireSpan], list[int]]:
-        spans, ids = [], []
+    def next_wake_s(self) -> float | None:
+        """Seconds until the scheduler must look again without any message (a drafter's deadline)."""
+        return self.verifier.next_deadline(time.monotonic()) if self.verifier else None
+
+    def _build(self) -> tuple[InFlight, list[int]]:
+        fl, ids = InFlight([], time.monotonic()), []
         self._start_queued()
         ready = [s for s in self.seqs.values() if s.id not in self.queue and s.ready_to_decode()]
         per_batch = max(1, math.ceil(len(ready) / self.n_stages))  # spread over the pipeline
-        for s in ready[:min(per_batch, TOKEN_BUDGET)]:
-            spans.append(self._span(s, 1, SpanKind.DECODE))
-            ids.append(s.out[-1])
-            s.busy, s.fed = True, s.fed + 1
+        for s in ready:
+            if len(fl.spans) >= per_batch or len(ids) >= TOKEN_BUDGET:
+                break
+            block = self.verifier.take(s, fl.sent) if s.drafter and self.verifier else None
+            if block is WAIT:
+                continue
+            tokens = [s.out[-1]] + (block.tokens if block else [])
+            fl.spans.append(self._span(s, len(tokens), SpanKind.VERIFY if block else SpanKind.DECODE))
+            if block:
+                fl.blocks[s.id] = block
+            ids.extend(tokens)
+            s.busy, s.fed = True, s.fed + len(tokens)
         budget = TOKEN_BUDGET - len(ids)
         for s in self.seqs.values():
             chunk = s.next_chunk(budget) if s.id not in self.queue and not s.busy else []
@@ -139,14 +165,14 @@ class Leader:
             if s.launched is None:
                 s.launched = time.monotonic()
             last = s.fed + len(chunk) == s.prompt_len
-            spans.append(self._span(s, len(chunk), SpanKind.PREFILL_LAST if last else SpanKind.PREFILL))
+            fl.spans.append(self._span(s, len(chunk), SpanKind.PREFILL_LAST if last else SpanKind.PREFILL))
             ids.extend(chunk)
             s.fed += len(chunk)
             s.busy = last
             budget -= len(chunk)
             if budget <= 0:
                 break
-        return spans, ids
+        return fl, ids
 
     def _start_queued(self) -> None:
         """Move queued sequences into the running set while there is room."""
@@ -159,22 +185,26 @@ class Leader:
         p = s.params
         return WireSpan(s.id, s.fed, n, kind, len(s.out), p.temperature, p.top_k, p.top_p, s.seed)
 
-    def _launch(self, spans: list[WireSpan], ids: list[int]) -> None:
+    def _launch(self, fl: InFlight, ids: list[int]) -> None:
+        spans = fl.spans
         ship = {s.seq: self.seqs[s.seq].decode_rid for s in spans
                 if s.kind is SpanKind.PREFILL_LAST and self.seqs[s.seq].decode_rid != self.rid}
+        verify = {seq: (b.tokens, b.q_ids, b.q_p) for seq, b in fl.blocks.items()}
         out = self.stage.compute(torch.tensor(ids, dtype=torch.long), spans)
         self.stage.after_batch(spans, ship)
         self.stats["micro_batches"] += 1
         self.stats["rows"] += len(ids)
         batch = next(self._batch_ids)
         if self.n_stages == 1:
-            self._apply(spans, results_of(out, spans))
+            self._apply(fl, results_of(out, spans, verify))
             return
-        self.in_flight[batch] = InFlight(spans, time.monotonic())
+        self.in_flight[batch] = fl
+        wire_verify = [[seq, b.tokens, [] if b.q_ids is None else b.q_ids.tolist(),
+                        [] if b.q_p is None else b.q_p.tolist()] for seq, b in fl.blocks.items()]
         self._send(self.ctx.next_stage(self.rid, 0),
                    make(MsgType.ACTIVATIONS, tensors={"hidden": out}, replica=self.rid, batch=batch,
                         plan_version=self.ctx.version, spans=[s.to_wire() for s in spans],
-                        ship=[[k, v] for k, v in ship.items()]))
+                        ship=[[k, v] for k, v in ship.items()], verify=wire_verify))
 
     # -- results --------------------------------------------------------------------------------
     def on_results(self, msg: Message) -> None:
@@ -182,23 +212,39 @@ class Leader:
         if fl is None:
             log.warning("replica %d: results for unknown micro-batch %r", self.rid, msg["batch"])
             return
-        self._apply(fl.spans, msg["out"])
+        self._apply(fl, msg["out"])
 
-    def _apply(self, spans: list[WireSpan], out: list) -> None:
+    def _apply(self, fl: InFlight, out: list) -> None:
         by_seq = {e[0]: e for e in out if isinstance(e, (list, tuple)) and len(e) == 3}
-        for sp in spans:
+        took = time.monotonic() - fl.sent
+        for sp in fl.spans:
             s = self.seqs.get(sp.seq)
             if s is None or sp.kind is SpanKind.PREFILL:
                 continue  # released meanwhile, or a chunk with no logits
             s.busy = False
             entry = by_seq.get(sp.seq)
-            if entry is None or not entry[1]:
+            if entry is None or not entry[1] or not all(isinstance(t, int) for t in entry[1]):
                 self.fail(s, "the last stage returned no token")
                 continue
+            tokens = [int(t) for t in entry[1]]
             if sp.kind is SpanKind.PREFILL_LAST and s.decode_rid != self.rid:
-                self._handoff(s, int(entry[1][0]))
+                self._handoff(s, tokens[0])
+                continue
+            if sp.kind is SpanKind.VERIFY:
+                s.fed = sp.start + len(tokens)  # the KV of rejected drafts is rolled back by the next span
             else:
-                self.emit(s, [int(entry[1][0])])
+                tokens = tokens[:1]
+            block = fl.blocks.get(s.id)
+            if block is not None:
+                self.verifier.record(s, block, len(tokens) - 1, took)  # before the last TOKENS report it
+            n0 = len(s.out)
+            finished = self.emit(s, tokens)
+            if s.drafter and self.verifier:
+                if sp.kind is SpanKind.PREFILL_LAST:
+                    if finished is None:
+                        self.verifier.started(s)  # a mixed replica's first token: the drafter may start
+                else:
+                    self.verifier.committed(s, block, s.out[n0:], finished is not None)
 
     def _handoff(self, s: Seq, token: int) -> None:
         del self.seqs[s.id]
@@ -209,14 +255,23 @@ class Leader:
         if self.on_prefilled is not None:
             self.on_prefilled(s, finished is not None)
 
-    def emit(self, s: Seq, tokens: list[int]) -> None:
-        """New output tokens of `s`: stream them to the gateway; finish the sequence when done."""
-        s.out.extend(tokens)
-        finished = self._finish_reason(s, tokens[-1])
+    def emit(self, s: Seq, tokens: list[int]) -> str | None:
+        """New output tokens of `s` (several after a verified block): keep those up to the first stop
+        token, max_tokens or the context limit, stream them to the gateway, and finish the sequence
+        when done. Returns the finish reason, if it finished."""
+        finished = None
+        for i, t in enumerate(tokens):
+            s.out.append(t)
+            finished = self._finish_reason(s, t)
+            if finished is not None:
+                tokens = tokens[:i + 1]
+                break
+        s.hash = extend_hash(s.hash, tokens)
         self._tokens(s, tokens, finished)
         if finished is not None:
             self.stats["finished"] += 1
             self.drop(s.id)
+        return finished
 
     def _finish_reason(self, s: Seq, last: int) -> str | None:
         if last in s.stop_ids:
@@ -226,17 +281,23 @@ class Leader:
         return None
 
     def _tokens(self, s: Seq, tokens: list[int], finished: str | None) -> None:
+        extra = {"spec": s.spec.to_json()} if finished is not None and s.spec.blocks else {}
         m = make(MsgType.TOKENS, seq=s.id, token_ids=tokens, index=len(s.out) - len(tokens),
-                 finished=finished is not None, finish_reason=finished, queue_ms=round(1000 * s.queued_s, 3))
+                 finished=finished is not None, finish_reason=finished, queue_ms=round(1000 * s.queued_s, 3),
+                 **extra)
         s.queued_s = 0.0
         self._send(s.gateway, m)
 
     # -- ending sequences -----------------------------------------------------------------------
     def drop(self, seq: int) -> None:
-        """Free a sequence here and on every other stage of this replica."""
-        self.seqs.pop(seq, None)
+        """Free a sequence here and on every other stage of this replica (and stop its drafter)."""
+        s = self.seqs.pop(seq, None)
         if seq in self.queue:
             self.queue.remove(seq)
+        if self.verifier is not None:
+            if s is not None and s.drafter:
+                self.verifier.verdict(s, -1, [], True)
+            self.verifier.forget(seq)
         self.stage.release(seq)
         for st in self.stage.replica.stages[1:]:
             self._send(self.ctx.address(st.node), make(MsgType.RELEASE, seq=seq, reason="finished"))
@@ -276,7 +337,7 @@ class Leader:
         """What the gateway's router and `--status` see of this replica."""
         return {"replica": self.rid, "role": str(self.role), "queued": len(self.queue), "active": self.active(),
                 "in_flight": len(self.in_flight), "max_active": MAX_ACTIVE_SEQS, **self.stats,
-                "handoffs": list(self.handoffs)}
+                "handoffs": list(self.handoffs), **({"spec": self.verifier.load()} if self.verifier else {})}
 
 
 def is_phase(role: Role, phase: Role) -> bool:

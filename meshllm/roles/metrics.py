@@ -6,6 +6,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from meshllm.engine.speculative import AcceptanceStats
+
 # seconds; wide enough for emulated Raspberry Pis at time_scale 10
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -28,6 +30,13 @@ class GatewayMetrics:
         self.waiting = Gauge("meshllm_requests_waiting_first_token", "Requests before their first token",
                              registry=r)
         self.replicas_ready = Gauge("meshllm_replicas_ready", "Replicas of the current plan ready", registry=r)
+        self.drafted = Counter("meshllm_spec_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted = Counter("meshllm_spec_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.blocks = Counter("meshllm_spec_blocks", "Draft blocks verified", registry=r)
+        self.position = Counter("meshllm_spec_accepted_at_position", "Blocks accepting their i-th draft",
+                                ["position"], registry=r)
+        self.gamma = Counter("meshllm_spec_gamma", "Draft blocks by draft length", ["gamma"], registry=r)
+        self.spec = AcceptanceStats()  # the same figures for `--cluster --json`
 
     def started(self, n_prompt: int) -> None:
         self.prompt_tokens.inc(n_prompt)
@@ -38,9 +47,23 @@ class GatewayMetrics:
         self.ttft.observe(ttft_s)
         self.waiting.dec()
 
-    def finished(self, status: str) -> None:
+    def finished(self, status: str, spec: dict | None = None) -> None:
         self.requests.labels(status=status).inc()
         self.running.dec()
+        if spec:
+            try:
+                one = AcceptanceStats()
+                one.merge(spec)
+            except (TypeError, ValueError, AttributeError):
+                return  # a malformed figure from a leader: the request is done, the figures skipped
+            self.spec.merge(spec)
+            self.drafted.inc(one.drafted)
+            self.accepted.inc(one.accepted)
+            self.blocks.inc(one.blocks)
+            for k, v in one.per_position.items():
+                self.position.labels(position=str(k)).inc(v)
+            for k, v in one.gammas.items():
+                self.gamma.labels(gamma=str(k)).inc(v)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST

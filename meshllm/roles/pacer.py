@@ -51,19 +51,22 @@ class Pacer:
 
 
 def pacer_factory(cfg) -> Callable:
-    """(plan context, stage index, layers) -> a Pacer that stretches that stage's compute to what
-    `cfg.device` would take (partition/cost.py's stage_batch_s, at the plan's weights dtype) times
-    `cfg.time_scale`. Emulation only (`pace: true` in the node file)."""
+    """(layers [a, b), served dtype) -> a Pacer that stretches the compute of those layers to what
+    `cfg.device` would take (partition/cost.py's stage_batch_s) times `cfg.time_scale`. Emulation
+    only (`pace: true` in the node file). Stages pace at the plan's weights dtype, drafters at
+    the draft's (int4 / int8)."""
     from meshllm.config import resolve_args
     from meshllm.partition.cost import model_costs, stage_batch_s
 
-    mc = model_costs(resolve_args(cfg.model), cfg.weights_dtype)
+    args = resolve_args(cfg.model)
 
-    def make(ctx, index: int, layers: tuple[int, int]) -> Pacer:
+    def make(layers: tuple[int, int], dtype: str) -> Pacer:
+        mc = model_costs(args, dtype)
         n, first, last = layers[1] - layers[0], layers[0] == 0, layers[1] == mc.n_layers
 
         def predict(spans, logit_rows: int) -> float:
-            work = [(s.n, s.start + s.n) for s in spans]
+            work = [(s.n_tokens, s.start_pos + s.n_tokens) if hasattr(s, "n_tokens") else (s.n, s.start + s.n)
+                    for s in spans]
             return cfg.time_scale * stage_batch_s(mc, cfg.device, n, work, first, last, logit_rows)
 
         return Pacer(predict)

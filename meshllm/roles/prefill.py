@@ -43,7 +43,7 @@ def seq_from_generate(msg: Message, ctx: PlanContext, my_rid: int, vocab: int, m
     if rid != my_rid and not (ctx.has_replica(rid) and ctx.replica(rid).role.value == "decode"):
         raise ProtocolError(f"seq {seq}: decode replica {rid} is not a decode replica of plan v{ctx.version}")
     return Seq(seq, ids, len(ids), msg["max_tokens"], SamplingParams(temperature, top_k, top_p), seed, stop,
-               str(msg["gateway"]), rid)
+               str(msg["gateway"]), rid, drafter=str(msg["drafter"]))
 
 
 def handoff(ctx: PlanContext, send: Send, s: Seq, finished: bool) -> None:
@@ -54,7 +54,7 @@ def handoff(ctx: PlanContext, send: Send, s: Seq, finished: bool) -> None:
         return
     p = s.params
     send(ctx.leader(s.decode_rid),
-         make(MsgType.HANDOFF, seq=s.id, prompt_len=s.prompt_len, token=s.out[-1], max_tokens=s.max_tokens,
+         make(MsgType.HANDOFF, seq=s.id, prompt_len=s.prompt_len, tokens=list(s.out), max_tokens=s.max_tokens,
               sampling=sampling_map(p.temperature, p.top_k, p.top_p, s.seed), stop_ids=sorted(s.stop_ids),
-              gateway=s.gateway, plan_version=ctx.version, prefill_ms=round(1000 * s.prefill_s, 3),
+              gateway=s.gateway, drafter=s.drafter, plan_version=ctx.version, prefill_ms=round(1000 * s.prefill_s, 3),
               prefilled_at=time.monotonic()))

@@ -26,7 +26,17 @@ import torch
 
 from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.sampling import SamplingParams, choose_tokens
-from meshllm.mesh.protocol import Message, MsgType, ProtocolError, SpanKind, WireSpan, check_seq, make
+from meshllm.engine.speculative import verify_block
+from meshllm.mesh.protocol import (
+    Message,
+    MsgType,
+    ProtocolError,
+    SpanKind,
+    WireSpan,
+    check_int_list,
+    check_seq,
+    make,
+)
 from meshllm.roles.context import PlanContext
 from meshllm.roles.pacer import Pacer
 
@@ -48,16 +58,46 @@ def logit_rows(spans: Sequence[WireSpan]) -> list[int]:
     return rows
 
 
-def results_of(logits: torch.Tensor, spans: Sequence[WireSpan]) -> list[list]:
-    """RESULTS entries [seq, tokens, margins] from the logits of `logit_rows(spans)`, in order."""
+def results_of(logits: torch.Tensor, spans: Sequence[WireSpan], verify: dict[int, tuple] | None = None) -> list[list]:
+    """RESULTS entries [seq, tokens, margins] from the logits of `logit_rows(spans)`, in order.
+    A VERIFY span's tokens are the ones its block commits (accepted drafts + the target's token);
+    `verify` maps its sequence to (draft tokens, q ids, q probs) (engine/speculative.py)."""
     out, r = [], 0
     for s in spans:
         n = 0 if s.kind is SpanKind.PREFILL else (s.n if s.kind is SpanKind.VERIFY else 1)
         if n:
             params = SamplingParams(s.temperature, s.top_k, s.top_p)
-            toks, marg = choose_tokens(logits[r:r + n], params, s.seed, s.index)
+            if s.kind is SpanKind.VERIFY:
+                draft, q_ids, q_p = (verify or {}).get(s.seq, (None, None, None))
+                if draft is None or len(draft) != n - 1:
+                    raise ProtocolError(f"seq {s.seq}: a VERIFY span of {n} rows without its {n - 1} drafts")
+                toks, marg = verify_block(logits[r:r + n], draft, params, s.seed, s.index, q_ids, q_p)
+            else:
+                toks, marg = choose_tokens(logits[r:r + n], params, s.seed, s.index)
             out.append([s.seq, toks, [round(m, 6) for m in marg]])
         r += n
+    return out
+
+
+def parse_verify(x: object, vocab: int) -> dict[int, tuple]:
+    """ACTIVATIONS' `verify` list -> seq -> (draft tokens, q ids (g, K) or None, q probs or None)."""
+    if not isinstance(x, (list, tuple)):
+        raise ProtocolError("verify must be a list")
+    out = {}
+    for e in x:
+        if not isinstance(e, (list, tuple)) or len(e) != 4:
+            raise ProtocolError(f"bad verify entry {e!r:.60}")
+        seq, draft = check_seq(e[0]), check_int_list(e[1], "draft tokens", 0, vocab - 1, 64)
+        q_ids = q_p = None
+        if e[2]:
+            try:
+                q_ids, q_p = torch.tensor(e[2], dtype=torch.long), torch.tensor(e[3], dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise ProtocolError(f"seq {seq}: bad draft distribution: {err}") from None
+            if (q_ids.dim() != 2 or q_ids.shape != q_p.shape or q_ids.shape[0] != len(draft)
+                    or (q_ids.numel() and (q_ids.min() < 0 or q_ids.max() >= vocab)) or (q_p < 0).any()):
+                raise ProtocolError(f"seq {seq}: draft distribution of shape {tuple(q_ids.shape)}")
+        out[seq] = (draft, q_ids, q_p)
     return out
 
 
@@ -114,6 +154,8 @@ class Stage:
             have = self.cache.length(s.seq) if s.seq in self.cache else 0
             if s.seq not in self.cache and s.start > 0 and s.seq in self._tombstones:
                 zombies.add(s.seq)
+            elif s.kind in (SpanKind.DECODE, SpanKind.VERIFY) and 0 < s.start < have and s.seq not in seen:
+                self.cache.truncate(s.seq, s.start)  # drafts the last verification rejected
             elif s.seq in seen or s.start != have:
                 raise ProtocolError(f"seq {s.seq}: span at {s.start} but this stage holds {have} positions")
             if s.start + s.n > self.model.args.max_seq_len:
@@ -132,6 +174,7 @@ class Stage:
         """A micro-batch from the previous stage (never called on stage 0)."""
         spans = [WireSpan.from_wire(x) for x in msg["spans"]]
         ship = parse_ship(msg["ship"])
+        verify = parse_verify(msg["verify"], self.model.args.vocab_size) if self.last else {}
         hidden = msg.tensors["hidden"]
         if hidden.dtype not in ("float32", "bfloat16"):
             raise ProtocolError(f"hidden states of dtype {hidden.dtype}")
@@ -140,11 +183,11 @@ class Stage:
         rid, batch, v = self.replica.id, msg["batch"], self.ctx.version
         if self.last:
             self._send(self.ctx.leader(rid), make(MsgType.RESULTS, replica=rid, batch=batch, plan_version=v,
-                                                  out=results_of(out, spans)))
+                                                  out=results_of(out, spans, verify)))
         else:
             self._send(self.ctx.next_stage(rid, self.index),
                        make(MsgType.ACTIVATIONS, tensors={"hidden": out}, replica=rid, batch=batch, plan_version=v,
-                            spans=msg["spans"], ship=msg["ship"]))
+                            spans=msg["spans"], ship=msg["ship"], verify=msg["verify"]))
 
     def ship_kv(self, seq: int, rid: int) -> None:
         k, v = self.cache.export(seq)  # (n_layers, nkv, length, hd) each

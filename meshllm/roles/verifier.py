@@ -1,0 +1,169 @@
+"""The multi-tenant verification orchestrator of a decode (or mixed) replica.
+
+Drafters publish DRAFT blocks on this replica's topic (`draft/<replica id>`); only this replica's
+leader subscribes to it. The verifier keeps each tenant's pending blocks and, when the leader
+builds a micro-batch, offers for every ready sequence the block drafted after exactly its
+committed prefix (same length, same hash): one VERIFY span of gamma + 1 rows per block, many
+tenants' blocks in one ragged forward (Orca-style iteration batching). The last stage applies
+the acceptance rule (engine/speculative.py) and the leader commits the result; the verifier then
+answers the drafter (VERDICT) and records acceptance. Blocks drafted after a prefix that is no
+longer the committed one (an asynchronous drafter's guess that lost) are stale and dropped;
+duplicates (a resent block) are harmless for the same reason.
+
+Fallback: a sequence whose drafter is gone (dead or left) is decoded autoregressively at once; one
+whose drafter is alive but late waits at most `fallback_s` per step, then takes a plain step (the
+drafter resynchronises from the VERDICT of that step). Tenants are isolated: one tenant's blocks,
+rejections or silence never touch another's sequence.
+
+Capacity: the leader publishes CAPACITY (free batch slots, queue, recent verification time) on
+the `cap` topic; roles/decode.py moves sessions to a replica with room when the load is uneven.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from meshllm.engine.speculative import AcceptanceStats, ewma, extend_hash
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, check_int_list, check_seq, make
+
+log = logging.getLogger("meshllm.verifier")
+
+FALLBACK_MIN_S = 1.0  # x time_scale: the least a ready sequence waits for its drafter's block
+FALLBACK_INTERVALS = 4.0  # ... or this many of its recent block intervals, whichever is longer
+MAX_PENDING = 8  # blocks kept per tenant (newest win): a runaway drafter cannot fill the memory
+WAIT = object()  # take(): no block yet, keep waiting
+
+
+@dataclass
+class Block:
+    no: int
+    start: int  # committed length it was drafted after
+    hash: int  # ... and that prefix's hash
+    tokens: list[int]
+    q_ids: torch.Tensor | None
+    q_p: torch.Tensor | None
+    received: float
+
+
+def draft_topic(rid: int) -> str:
+    return f"draft/{rid}"
+
+
+class Verifier:
+    def __init__(self, leader, send: Callable[[str, Message], None], alive: Callable[[str], bool],
+                 address: Callable[[str], str], time_scale: float = 1.0):
+        self.leader, self._send, self.alive, self.address = leader, send, alive, address
+        self.fallback_min_s = FALLBACK_MIN_S * time_scale
+        self.pending: dict[int, dict[int, Block]] = {}
+        self.stats = AcceptanceStats()
+        self.verify_ms: float | None = None
+        self.fallbacks = 0
+        self.stale = 0
+
+    # -- blocks in --------------------------------------------------------------------------------
+    def on_draft(self, msg: Message, vocab: int) -> None:
+        seq = check_seq(msg["seq"])
+        s = self.leader.seqs.get(seq)
+        if s is None or s.drafter != msg["tenant"]:
+            return  # not (or no longer) ours: stale, finished, or another tenant's id
+        tokens = check_int_list(msg["tokens"], "draft tokens", 0, vocab - 1, 64)
+        if not tokens or msg["start"] < s.context:
+            self.stale += 1
+            return
+        q_ids = q_p = None
+        qi, qp = msg.tensors["q_ids"], msg.tensors["q_p"]
+        if not s.params.greedy:
+            if qi.shape != qp.shape or len(qi.shape) != 2 or qi.shape[0] != len(tokens):
+                raise ProtocolError(f"seq {seq}: draft distribution of shape {qi.shape} for {len(tokens)} tokens")
+            q_ids, q_p = qi.torch().long(), qp.torch().float()
+            if q_ids.numel() and (q_ids.min() < 0 or q_ids.max() >= vocab or (q_p < 0).any()):
+                raise ProtocolError(f"seq {seq}: draft distribution out of range")
+        blocks = self.pending.setdefault(seq, {})
+        blocks[msg["block"]] = Block(msg["block"], msg["start"], msg["hash"], tokens, q_ids, q_p, time.monotonic())
+        while len(blocks) > MAX_PENDING:
+            del blocks[min(blocks)]
+
+    # -- the leader's questions ---------------------------------------------------------------------
+    def take(self, s, now: float):
+        """For a ready speculative sequence: its block (verify it), WAIT, or None (plain step)."""
+        blocks = self.pending.get(s.id, {})
+        for no in sorted(blocks):
+            b = blocks[no]
+            if b.start < s.context:
+                del blocks[no]
+                self.stale += 1
+            elif b.start == s.context and b.hash == s.hash:
+                del blocks[no]
+                s.waiting_since = None
+                return b
+        if not self.alive(s.drafter):
+            return None
+        if s.waiting_since is None:
+            s.waiting_since = now
+        if now - s.waiting_since < self.fallback_s(s):
+            return WAIT
+        self.fallbacks += 1
+        s.waiting_since = None
+        return None
+
+    def fallback_s(self, s) -> float:
+        return max(self.fallback_min_s, FALLBACK_INTERVALS * (s.block_interval_s or 0.0))
+
+    def next_deadline(self, now: float) -> float | None:
+        """Seconds until a waiting sequence falls back (None: none waits)."""
+        waits = [s.waiting_since + self.fallback_s(s) - now for s in self.leader.seqs.values()
+                 if s.drafter and s.waiting_since is not None]
+        return max(0.0, min(waits)) if waits else None
+
+    # -- outcomes -------------------------------------------------------------------------------
+    def record(self, s, block: Block, accepted: int, verify_s: float) -> None:
+        """A verified block of `s`: the target accepted `accepted` of its drafts."""
+        now = time.monotonic()
+        s.spec.record(len(block.tokens), accepted)
+        self.stats.record(len(block.tokens), accepted)
+        self.verify_ms = ewma(self.verify_ms, 1000 * verify_s)
+        if s.last_block_at is not None:
+            s.block_interval_s = ewma(s.block_interval_s, now - s.last_block_at)
+        s.last_block_at = now
+
+    def committed(self, s, block: Block | None, tokens: list[int], finished: bool) -> None:
+        """The leader committed `tokens` for `s` (a verified block, or a plain step): tell the drafter."""
+        if block is None:  # a step without a block: the drafter gets the whole output to resync
+            self.verdict(s, -1, list(s.out), finished)
+        else:
+            self.verdict(s, block.no, tokens, finished)
+
+    def verdict(self, s, block: int, tokens: list[int], finished: bool) -> None:
+        if not s.drafter:
+            return
+        accepted = max(0, len(tokens) - 1) if block >= 0 else 0
+        m = make(MsgType.VERDICT, tenant=s.drafter, seq=s.id, block=block, accepted=accepted, tokens=tokens,
+                 context=s.context, hash=s.hash, replica=self.leader.rid, finished=finished)
+        try:
+            self._send(self.address(s.drafter), m)
+        except (KeyError, TimeoutError) as e:  # the drafter is gone: the sequence goes on without it
+            log.warning("replica %d: no verdict to %s for seq %d: %s", self.leader.rid, s.drafter, s.id, e)
+            s.drafter = ""
+        if finished:
+            self.pending.pop(s.id, None)
+
+    def started(self, s) -> None:
+        """A speculative sequence arrived here: give its drafter the whole committed output."""
+        self.verdict(s, -1, list(s.out), False)
+
+    def forget(self, seq: int) -> None:
+        self.pending.pop(seq, None)
+
+    def load(self) -> dict:
+        return {"acceptance_rate": self.stats.rate, "mean_acceptance_length": self.stats.mean_length,
+                "verify_ms": None if self.verify_ms is None else round(self.verify_ms, 3),
+                "fallback_steps": self.fallbacks, "stale_blocks": self.stale, **self.stats.to_json()}
+
+
+def commit_hash(h: int, tokens: list[int]) -> int:
+    return extend_hash(h, tokens)
