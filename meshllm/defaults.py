@@ -28,7 +28,10 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_TOKENS = 48
 DEFAULT_PROMPT = "The capital of France is"
 
-QUANTS = ("w4a16", "w8a16", "none")  # draft quantizations ("none": no draft model)
+# draft models: W4A16 / W8A16 quantizations of the target; "none": no draft. Two references for
+# tests and benchmarks: "fp32", the target itself (acceptance 1), and "random", random weights of
+# the target's shape (acceptance ~0: an adversarial drafter the verifier must survive)
+QUANTS = ("w4a16", "w8a16", "fp32", "random", "none")
 DRAFT_QUANTS = ("w4a16", "w8a16")
 DEFAULT_DRAFT_QUANT = "w4a16"
 DEFAULT_GROUP_SIZE = 64  # group 32 would reproduce the Q4_1 target exactly and prove nothing

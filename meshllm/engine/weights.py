@@ -252,6 +252,12 @@ def load_transformer(spec: str | ModelSource, start: int = 0, end: int | None = 
     return model
 
 
+def randomize_weights(model: Transformer, seed: int) -> Transformer:
+    """Replace a model's weights by seeded random ones of the same shapes (an adversarial draft)."""
+    model.load_state_dict(_random_state(model, seed), strict=False)
+    return model
+
+
 def release_freed_memory() -> None:
     """Hand the heap pages freed while loading (dequantized copies, unpacked weights) back to the OS,
     so a stage's resident memory reflects the layers it holds (glibc keeps them otherwise)."""

@@ -44,7 +44,7 @@ COMPUTE_EFFICIENCY = 0.5  # achieved / peak FLOP/s (see module docstring: measur
 BANDWIDTH_EFFICIENCY = 0.7  # achieved / peak memory bandwidth
 # Bytes per weight by served dtype; int4 is group-wise (g64) with an fp16 scale and zero per group.
 DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4.0 / 64}
-DRAFT_DTYPE = {"w4a16": "int4", "w8a16": "int8"}
+DRAFT_DTYPE = {"w4a16": "int4", "w8a16": "int8", "fp32": "fp32", "random": "int4"}  # draft quant -> dtype
 KV_BYTES = 2.0  # KV cache element (fp16)
 ACT_BYTES = 2.0  # hidden state element shipped between stages (fp16)
 BITS_PER_BYTE = 8.0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from meshllm.partition.cost import ModelCosts
 from meshllm.partition.dp import Member, Net, Splitter
 from meshllm.partition.latency import Prediction, predict
-from meshllm.partition.replica import Mix, ReplicaEval, evaluate_replica
+from meshllm.partition.replica import Mix, ReplicaEval, evaluate_replica, with_free_tokens
 
 NONE = -1
 CUT_NEIGHBOURS = 2  # cuts either side of the best pure prefill/decode cut whose surplus is turned mixed
@@ -96,6 +96,7 @@ class Evaluator:
         self.forced = list(forced)  # per member: "prefill" / "decode" if its roles allow only that
         self.cs2 = cs2  # squared coefficients of variation of the input and output lengths
         self.cache: dict[tuple, ReplicaEval] = {}
+        self.free_cache: dict[tuple, ReplicaEval] = {}
         self.splitters = (Splitter(mc, net, mix.prefill_wp()), Splitter(mc, net, mix.decode_wp()))
         ranked = sorted(range(len(self.members)), key=lambda i: (self.members[i].key, i))
         self.rank = [0] * len(self.members)
@@ -141,7 +142,15 @@ class Evaluator:
         return self.decode(genes).fitness
 
     def latency(self, g: Grouping, rate: float) -> Prediction:
-        return predict(g.evals, g.roles, rate, self.mix, *self.cs2)
+        return predict([self.completed(e) for e in g.evals], g.roles, rate, self.mix, *self.cs2)
+
+    def completed(self, ev: ReplicaEval) -> ReplicaEval:
+        """`ev` with what only the latency estimate needs (free prompt tokens of its mixed fit)."""
+        key = tuple(m.key for m in ev.members)
+        got = self.free_cache.get(key)
+        if got is None:
+            got = self.free_cache[key] = with_free_tokens(self.mc, ev, self.net, self.mix)
+        return got
 
 
 def pack(ev: Evaluator, order: Sequence[int], slack: float) -> list[int]:

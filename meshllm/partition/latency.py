@@ -27,7 +27,7 @@ from meshllm.partition.queueing import md1_wait, mg1_wait, mgc_wait_approx
 from meshllm.partition.replica import Mix, ReplicaEval, RoleFit
 
 INF = math.inf
-WAIT_WEIGHT = 1.0  # a second of waiting costs 1 + this (router score and planner cost alike)
+WAIT_WEIGHT = 10.0  # cost = e2e + this x wait (router score, planner cost, judge): waiting is what E2LLM cuts
 
 
 @dataclass(frozen=True)

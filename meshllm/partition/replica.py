@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -81,8 +81,8 @@ class RoleFit:
     ship_s: float = 0.0  # prefill: shipping one mean prompt's KV out (the slowest port)
     step_s: float = 0.0  # decode, mixed: one iteration at `batch`
     step1_s: float = 0.0  # decode, mixed: one iteration at batch 1
-    free1: int = 0  # mixed: prompt tokens that ride along an iteration at batch 1 for free
-    free_b: int = 0  # mixed: the same at `batch`
+    free1: int = -1  # mixed: prompt tokens that ride along an iteration at batch 1 for free (-1: not found yet)
+    free_b: int = -1  # mixed: the same at `batch`
 
 
 @dataclass(frozen=True)
@@ -284,21 +284,31 @@ def mixed_compute_req_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[
 
 
 def mixed_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net, mix: Mix,
-              fits: tuple[RoleFit, RoleFit] | None = None, free: bool = True) -> RoleFit | None:
+              fits: tuple[RoleFit, RoleFit] | None = None) -> RoleFit | None:
     """Both phases on `split`, no KV crosses a port (only activations). Prompts are prefilled in
     chunks that ride along the decode steps: the replica is bound by its decode (memory) or by
     its compute (all the useful FLOPs), whichever is lower. `fits`: its prefill and decode fits
-    on this split, if already computed; `free`: also find the prompt tokens that ride free."""
+    on this split, if already computed. The free tokens are left for `with_free_tokens`."""
     pre, dec = fits or (prefill_fit(mc, members, split, net, mix), decode_fit(mc, members, split, net, mix))
     if dec.batch < 1:
         return None
     seq = ordered(members, split)
     compute = min(dec.compute_req_s, mixed_compute_req_s(mc, seq, split.counts, mix))
     ports = port_s(mc, seq, split.counts, mix.mean_in + mix.mean_out, 0.0, 0.0)
-    free1 = free_chunk_tokens(mc, seq, split.counts, net, 1, mix.decode_ctx, mix.mean_in) if free else 0
-    free_b = free_chunk_tokens(mc, seq, split.counts, net, dec.batch, mix.decode_ctx, mix.mean_in) if free else 0
     return RoleFit(split, capped(compute, ports), dec.tok_s, dec.batch, compute, pre.occupancy_s, pre.prefill_s,
-                   step_s=dec.step_s, step1_s=dec.step1_s, free1=free1, free_b=free_b)
+                   step_s=dec.step_s, step1_s=dec.step1_s)
+
+
+def with_free_tokens(mc: ModelCosts, ev: ReplicaEval, net: Net, mix: Mix) -> ReplicaEval:
+    """`ev` with its mixed fit's free prompt tokens per step found (at batch 1 and full), which
+    only the latency estimate needs (the capacity search does without)."""
+    f = ev.mixed
+    if f is None or f.free1 >= 0:
+        return ev
+    seq = ordered(ev.members, f.split)
+    free1 = free_chunk_tokens(mc, seq, f.split.counts, net, 1, mix.decode_ctx, mix.mean_in)
+    free_b = free_chunk_tokens(mc, seq, f.split.counts, net, f.batch, mix.decode_ctx, mix.mean_in)
+    return replace(ev, mixed=replace(f, free1=free1, free_b=free_b))
 
 
 def evaluate_replica(mc: ModelCosts, members: Sequence[Member], net: Net, mix: Mix,
@@ -315,10 +325,8 @@ def evaluate_replica(mc: ModelCosts, members: Sequence[Member], net: Net, mix: M
         return ReplicaEval(members, None, None, "no memory left for the KV of one sequence")
     pfit = prefill_fit(mc, members, pre, net, mix)
     fits = {pre: (pfit, decode_fit(mc, members, pre, net, mix)), dec: (prefill_fit(mc, members, dec, net, mix), dfit)}
-    rates = {s: mixed_fit(mc, members, s, net, mix, f, free=False) for s, f in fits.items()}
-    best = max((s for s, f in rates.items() if f is not None), key=lambda s: rates[s].req_s, default=None)
-    best_mixed = None if best is None else mixed_fit(mc, members, best, net, mix, fits[best])
-    return ReplicaEval(members, pfit, dfit, mixed=best_mixed)
+    mixes = [f for f in (mixed_fit(mc, members, s, net, mix, f) for s, f in fits.items()) if f is not None]
+    return ReplicaEval(members, pfit, dfit, mixed=max(mixes, key=lambda f: f.req_s, default=None))
 
 
 def mixed_req_s(ev: ReplicaEval) -> float:

@@ -58,6 +58,15 @@ class PlanContext:
                 out.append((s.node, (lo, hi)))
         return out
 
+    def unchanged(self, other: PlanContext | None, rid: int) -> bool:
+        """Does replica `rid` have the same role, nodes and layer split in `other`? Such a replica
+        keeps serving its sequences across a re-plan (e.g. one that only drops a dead drafter)."""
+        if other is None or not self.has_replica(rid) or not other.has_replica(rid):
+            return False
+        a, b = self.replica(rid), other.replica(rid)
+        same_nodes = all(self.addresses.get(s.node) == other.addresses.get(s.node) for s in a.stages)
+        return a.role == b.role and a.stages == b.stages and same_nodes
+
     def serves(self, rid: int, phase: Role) -> bool:
         """May replica `rid` take requests of this phase (prefill or decode)?"""
         role = self.replica(rid).role

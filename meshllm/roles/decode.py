@@ -5,13 +5,26 @@ longer way through both leaders)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 
+from meshllm.defaults import Role
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import extend_hash
-from meshllm.mesh.protocol import Message, ProtocolError, check_int_list, check_sampling, check_seq
-from meshllm.roles.leader import Leader, Seq
+from meshllm.mesh.protocol import (
+    Message,
+    MsgType,
+    ProtocolError,
+    check_int_list,
+    check_sampling,
+    check_seq,
+    make,
+    sampling_map,
+)
+from meshllm.roles.leader import MAX_ACTIVE_SEQS, Leader, Seq
+
+log = logging.getLogger("meshllm.decode")
 
 EARLY_ACKS_MAX = 4096  # acknowledgements held for sequences whose HANDOFF has not come yet
 EARLY_ACK_TTL_S = 300.0
@@ -45,6 +58,8 @@ class KvAcks:
             s.prefilled_at, s.prefill_s = at, ms / 1000
         s.missing_kv = set(self.nodes) - self._early.pop(seq, (0.0, set()))[1]
         self.leader.admit(s)
+        if at is None:
+            self.leader.stats["migrated_in"] = self.leader.stats.get("migrated_in", 0) + 1
         if s.drafter and self.leader.verifier is not None:
             self.leader.verifier.started(s)  # drafting overlaps the KV transfer
         if not s.missing_kv:
@@ -74,3 +89,72 @@ class KvAcks:
         self._gone[seq] = None
         while len(self._gone) > EARLY_ACKS_MAX:
             self._gone.popitem(last=False)
+
+
+CAPACITY_TOPIC = "cap"
+MIGRATE_CHECK_S = 1.0
+MIGRATE_GAP = 2  # move a session when this replica decodes this many more than one with free slots
+CAPACITY_TTL_S = 5.0  # a replica that stopped publishing its capacity is not a target
+
+
+class Balancer:
+    """A decode replica's leader publishes its capacity (CAPACITY on the `cap` topic) and, when it
+    carries clearly more sessions than another decode replica with free slots, moves one there:
+    each of its stages ships the session's KV (the committed positions only) to the stages of the
+    other replica holding those layers, and the leader hands the session over (HANDOFF with its
+    whole output). The other replica tells the session's drafter, which publishes on the new
+    replica's topic from then on. KV moves instead of a re-prefill: on the links measured here
+    shipping a session's KV costs a small fraction of recomputing it (bench/speculative.py)."""
+
+    def __init__(self, leader: Leader, send, publish):
+        self.leader, self._send, self._publish = leader, send, publish
+        self.peers: dict[int, tuple[float, int, int]] = {}  # replica -> (heard at, active, free slots)
+        self._checked = 0.0
+        self.moved_out = 0
+
+    def publish_capacity(self) -> None:
+        lead = self.leader
+        active = lead.active()
+        self._publish(make(MsgType.CAPACITY, node=lead.stage.ctx.me, replica=lead.rid,
+                           free_slots=max(0, MAX_ACTIVE_SEQS - active), queue=len(lead.queue),
+                           plan_version=lead.ctx.version, active=active))
+
+    def on_capacity(self, msg: Message) -> None:
+        rid, ctx = msg["replica"], self.leader.ctx
+        if rid != self.leader.rid and ctx.has_replica(rid) and ctx.replica(rid).role == Role.DECODE:
+            active = msg.fields.get("active")
+            self.peers[rid] = (time.monotonic(), active if isinstance(active, int) else 0, msg["free_slots"])
+
+    def rebalance(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < MIGRATE_CHECK_S:
+            return
+        self._checked = now
+        live = [(active, rid, free) for rid, (at, active, free) in self.peers.items()
+                if now - at < CAPACITY_TTL_S and free > 0]
+        if not live:
+            return
+        active, rid, _ = min(live)
+        movable = [s for s in self.leader.seqs.values() if s.id not in self.leader.queue and not s.busy
+                   and not s.missing_kv and s.out]
+        if self.leader.active() - active >= MIGRATE_GAP and movable:
+            self.migrate(movable[0], rid)
+            self.peers[rid] = (self.peers[rid][0], active + 1, self.peers[rid][2] - 1)
+
+    def migrate(self, s: Seq, rid: int) -> None:
+        lead, ctx = self.leader, self.leader.ctx
+        del lead.seqs[s.id]
+        if lead.verifier is not None:
+            lead.verifier.forget(s.id)
+        for st in lead.stage.replica.stages[1:]:
+            self._send(ctx.address(st.node), make(MsgType.RELEASE, seq=s.id, reason="migrate", ship_to=rid,
+                                                  length=s.fed))
+        lead.stage.migrate_out(s.id, rid, s.fed)
+        p = s.params
+        self._send(ctx.leader(rid), make(
+            MsgType.HANDOFF, seq=s.id, prompt_len=s.prompt_len, tokens=list(s.out), max_tokens=s.max_tokens,
+            sampling=sampling_map(p.temperature, p.top_k, p.top_p, s.seed), stop_ids=sorted(s.stop_ids),
+            gateway=s.gateway, drafter=s.drafter, plan_version=ctx.version))
+        self.moved_out += 1
+        lead.stats["migrated_out"] = self.moved_out
+        log.info("replica %d: session %d moved to replica %d (%d tokens so far)", lead.rid, s.id, rid, len(s.out))

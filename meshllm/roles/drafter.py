@@ -186,6 +186,12 @@ class Drafter:
         if s.adaptive and s.draft_s:
             s.gamma = choose_gamma(min(s.alpha, 0.98), s.draft_s, 0.0, s.rtt_s, s.mode == "async")
 
+    def replan(self, unchanged: Callable[[int], bool]) -> None:
+        """A new plan: sessions whose decode replica changed are over (their requests failed)."""
+        for s in list(self.sessions.values()):
+            if not unchanged(s.rid):
+                self.end(s.seq)
+
     def end(self, seq: int) -> None:
         if self.sessions.pop(seq, None) is not None:
             self.cache.free(seq)

@@ -103,18 +103,25 @@ class Gateway:
     # -- plan and readiness ----------------------------------------------------------------------
     def on_plan(self, ctx: PlanContext) -> None:
         """The local RoleHost applied `ctx` (called on its compute thread): the router's view of
-        the new plan's replicas, from the device profiles of the nodes it names."""
+        the new plan's replicas, from the device profiles of the nodes it names. Requests on
+        replicas that did not change go on; the others are failed (their replicas dropped them,
+        and a leader that died cannot say so itself)."""
         infos = {self.me: self.me_info} | {p.info.id: p.info for p in self.members.peers()}
         named = {s.node for r in ctx.plan.replicas for s in r.stages}
         inp = live_plan_inputs(self.cfg, [infos[n] for n in sorted(named) if n in infos])
         reps = {r.id: r for r in from_plan(inp, ctx.plan)} if named <= set(infos) else {}
         with self._lock:
+            old = self.ctx
+            keep = {rid for rid in reps if ctx.unchanged(old, rid)}
             self.ctx, self.local_version, self.reps = ctx, ctx.version, reps
-            self.loads = {rid: ReplicaLoad(max_batch=max(1, min(r.max_batch(), MAX_ACTIVE_SEQS)))
-                          for rid, r in reps.items()}
-            self._decoding.clear()
-            stale = list(self._streams.values())
-        for s in stale:  # their replicas dropped them (a leader that died cannot say so itself)
+            self.loads = {rid: self.loads[rid] if rid in keep and rid in self.loads else
+                          ReplicaLoad(max_batch=max(1, min(r.max_batch(), MAX_ACTIVE_SEQS))) for rid, r in reps.items()}
+            self._decoding = {rid: n for rid, n in self._decoding.items() if rid in keep}
+            stale = [s for s in self._streams.values() if s.prefill_rid not in keep or s.decode_rid not in keep]
+            for s in stale:
+                self._streams.pop(s.seq, None)
+        for s in stale:
+            self.metrics.finished("error")
             s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"the mesh was re-planned "
                                         f"(plan v{ctx.version}) while this request ran; retry it"))
 
@@ -145,12 +152,20 @@ class Gateway:
             self.node_version(d) == ctx.version for d in drafters)
 
     # -- routing ---------------------------------------------------------------------------------
-    def route(self, n_in: int, n_out: int) -> tuple[int, int]:
+    def route(self, n_in: int, n_out: int, pin: int | None = None) -> tuple[int, int]:
         """(prefill replica, decode replica) for a request, by the simulator's earliest-finish
-        router over the ready replicas; the same id twice for a mixed replica."""
+        router over the ready replicas; the same id twice for a mixed replica. `pin` asks for a
+        decode replica (operators, benchmarks); it must be a ready decode or mixed replica."""
         ready = set(self.ready_replicas())
+        if pin is not None and (pin not in ready or self.reps.get(pin) is None
+                                or self.reps[pin].role not in ("decode", "mixed")):
+            raise RequestError(f"decode replica {pin} is not a ready decode replica of this plan")
         with self._lock:
             reps = [r for rid, r in self.reps.items() if rid in ready]
+            if pin is not None and self.reps[pin].role == "mixed":
+                return pin, pin
+            if pin is not None:  # a pinned decode replica takes its prompts from a prefill replica
+                reps = [r for r in reps if r.role != "mixed"]
             if not any(r.role == "decode" for r in reps):
                 reps = [r for r in reps if r.role == "mixed"]  # a prefill replica needs a decode one
             if not any(r.role in ("prefill", "mixed") for r in reps):
@@ -158,8 +173,9 @@ class Gateway:
             router = Router(reps, PortBook(reps[0].inp.net))
             now = time.monotonic() / self.time_scale  # the router's clock: emulated device seconds
             pre = router.pick_prefill(self.loads, n_in, n_out, now)
-            dec = pre if router.reps[pre].role == "mixed" else router.pick_decode(pre, self.loads, n_in, n_out, now)
-            return pre, dec
+            if router.reps[pre].role == "mixed":
+                return pre, pre
+            return pre, pin if pin is not None else router.pick_decode(pre, self.loads, n_in, n_out, now)
 
     def _book(self, s: Stream, phase: str, sign: int) -> None:
         """Keep the router's view: prompts queued for prefill, sequences decoding (and their
@@ -177,13 +193,16 @@ class Gateway:
 
     # -- requests ---------------------------------------------------------------------------------
     async def submit(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
-                     seed: int) -> Stream:
+                     seed: int, spec_mode: str | None = None, gamma: int | None = None,
+                     decode_replica: int | None = None) -> Stream:
         ctx = self.ctx
-        pre, dec = self.route(len(ids), max_tokens)
+        pre, dec = self.route(len(ids), max_tokens, decode_replica)
         seq = self._seq_prefix | next(self._seq_counter)
         loop = asyncio.get_running_loop()
         leaders = {ctx.leader(pre), ctx.leader(dec)}
-        drafter = self.pick_drafter()
+        sp = self.cfg.speculation
+        mode = spec_mode or sp.mode
+        drafter = self.pick_drafter() if mode != "off" else ""
         s = Stream(seq, loop, asyncio.Queue(), leaders, pre, dec, len(ids), max_tokens, drafter=drafter)
         if drafter:
             leaders.add(ctx.address(drafter))
@@ -196,11 +215,10 @@ class Gateway:
                                        sampling=sampling, stop_ids=stop, decode_replica=dec, gateway=self.address,
                                        drafter=drafter, plan_version=ctx.version))]
         if drafter:  # first, so that the drafter prefills the prompt while the target does
-            sp = self.cfg.speculation
             msgs.insert(0, (ctx.address(drafter), make(
                 MsgType.SESSION, seq=seq, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling,
-                stop_ids=stop, decode_replica=dec, gamma=sp.gamma, adaptive=sp.adaptive, mode=sp.mode,
-                gateway=self.address, plan_version=ctx.version)))
+                stop_ids=stop, decode_replica=dec, gamma=gamma or sp.gamma, adaptive=sp.adaptive and gamma is None,
+                mode=mode, gateway=self.address, plan_version=ctx.version)))
         try:
             for addr, msg in msgs:
                 await loop.run_in_executor(self._send_pool, self.t.send, addr, msg)
@@ -210,10 +228,10 @@ class Gateway:
         return s
 
     def pick_drafter(self) -> str:
-        """The ready drafter with the fewest sessions ("" when speculation is off or none is ready).
+        """The ready drafter with the fewest sessions from this gateway ("" when none is ready).
         One drafter serves many sessions (one-for-many)."""
         ctx = self.ctx
-        if self.cfg.speculation.mode == "off" or ctx is None:
+        if ctx is None:
             return ""
         ready = [d for d in ctx.plan.drafters if self.node_version(d) == ctx.version]
         if not ready:
@@ -254,6 +272,8 @@ class Gateway:
             s.spec = msg["spec"]
         if not toks:
             return
+        if self.ctx is not None and msg.src in self.ctx.addresses:
+            s.leaders.add(self.ctx.addresses[msg.src])  # a session that moved is released where it is now
         s.pending[idx] = (toks, msg["finished"], msg["finish_reason"])
         while s.next_index in s.pending:  # in order, each index once (a duplicate is overwritten)
             toks, fin, reason = s.pending.pop(s.next_index)

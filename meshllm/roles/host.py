@@ -33,6 +33,7 @@ from meshllm.roles.verifier import draft_topic
 
 log = logging.getLogger("meshllm.host")
 
+SNAPSHOT_S = 0.5  # how stale the figures in heartbeats and --status may be
 
 class RoleHost:
     def __init__(self, transport: Transport, cfg: NodeConfig, members: Membership | None = None):
@@ -42,6 +43,10 @@ class RoleHost:
         self.worker = Worker(f"compute-{self.me}", self._step, self._wake_after)
         self.drafter = None
         self._draft_topic: bytes | None = None
+        self._epoch = 0  # plan version at which the current roles were built
+        self._snapshot: dict[str, Any] = {}
+        self._snapshot_at = 0.0
+        self.balancer = None  # decode replicas' leaders: capacity and session moves (roles/decode.py)
         self.ctx: PlanContext | None = None
         self.offered = 0  # newest plan version received (applied or being applied)
         self.ready_version = 0  # plan version whose stage is loaded and serving
@@ -55,7 +60,8 @@ class RoleHost:
                           (MsgType.KV_TRANSFER, self._on_kv), (MsgType.KV_ACK, self._on_kv_ack),
                           (MsgType.GENERATE_REQ, self._on_generate), (MsgType.HANDOFF, self._on_handoff),
                           (MsgType.RELEASE, self._on_release), (MsgType.DRAFT, self._on_draft),
-                          (MsgType.VERDICT, self._on_verdict), (MsgType.SESSION, self._on_session)):
+                          (MsgType.VERDICT, self._on_verdict), (MsgType.SESSION, self._on_session),
+                          (MsgType.CAPACITY, self._on_capacity)):
             transport.on(mtype, fn, self.worker)
         transport.on(MsgType.PLAN, self._on_plan)
 
@@ -91,21 +97,43 @@ class RoleHost:
         self.worker.submit(lambda: self.apply(ctx))
 
     def apply(self, ctx: PlanContext) -> None:
-        """Compute thread: serve `ctx` from now on."""
+        """Compute thread: serve `ctx` from now on. A replica whose nodes and layers did not change
+        keeps its sequences (only those handed to a replica that changed fail); anything else
+        fails its in-flight sequences with a clear error and is rebuilt."""
         if ctx.version < self.offered:
             return  # an even newer plan is queued behind this one
-        if self.leader is not None:
-            self.leader.fail_all(f"the mesh was re-planned (plan v{ctx.version}); retry the request")
-        self.ctx, self.stage, self.leader, self.acks, self.drafter = ctx, None, None, None, None
-        self._listen_drafts(None)
-        mine = ctx.mine
-        if mine is not None:
-            self._build_stage(ctx, *mine)
-        elif self.me in ctx.plan.drafters and self.cfg.speculation.mode != "off":
-            self._build_drafter()
+        old, mine = self.ctx, ctx.mine
+        if self.stage is not None and mine is not None and old is not None and old.mine is not None \
+                and old.mine[1] == mine[1] and ctx.unchanged(old, mine[0].id):
+            self._carry_over(old, ctx)
+        elif self.drafter is not None and self.me in ctx.plan.drafters:
+            self.ctx = ctx
+            self.drafter.replan(lambda rid: ctx.unchanged(old, rid))
+        else:
+            if self.leader is not None:
+                self.leader.fail_all(f"the mesh was re-planned (plan v{ctx.version}); retry the request")
+            self.ctx, self.stage, self.leader, self.acks, self.drafter = ctx, None, None, None, None
+            self.balancer = None
+            self._epoch = ctx.version
+            self._listen_drafts(None)
+            if mine is not None:
+                self._build_stage(ctx, *mine)
+            elif self.me in ctx.plan.drafters and self.cfg.speculation.mode != "off":
+                self._build_drafter()
         self.ready_version = ctx.version
+        self._refresh(force=True)
         for fn in self.listeners:
             fn(ctx)
+
+    def _carry_over(self, old: PlanContext, ctx: PlanContext) -> None:
+        """Keep this replica serving under the new plan version."""
+        self.ctx = self.stage.ctx = ctx
+        if self.leader is not None:
+            self.leader.ctx = ctx
+            for s in list(self.leader.seqs.values()):
+                if s.decode_rid != self.leader.rid and not ctx.unchanged(old, s.decode_rid):
+                    self.leader.fail(s, f"its decode replica changed in plan v{ctx.version}; retry the request")
+        log.info("%s: plan v%d keeps replica %d as it was", self.me, ctx.version, self.stage.replica.id)
 
     def _build_stage(self, ctx: PlanContext, replica, index: int) -> None:
         from meshllm.roles.decode import KvAcks  # lazy: torch
@@ -123,8 +151,13 @@ class RoleHost:
                                  lambda s, finished: handoff(ctx, self.send, s, finished))
             self.acks = KvAcks(self.leader)
             if replica.role in (Role.DECODE, Role.MIXED):
-                self.leader.verifier = Verifier(self.leader, self.send, self.alive, ctx.address, self.cfg.time_scale)
+                self.leader.verifier = Verifier(self.leader, self.send, self.alive, self.cfg.time_scale)
                 self._listen_drafts(replica.id)
+            if replica.role == Role.DECODE:
+                from meshllm.roles.decode import CAPACITY_TOPIC, Balancer
+
+                self.balancer = Balancer(self.leader, self.send, lambda m: self.t.publish(m, topic(CAPACITY_TOPIC)))
+                self.t.subscribe_topic(topic(CAPACITY_TOPIC))
 
     def _build_drafter(self) -> None:
         """Hold the W4A16 (or W8A16) draft, quantized from the target at the cluster's group size."""
@@ -136,7 +169,12 @@ class RoleHost:
             t0 = time.perf_counter()
             self._model = None
             full = self._load_shard((0, None))
-            self._model = quantize_model(full, self.cfg.draft.quant, self.cfg.draft.group_size)
+            quant = self.cfg.draft.quant
+            if quant == "random":  # same shape, weights of no use: the verifier rejects ~everything
+                from meshllm.engine.weights import randomize_weights
+
+                randomize_weights(full, seed=1234)
+            self._model = full if quant in ("fp32", "random") else quantize_model(full, quant, self.cfg.draft.group_size)
             self._shard_key = ("draft", self.cfg.draft)
             release_freed_memory()
             log.info("%s: %s g%d draft ready in %.1f s (resident %.0f MB)", self.me, self.cfg.draft.quant,
@@ -191,8 +229,9 @@ class RoleHost:
         self.t.send(address, msg)
 
     def _current(self, msg: Message) -> bool:
+        """A message of a plan version this node's roles still serve (built at `_epoch`, kept since)."""
         v = msg.fields.get("plan_version")
-        if self.ctx is not None and v == self.ctx.version:
+        if self.ctx is not None and isinstance(v, int) and self._epoch <= v <= self.ctx.version:
             return True
         if v not in self._stale_logged:
             self._stale_logged.add(v)
@@ -254,8 +293,16 @@ class RoleHost:
             return
         self._need("drafter", msg).on_session(msg, self._model.args.vocab_size, self.cfg.speculation.gamma)
 
+    def _on_capacity(self, msg: Message, reply: Callable) -> None:
+        if self.balancer is not None and self._current(msg):
+            self.balancer.on_capacity(msg)
+
     def _on_release(self, msg: Message, reply: Callable) -> None:
         seq = check_seq(msg["seq"])
+        ship_to, length = msg.fields.get("ship_to"), msg.fields.get("length")
+        if self.stage is not None and self.leader is None and isinstance(ship_to, int) and isinstance(length, int):
+            self.stage.migrate_out(seq, ship_to, length)  # the session moves to another replica
+            return
         if self.drafter is not None:
             self.drafter.end(seq)
         if self.leader is not None:
@@ -274,18 +321,33 @@ class RoleHost:
                                                             f"v{self.ctx.version if self.ctx else None}"))
 
     def _step(self) -> bool:
+        self._refresh()
         if self.leader is not None:
+            if self.balancer is not None:
+                self.balancer.rebalance()
             return self.leader.step()
         return self.drafter.step() if self.drafter is not None else False
 
     def _wake_after(self) -> float | None:
-        if self.leader is not None:
-            return self.leader.next_wake_s()
-        return self.drafter.next_wake_s() if self.drafter is not None else None
+        """Wake at the next role deadline, and at least every SNAPSHOT_S while serving."""
+        role = self.leader or self.drafter
+        t = role.next_wake_s() if role is not None else None
+        return SNAPSHOT_S if t is None else min(t, SNAPSHOT_S)
 
     # -- reporting -------------------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"plan_version": self.ready_version, "rss_mb": round(rss_mb(), 1)}
+        """This node's serving figures, from any thread: the compute thread's latest snapshot
+        (reading its live structures from the I/O thread would race with it)."""
+        return {**self._snapshot, "plan_version": self.ready_version, "rss_mb": round(rss_mb(), 1)}
+
+    def _refresh(self, force: bool = False) -> None:
+        """Compute thread: snapshot the figures (at most every SNAPSHOT_S) and, on a decode
+        replica's leader, publish its capacity."""
+        now = time.monotonic()
+        if not force and now - self._snapshot_at < SNAPSHOT_S:
+            return
+        self._snapshot_at = now
+        out: dict[str, Any] = {}
         if self.stage is not None:
             st = self.stage
             out["stage"] = {"replica": st.replica.id, "index": st.index, "layers": list(st.layers),
@@ -298,9 +360,11 @@ class RoleHost:
                                          "overrun_s": round(st.pacer.overrun_s, 3)}
         if self.leader is not None:
             out["leader"] = self.leader.load()
+            if self.balancer is not None:
+                self.balancer.publish_capacity()
         if self.drafter is not None:
             out["drafter"] = self.drafter.load()
-        return out
+        self._snapshot = out
 
     def status(self) -> dict[str, Any]:
         """What `--status` and the heartbeats say of this node's part in the plan."""

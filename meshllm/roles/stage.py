@@ -200,6 +200,13 @@ class Stage:
             self._send(self.ctx.address(node), m)
         self.cache.free(seq)
 
+    def migrate_out(self, seq: int, rid: int, length: int) -> None:
+        """Ship the first `length` positions of a sequence's KV to replica `rid`, then free it (a
+        session moving to another decode replica; positions beyond are rejected drafts)."""
+        if seq in self.cache:
+            self.cache.truncate(seq, min(length, self.cache.length(seq)))
+            self.ship_kv(seq, rid)
+
     def on_kv_transfer(self, msg: Message) -> bool:
         """Import one layer range of a sequence's KV; True once this stage holds all its layers
         (the caller acknowledges to the leader)."""

@@ -56,8 +56,8 @@ def draft_topic(rid: int) -> str:
 
 class Verifier:
     def __init__(self, leader, send: Callable[[str, Message], None], alive: Callable[[str], bool],
-                 address: Callable[[str], str], time_scale: float = 1.0):
-        self.leader, self._send, self.alive, self.address = leader, send, alive, address
+                 time_scale: float = 1.0):
+        self.leader, self._send, self.alive = leader, send, alive
         self.fallback_min_s = FALLBACK_MIN_S * time_scale
         self.pending: dict[int, dict[int, Block]] = {}
         self.stats = AcceptanceStats()
@@ -145,7 +145,7 @@ class Verifier:
         m = make(MsgType.VERDICT, tenant=s.drafter, seq=s.id, block=block, accepted=accepted, tokens=tokens,
                  context=s.context, hash=s.hash, replica=self.leader.rid, finished=finished)
         try:
-            self._send(self.address(s.drafter), m)
+            self._send(self.leader.ctx.address(s.drafter), m)
         except (KeyError, TimeoutError) as e:  # the drafter is gone: the sequence goes on without it
             log.warning("replica %d: no verdict to %s for seq %d: %s", self.leader.rid, s.drafter, s.id, e)
             s.drafter = ""

@@ -24,7 +24,7 @@ from meshllm.partition.replica import (
 CTX_BUCKET = 16  # tokens: step times are cached per context rounded to this
 CHUNK_BUCKET = 8  # tokens: chunk sizes in the step-time cache are rounded up to this
 MIN_CHUNK = 16  # prompt tokens per step a mixed replica prefills at least (progress on a compute-bound step)
-DRAIN_STEPS = 8  # ... and at least 1/DRAIN_STEPS of its queued prompt tokens (its backlog drains)
+DRAIN_STEPS = 16  # ... and at least 1/DRAIN_STEPS of its queued prompt tokens (its backlog drains)
 
 
 @dataclass

@@ -1,0 +1,128 @@
+"""The speculative decoding rules, in isolation: block verification (greedy and sampled), the
+lossless distribution (chi-square at N >= 1e5, including a two-step Markov model whose rejected
+second drafts exercise the rollback), acceptance statistics and the adaptive draft length."""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chisquare
+
+from meshllm.engine.sampling import SamplingParams, verify_sampled
+from meshllm.engine.speculative import (
+    AcceptanceStats,
+    choose_gamma,
+    expected_tokens,
+    extend_hash,
+    verify_block,
+)
+from meshllm.mesh.protocol import SpanKind, WireSpan
+from meshllm.roles.stage import results_of
+
+GREEDY = SamplingParams()
+N = 100_000
+
+
+def onehot_logits(ids: list[int], vocab: int = 10) -> torch.Tensor:
+    """Logits whose argmax at row i is ids[i] (margin 5)."""
+    x = torch.zeros(len(ids), vocab)
+    x[torch.arange(len(ids)), torch.tensor(ids)] = 5.0
+    return x
+
+
+def test_greedy_all_accepted_gives_the_bonus():
+    tokens, marg = verify_block(onehot_logits([3, 4, 5, 6]), [3, 4, 5], GREEDY, 0, 0)
+    assert tokens == [3, 4, 5, 6] and len(marg) == 4
+
+
+def test_greedy_early_rejection_gives_the_correction():
+    assert verify_block(onehot_logits([3, 9, 5, 6]), [3, 4, 5], GREEDY, 0, 0)[0] == [3, 9]
+    assert verify_block(onehot_logits([7, 4, 5, 6]), [3, 4, 5], GREEDY, 0, 0)[0] == [7]
+
+
+def test_empty_block_is_a_plain_step():
+    assert verify_block(onehot_logits([8]), [], GREEDY, 0, 0)[0] == [8]
+
+
+def test_mixed_gamma_in_one_batch_matches_one_block_at_a_time():
+    """Tenants' blocks of different lengths verified from one ragged batch of logits."""
+    blocks = {11: ([3, 4], [3, 4, 1]), 12: ([2, 2, 2, 2], [2, 9, 0, 0, 0]), 13: ([], [6])}
+    spans = [WireSpan(seq, 10, len(d) + 1, SpanKind.VERIFY, 5) for seq, (d, _) in blocks.items()]
+    logits = torch.cat([onehot_logits(t) for _, t in blocks.values()])
+    out = results_of(logits, spans, {seq: (d, None, None) for seq, (d, _) in blocks.items()})
+    assert [e[1] for e in out] == [[3, 4, 1], [2, 9], [6]]
+    for (seq, (d, t)), e in zip(blocks.items(), out):
+        assert e[0] == seq and e[1] == verify_block(onehot_logits(t), d, GREEDY, 0, 5)[0]
+
+
+def test_sampled_verification_is_reproducible_for_a_seed_and_index():
+    logits = torch.randn(4, 10)
+    q_ids, q_p = torch.arange(10).repeat(3, 1), torch.full((3, 10), 0.1)
+    p = SamplingParams(temperature=0.9)
+    a = verify_block(logits, [1, 2, 3], p, seed=7, index=12, q_ids=q_ids, q_p=q_p)
+    assert a == verify_block(logits, [1, 2, 3], p, seed=7, index=12, q_ids=q_ids, q_p=q_p)
+
+
+def test_the_rejection_sampler_outputs_exactly_p_and_accepts_sum_min_p_q():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.30, 0.25, 0.15, 0.20, 0.05])
+    q = torch.tensor([0.30, 0.10, 0.10, 0.30, 0.05, 0.15])
+    draws = torch.multinomial(q, N, replacement=True, generator=gen)
+    target = p.repeat(2, 1)
+    out, accepted = torch.zeros(6), 0
+    for x in draws.tolist():
+        n, tok = verify_sampled(torch.tensor([x]), q[None], target, gen)
+        first = x if n == 1 else tok
+        out[first] += 1
+        accepted += n
+    assert chisquare(out.numpy(), (p * N).numpy()).pvalue > 1e-3
+    assert abs(accepted / N - float(torch.minimum(p, q).sum())) < 0.01
+
+
+def test_a_two_step_markov_model_keeps_the_target_joint_through_rollbacks():
+    """Draft two tokens from a draft chain Q, verify against the target chain P: the committed
+    first two tokens must follow P's joint law (rejections at the second draft roll it back)."""
+    gen = torch.Generator().manual_seed(1)
+    v = 4
+    P = torch.softmax(torch.randn(v + 1, v, generator=gen) * 1.5, -1)  # row v: the first token's law
+    Q = torch.softmax(torch.randn(v + 1, v, generator=gen) * 1.5, -1)
+    counts = torch.zeros(v, v)
+    rejected_second = 0
+    for _ in range(N):
+        d1 = int(torch.multinomial(Q[v], 1, generator=gen))
+        d2 = int(torch.multinomial(Q[d1], 1, generator=gen))
+        n, tok = verify_sampled(torch.tensor([d1, d2]), torch.stack([Q[v], Q[d1]]),
+                                torch.stack([P[v], P[d1], P[d2]]), gen)
+        seq = [d1, d2][:n] + [tok]
+        if len(seq) < 2:  # only the correction committed: the next block starts after it
+            seq.append(int(torch.multinomial(P[seq[0]], 1, generator=gen)))
+        rejected_second += n == 1
+        counts[seq[0], seq[1]] += 1
+    joint = P[v][:, None] * P[:v]
+    assert rejected_second > N // 20, "the test must exercise rollbacks after an accepted first draft"
+    assert chisquare(counts.flatten().numpy(), (joint.flatten() * N).numpy()).pvalue > 1e-3
+
+
+def test_acceptance_stats_follow_vllm_definitions():
+    st = AcceptanceStats()
+    st.record(4, 4)
+    st.record(4, 1)
+    st.record(2, 0)
+    assert st.drafted == 10 and st.accepted == 5 and st.blocks == 3
+    assert st.rate == 0.5 and st.mean_length == 1 + 5 / 3
+    assert st.per_position[1] == 2 and st.per_position[2] == 1 and st.offered[3] == 2
+    merged = AcceptanceStats()
+    merged.merge(st.to_json())
+    merged.merge(st.to_json())
+    assert merged.drafted == 20 and merged.gammas[4] == 4
+
+
+def test_adaptive_gamma_grows_with_the_delay_and_the_acceptance():
+    g = [choose_gamma(0.75, 0.01, 0.02, rtt, asynchronous=False) for rtt in (0.0, 0.02, 0.1, 0.4)]
+    assert g == sorted(g) and g[-1] > g[0]
+    assert choose_gamma(0.95, 0.01, 0.02, 0.1, False) > choose_gamma(0.3, 0.01, 0.02, 0.1, False)
+    assert expected_tokens(0.0, 5) == 1 and expected_tokens(1.0, 5) == 6
+
+
+def test_prefix_hash_is_order_sensitive():
+    assert extend_hash(0, [1, 2]) != extend_hash(0, [2, 1])
+    assert extend_hash(extend_hash(0, [1]), [2]) == extend_hash(0, [1, 2])
