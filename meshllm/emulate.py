@@ -177,6 +177,9 @@ class EmulatedCluster:
         raise RuntimeError(f"the mesh did not start serving within {timeout_s:g} s (gateway health: {last}); "
                            f"gateway log: {self.log_tail(self.gateway_node)}")
 
+    def dead(self) -> set[str]:
+        return {nid for nid, p in self.procs.items() if p.poll() is not None}
+
     def _check_alive(self) -> None:
         for nid, proc in self.procs.items():
             if proc.poll() is not None:
@@ -256,10 +259,19 @@ def workload_jobs(cfg: ClusterConfig, args: Any) -> list[Job]:
 
 
 def serve_until_interrupted(cluster: EmulatedCluster) -> None:
+    """Serve until Ctrl-C / SIGTERM. A node that dies meanwhile is reported, not fatal: the mesh
+    re-plans around it (and the gateway's own death ends the run)."""
     print(f"meshllm: serving on http://{cluster.gateway}", file=sys.stderr, flush=True)
+    reported: set[str] = set()
     try:
         while True:
-            cluster._check_alive()
+            for nid in cluster.dead() - reported:
+                reported.add(nid)
+                log.warning("node %s exited (code %s); the mesh goes on without it", nid,
+                            cluster.procs[nid].returncode)
+            if cluster.gateway_node in reported:
+                raise RuntimeError(f"the gateway node {cluster.gateway_node} exited: "
+                                   f"{cluster.log_tail(cluster.gateway_node)}")
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("meshllm: stopping the emulated mesh", file=sys.stderr, flush=True)

@@ -105,7 +105,7 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
         for p in procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for nid, p in procs.items():
+        for p in procs.values():
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:

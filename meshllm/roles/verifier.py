@@ -62,7 +62,8 @@ class Verifier:
         self.pending: dict[int, dict[int, Block]] = {}
         self.stats = AcceptanceStats()
         self.verify_ms: float | None = None
-        self.fallbacks = 0
+        self.fallbacks = 0  # plain steps of sessions whose drafter was late
+        self.orphaned = 0  # sessions whose drafter died (or left) mid-generation
         self.stale = 0
 
     # -- blocks in --------------------------------------------------------------------------------
@@ -101,7 +102,12 @@ class Verifier:
                 del blocks[no]
                 s.waiting_since = None
                 return b
-        if not self.alive(s.drafter):
+        if not self.alive(s.drafter):  # dead or gone: the session goes on autoregressively
+            log.warning("replica %d: seq %d lost its drafter %s; decoding it without drafts", self.leader.rid,
+                        s.id, s.drafter)
+            s.drafter = ""
+            self.orphaned += 1
+            self.pending.pop(s.id, None)
             return None
         if s.waiting_since is None:
             s.waiting_since = now
@@ -139,7 +145,7 @@ class Verifier:
             self.verdict(s, block.no, tokens, finished)
 
     def verdict(self, s, block: int, tokens: list[int], finished: bool) -> None:
-        if not s.drafter:
+        if not s.drafter or not self.alive(s.drafter):
             return
         accepted = max(0, len(tokens) - 1) if block >= 0 else 0
         m = make(MsgType.VERDICT, tenant=s.drafter, seq=s.id, block=block, accepted=accepted, tokens=tokens,
@@ -162,7 +168,8 @@ class Verifier:
     def load(self) -> dict:
         return {"acceptance_rate": self.stats.rate, "mean_acceptance_length": self.stats.mean_length,
                 "verify_ms": None if self.verify_ms is None else round(self.verify_ms, 3),
-                "fallback_steps": self.fallbacks, "stale_blocks": self.stale, **self.stats.to_json()}
+                "fallback_steps": self.fallbacks, "orphaned_sessions": self.orphaned, "stale_blocks": self.stale,
+                **self.stats.to_json()}
 
 
 def commit_hash(h: int, tokens: list[int]) -> int:
