@@ -47,6 +47,7 @@ class SpeculationSpec:
     mode: str = DEFAULT_SPEC_MODE
     gamma: int = DEFAULT_GAMMA  # draft length (the first one, when adaptive)
     adaptive: bool = False  # each session's gamma follows its acceptance and round trip
+    max_verify_batch: int = 0  # blocks a decode replica verifies in one forward (0: all it has)
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,7 @@ def _draft(d: Any, src: str) -> DraftSpec:
 
 
 def _spec(d: Any, src: str) -> SpeculationSpec:
-    _check_keys(d, {"mode", "gamma", "adaptive"}, set(), src, "speculation.")
+    _check_keys(d, {"mode", "gamma", "adaptive", "max_verify_batch"}, set(), src, "speculation.")
     mode = d.get("mode", DEFAULT_SPEC_MODE)
     mode = "off" if mode is False else mode  # YAML 1.1 reads a bare `off` as false
     adaptive = d.get("adaptive", False)
@@ -262,7 +263,8 @@ def _spec(d: Any, src: str) -> SpeculationSpec:
     gamma = int(_num(d.get("gamma", DEFAULT_GAMMA), src, "speculation.gamma", lo=1, integer=True))
     if gamma > MAX_GAMMA:
         raise ConfigError(src, "speculation.gamma", f"must be at most {MAX_GAMMA}, got {gamma}")
-    return SpeculationSpec(_choice(mode, SPEC_MODES, src, "speculation.mode"), gamma, adaptive)
+    mvb = int(_num(d.get("max_verify_batch", 0), src, "speculation.max_verify_batch", integer=True))
+    return SpeculationSpec(_choice(mode, SPEC_MODES, src, "speculation.mode"), gamma, adaptive, mvb)
 
 
 def _dist(d: Any, src: str, fld: str, default: float) -> LengthDist:

@@ -194,7 +194,7 @@ class Gateway:
     # -- requests ---------------------------------------------------------------------------------
     async def submit(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
                      seed: int, spec_mode: str | None = None, gamma: int | None = None,
-                     decode_replica: int | None = None) -> Stream:
+                     decode_replica: int | None = None, adaptive: bool | None = None) -> Stream:
         ctx = self.ctx
         pre, dec = self.route(len(ids), max_tokens, decode_replica)
         seq = self._seq_prefix | next(self._seq_counter)
@@ -217,7 +217,8 @@ class Gateway:
         if drafter:  # first, so that the drafter prefills the prompt while the target does
             msgs.insert(0, (ctx.address(drafter), make(
                 MsgType.SESSION, seq=seq, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling,
-                stop_ids=stop, decode_replica=dec, gamma=gamma or sp.gamma, adaptive=sp.adaptive and gamma is None,
+                stop_ids=stop, decode_replica=dec, gamma=gamma or sp.gamma,
+                adaptive=sp.adaptive if adaptive is None else adaptive,
                 mode=mode, gateway=self.address, plan_version=ctx.version)))
         try:
             for addr, msg in msgs:

@@ -151,7 +151,8 @@ class RoleHost:
                                  lambda s, finished: handoff(ctx, self.send, s, finished))
             self.acks = KvAcks(self.leader)
             if replica.role in (Role.DECODE, Role.MIXED):
-                self.leader.verifier = Verifier(self.leader, self.send, self.alive, self.cfg.time_scale)
+                self.leader.verifier = Verifier(self.leader, self.send, self.alive, self.cfg.time_scale,
+                                                self.cfg.speculation.max_verify_batch)
                 self._listen_drafts(replica.id)
             if replica.role == Role.DECODE:
                 from meshllm.roles.decode import CAPACITY_TOPIC, Balancer

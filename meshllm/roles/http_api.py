@@ -10,7 +10,7 @@
 
 Request fields: model, max_tokens, temperature, top_p, seed, stop (string or up to 4), stream,
 n (1 only); `top_k` is accepted as an extension, and so is `meshllm`: {"speculation": "async" |
-"sync" | "off", "gamma": 1-16, "decode_replica": id} (per-request controls for operators and
+"sync" | "off", "gamma": 1-16, "adaptive": bool, "decode_replica": id} (per-request controls for operators and
 benchmarks; by default the cluster's settings and the router decide). Every choice carries `token_ids` (extension)
 so clients can compare against `--reference`. Bad input is a 4xx with an OpenAI-style JSON
 error (`{"error": {"message", "type", "param", "code"}}`) and the node keeps serving. A client
@@ -63,6 +63,7 @@ class Params:
     spec_mode: str | None = None  # meshllm extension: override the cluster's speculation mode
     gamma: int | None = None
     decode_replica: int | None = None
+    adaptive: bool | None = None
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
@@ -102,8 +103,12 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", "stream", "invalid_value")
     ext = body.get("meshllm") or {}
-    if not isinstance(ext, dict) or set(ext) - {"speculation", "gamma", "decode_replica"}:
-        raise ApiError(400, "'meshllm' takes speculation, gamma and decode_replica", "meshllm", "invalid_value")
+    if not isinstance(ext, dict) or set(ext) - {"speculation", "gamma", "adaptive", "decode_replica"}:
+        raise ApiError(400, "'meshllm' takes speculation, gamma, adaptive and decode_replica", "meshllm",
+                       "invalid_value")
+    adaptive = ext.get("adaptive")
+    if adaptive is not None and not isinstance(adaptive, bool):
+        raise ApiError(400, "meshllm.adaptive must be true or false", "meshllm.adaptive", "invalid_value")
     mode = ext.get("speculation")
     if mode not in (None, "async", "sync", "off"):
         raise ApiError(400, "meshllm.speculation must be async, sync or off", "meshllm.speculation", "invalid_value")
@@ -112,7 +117,7 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
     return Params(ids, min(max_tokens, gw.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, 2)),
                   _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
                   _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
-                  mode, gamma, pin)
+                  mode, gamma, pin, adaptive)
 
 
 def _prompt_ids(body: dict, gw: Gateway) -> list[int]:
@@ -197,7 +202,8 @@ async def _generate(request: web.Request, gw: Gateway, chat: bool) -> web.Stream
     try:
         p = parse_params(body, gw, chat)
         s = await gw.submit(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
-                            spec_mode=p.spec_mode, gamma=p.gamma, decode_replica=p.decode_replica)
+                            spec_mode=p.spec_mode, gamma=p.gamma, decode_replica=p.decode_replica,
+                            adaptive=p.adaptive)
     except ApiError as e:
         return e.response()
     except RequestError as e:

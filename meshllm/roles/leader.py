@@ -148,7 +148,7 @@ class Leader:
         for s in ready:
             if len(fl.spans) >= per_batch or len(ids) >= TOKEN_BUDGET:
                 break
-            block = self.verifier.take(s, fl.sent) if s.drafter and self.verifier else None
+            block = self.verifier.take(s, fl.sent, len(fl.blocks)) if s.drafter and self.verifier else None
             if block is WAIT:
                 continue
             tokens = [s.out[-1]] + (block.tokens if block else [])

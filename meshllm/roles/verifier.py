@@ -56,8 +56,9 @@ def draft_topic(rid: int) -> str:
 
 class Verifier:
     def __init__(self, leader, send: Callable[[str, Message], None], alive: Callable[[str], bool],
-                 time_scale: float = 1.0):
+                 time_scale: float = 1.0, max_batch: int = 0):
         self.leader, self._send, self.alive = leader, send, alive
+        self.max_batch = max_batch  # blocks per forward (0: no limit; 1: one at a time, the baseline)
         self.fallback_min_s = FALLBACK_MIN_S * time_scale
         self.pending: dict[int, dict[int, Block]] = {}
         self.stats = AcceptanceStats()
@@ -90,8 +91,11 @@ class Verifier:
             del blocks[min(blocks)]
 
     # -- the leader's questions ---------------------------------------------------------------------
-    def take(self, s, now: float):
-        """For a ready speculative sequence: its block (verify it), WAIT, or None (plain step)."""
+    def take(self, s, now: float, taken: int = 0):
+        """For a ready speculative sequence: its block (verify it), WAIT, or None (plain step).
+        `taken`: blocks already in this micro-batch (with max_batch set, the rest wait)."""
+        if self.max_batch and taken >= self.max_batch:
+            return WAIT
         blocks = self.pending.get(s.id, {})
         for no in sorted(blocks):
             b = blocks[no]
