@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from deap import base, creator, tools
 
-from meshllm.partition.grouping import NONE, Evaluator, Grouping, all_mixed, greedy_genes, pack, type_genes
+from meshllm.partition.grouping import NONE, Evaluator, Grouping, all_mixed, pack, type_genes, type_order
 from meshllm.partition.latency import WAIT_WEIGHT
 
 POP_SIZE = 40
@@ -225,12 +225,14 @@ def _capacity_phase(ev: Evaluator, rng: random.Random, pop_size: int | None, gen
 @dataclass(frozen=True)
 class Search:
     """What the planner's search found: its pick, the candidates a judge may choose from instead
-    (the pick first), the best capacity found and the rate the latency phase planned for."""
+    (the pick first), the best capacity found, the rate the latency phase planned for, and which
+    candidates are the groupings an operator would run (one device type per replica)."""
 
     best: Grouping
     candidates: tuple[Grouping, ...]
     capacity: float
     rate: float
+    standard: tuple[int, ...] = ()
 
 
 def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> Search:
@@ -251,13 +253,16 @@ def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> 
         pop = run_ga(score, pop, len(ev.members), LATENCY_GENERATIONS, LATENCY_STALL, log, "latency")
         genes, _ = polish(score, pop[0])
         genes = fill_unused(ev, genes, lam)
-        best = [genes, phase1] + [g for g in pop[1:] if score(g)[0] >= score(genes)[0]][:RUNNERS_UP]
-        best += [type_genes(ev), greedy_genes(ev)]
-        cands = [ev.decode(g) for g in best]
-        cands += [m for m in (all_mixed(ev.decode(type_genes(ev))),) if m is not None]
-        unique = list({(c.groups, c.roles): c for c in cands if c.fitness > 0}.values())
+        picks = [genes, phase1] + [g for g in pop[1:] if score(g)[0] >= score(genes)[0]][:RUNNERS_UP]
+        picks += [pack(ev, type_order(ev), slack) for slack in PACK_SLACK[:2]]
+        cands = [ev.decode(g) for g in picks]
+        typed = ev.decode(type_genes(ev))  # one device type per replica: what an operator runs
+        standard = [typed] + [m for m in (all_mixed(typed),) if m is not None]
+        unique = list({(c.groups, c.roles): c for c in cands + standard if c.fitness > 0}.values())
+        keys = {(c.groups, c.roles) for c in standard}
         with_pred = tuple(Grouping(c.groups, c.roles, c.evals, c.fitness, ev.latency(c, lam)) for c in unique)
-        return Search(with_pred[0], with_pred, cap, lam)
+        return Search(with_pred[0], with_pred, cap, lam,
+                      tuple(i for i, c in enumerate(unique) if (c.groups, c.roles) in keys))
     return seeded(seed, run)
 
 

@@ -27,7 +27,7 @@ from meshllm.partition.queueing import md1_wait, mg1_wait, mgc_wait_approx
 from meshllm.partition.replica import Mix, ReplicaEval, RoleFit
 
 INF = math.inf
-WAIT_WEIGHT = 10.0  # cost = e2e + this x wait (router score, planner cost, judge): waiting is what E2LLM cuts
+WAIT_WEIGHT = 100.0  # cost = e2e + this x wait (router score, planner cost, judge): waiting first, e2e breaks ties
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from meshllm.partition.replica import decode_fit, evaluate_replica, prefill_fit
 from meshllm.partition.unused import outside_reasons
 
 GB = 1e9
-JUDGE_HIGH_LOAD = 0.75  # a judge also compares candidates at this fraction of the best capacity found
 
 
 class PlanInfeasible(InputError):
@@ -182,13 +181,14 @@ def planner_evaluator(inp: PlanInputs) -> Evaluator:
     return Evaluator(inp.mc, inp.members, inp.net, inp.mix, inp.forced, (inp.input_tokens.cs2, inp.output_tokens.cs2))
 
 
-Judge = Callable[[PlanInputs, Sequence[Grouping], float, float], int]
+Judge = Callable[[PlanInputs, Sequence[Grouping], float, Sequence[int]], int]
 
 
 def plan_cluster(inp: PlanInputs, seed: int = 0, log: bool = True, judge: Judge | None = None) -> Plan:
     """The planner (GA + DP + roles), for the workload's rate (`inp.rate_per_s`; 0: none given).
-    `judge(inp, candidates, rate, high_rate) -> index` picks among the search's candidates (the
-    simulator's `sim.judge.simulated_judge` runs each on a short trace); without one, the
+    `judge(inp, candidates, rate, standard) -> index` picks among the search's candidates (the
+    simulator's `sim.judge.simulated_judge` runs each through the simulator; `standard`: the
+    candidates an operator would run, whose saturation the pick must match); without one, the
     latency phase's pick stands. Raises PlanInfeasible when no replica can be formed."""
     t0 = time.perf_counter()
     ev = planner_evaluator(inp)
@@ -197,8 +197,7 @@ def plan_cluster(inp: PlanInputs, seed: int = 0, log: bool = True, judge: Judge 
     if not grouping.groups or grouping.fitness <= 0:
         raise PlanInfeasible(f"{inp.source}: cannot serve {inp.args.name}: {infeasible_reason(inp)}")
     if judge is not None and len(found.candidates) > 1:
-        high = max(found.rate, JUDGE_HIGH_LOAD * found.capacity)
-        grouping = found.candidates[judge(inp, found.candidates, found.rate, high)]
+        grouping = found.candidates[judge(inp, found.candidates, found.rate, found.standard)]
     return plan_from_grouping(inp, grouping, t0, ev)
 
 

@@ -1,13 +1,19 @@
-"""The planner's judge: the search's candidate groupings, each run through the simulator on a
-short trace, the best one picked (`plan_cluster(inp, judge=simulated_judge)`).
+"""The planner's judge: the search's candidate groupings, each run through the simulator, the
+best one picked (`plan_cluster(inp, judge=simulated_judge)`).
 
-The analytic latency model (partition/latency.py) steers the GA through thousands of groupings;
-it errs where the simulator's dynamics matter (deep mixed pipelines, queues that speed a replica
-up). So the last word goes to the simulator itself, on a handful of candidates: each is run at
-the planned rate and at a high load (`high`, a fraction of the best capacity found), both on
-JUDGE_REQUESTS requests; cost = mean e2e + WAIT_WEIGHT x mean wait (the router's score). Among
-the candidates within HIGH_SLACK of the lowest cost at high load (the ones that cope with load
-best: this protects the saturation rate), the lowest cost at the planned rate wins.
+The analytic model (partition/replica.py, latency.py) steers the GA through thousands of
+groupings; it errs where the simulator's dynamics matter (deep mixed pipelines, a chunked-prefill
+scheduler that cannot keep every stage busy), and the GA exploits such errors. So the last word
+goes to the simulator itself, on a handful of candidates, on a trace of its own (JUDGE_SEED, not
+the one results are reported on):
+1. each candidate's saturation rate, by the stability rule of sweep.py on shorter runs
+   (JUDGE_SWEEP_REQUESTS to JUDGE_MAX_REQUESTS, JUDGE_BISECT_STEPS: ~2.5% resolution), cached
+   per grouping;
+2. the candidates that sustain at least what the operator's own groupings do (the search's
+   one-device-type-per-replica candidates, whose saturation is the floor) and at least
+   HEADROOM x the planned rate are eligible; of those, the lowest cost at the planned rate
+   wins (mean e2e + WAIT_WEIGHT x mean wait over JUDGE_REQUESTS requests; the router's score).
+   If none is eligible, the highest saturation wins.
 """
 
 from __future__ import annotations
@@ -17,24 +23,42 @@ from collections.abc import Sequence
 from meshllm.partition.grouping import Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
+from meshllm.sim import sweep
 from meshllm.sim.replica import from_grouping
-from meshllm.sim.sweep import make_trace, simulate
 
 JUDGE_REQUESTS = 400
+JUDGE_SWEEP_REQUESTS = 400
+JUDGE_BISECT_STEPS = 4
+JUDGE_WINDOW, JUDGE_MAX_REQUESTS = 5, 1000  # shorter runs than the reported sweep's: it only compares
 JUDGE_SEED = 7919  # a trace of its own, not the one the results are reported on
-HIGH_SLACK = 0.05
+HEADROOM = 1.25  # an eligible plan sustains at least this x the planned rate
+_SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
 
 
 def run_cost(reps, trace, rate: float) -> float:
-    reqs = simulate(reps, trace, rate)
+    reqs = sweep.simulate(reps, trace, rate)
     return sum(r.done - r.arrival + WAIT_WEIGHT * r.wait_s for r in reqs) / len(reqs)
 
 
-def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float, high: float) -> int:
-    trace = make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
-    costs = []
-    for g in candidates:
-        reps = from_grouping(inp, g)
-        costs.append((run_cost(reps, trace, high), run_cost(reps, trace, rate)))
-    floor = min(c[0] for c in costs) * (1 + HIGH_SLACK)
-    return min((c[1], i) for i, c in enumerate(costs) if c[0] <= floor)[1]
+def saturation(inp: PlanInputs, g: Grouping, reps) -> float:
+    key = (inp.source, inp.args.name, inp.dtype, tuple(n.id for n in inp.nodes), inp.input_tokens,
+           inp.output_tokens, g.groups, g.roles)
+    got = _SATURATION.get(key)
+    if got is None:
+        s = sweep.Sweep(reps, inp, JUDGE_SEED, JUDGE_SWEEP_REQUESTS, JUDGE_WINDOW, JUDGE_MAX_REQUESTS)
+        got = _SATURATION[key] = s.saturation(JUDGE_BISECT_STEPS)
+    return got
+
+
+def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float,
+                    floor_from: Sequence[int] = ()) -> int:
+    """Index of the winner; `floor_from`: the candidates whose saturation eligible ones must match."""
+    trace = sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
+    sat = [saturation(inp, g, from_grouping(inp, g)) for g in candidates]
+    floor = max([sat[i] for i in floor_from] + [HEADROOM * rate])
+    eligible = [i for i, s in enumerate(sat) if s >= floor * (1 - 1e-9)]
+    if not eligible:
+        return max(range(len(sat)), key=lambda i: (sat[i], -i))
+    if rate <= 0 or len(eligible) == 1:
+        return max(eligible, key=lambda i: (sat[i], -i))
+    return min((run_cost(from_grouping(inp, candidates[i]), trace, rate), i) for i in eligible)[1]

@@ -21,8 +21,8 @@ from meshllm.partition.replica import (
     prefill_stage_s,
 )
 
-CTX_BUCKET = 16  # tokens: step times are cached per context rounded to this
-CHUNK_BUCKET = 8  # tokens: chunk sizes in the step-time cache are rounded up to this
+CTX_BUCKET = 64  # tokens: step times are cached per context rounded to this (attention is a small term)
+CHUNK_BUCKET = 16  # tokens: prompt chunks are rounded down to this in the cache (a free chunk stays free)
 MIN_CHUNK = 16  # prompt tokens per step a mixed replica prefills at least (progress on a compute-bound step)
 DRAIN_STEPS = 16  # ... and at least 1/DRAIN_STEPS of its queued prompt tokens (its backlog drains)
 
@@ -69,7 +69,7 @@ class SimReplica:
         """Seconds for every one of `batch` sequences to get one more token (pipelined
         micro-batches), with `chunk` prompt tokens riding along (mixed replicas): in the decode
         micro-batches, or, if `prompts` > 0, as that many more sequences."""
-        chunk = -(-chunk // CHUNK_BUCKET) * CHUNK_BUCKET if chunk else 0
+        chunk = max(1, chunk // CHUNK_BUCKET * CHUNK_BUCKET) if chunk else 0
         prompts = prompts if chunk else 0
         key = ("d", batch, int(context) // CTX_BUCKET, chunk, int(chunk_ctx) // CTX_BUCKET if chunk else 0, prompts)
         got = self.cache.get(key)
@@ -81,14 +81,15 @@ class SimReplica:
         return got
 
     def free_chunk(self, batch: int, context: float, prompt: int) -> int:
-        """Prompt tokens that ride along a decode step of `batch` sequences (almost) for free; at
-        least MIN_CHUNK."""
-        key = ("f", batch, int(context) // CTX_BUCKET, prompt // CTX_BUCKET)
+        """Prompt tokens that ride along a decode step of `batch` sequences (almost) for free, found
+        for a prompt of the workload's mean length; at least MIN_CHUNK, at most `prompt`."""
+        key = ("f", batch, int(context) // CTX_BUCKET)
         got = self.cache.get(key)
         if got is None:
+            mean_in = max(1, round(self.inp.mix.mean_in))
             got = self.cache[key] = free_chunk_tokens(self.inp.mc, self.members, self.counts, self.inp.net, batch,
-                                                      (key[2] + 0.5) * CTX_BUCKET, max(1, key[3] * CTX_BUCKET))
-        return max(MIN_CHUNK, got)
+                                                      (key[2] + 0.5) * CTX_BUCKET, 4 * mean_in, mean_in / 2)
+        return max(MIN_CHUNK, min(got, prompt))
 
     def chunk_tokens(self, batch: int, context: float, prompt: int, backlog: int) -> int:
         """Prompt tokens a mixed replica prefills per decode step (the simulator's policy, which

@@ -103,21 +103,23 @@ def capacity_hint(reps: Sequence[SimReplica]) -> float:
 class Sweep:
     """Stability runs of one policy on one long trace (cached per rate)."""
 
-    def __init__(self, reps: Sequence[SimReplica], inp: PlanInputs, seed: int, sweep_requests: int):
+    def __init__(self, reps: Sequence[SimReplica], inp: PlanInputs, seed: int, sweep_requests: int,
+                 window: float = WINDOW_SERVICES, n_max: int = MAX_SWEEP_REQUESTS):
         self.reps, self.inp, self.seed, self.n_min = reps, inp, seed, sweep_requests
+        self.window, self.n_max = window, n_max
         hint = max(capacity_hint(reps), 1e-6)
         probe = simulate(reps, make_trace(inp, 50, seed + 1), hint / 100)
         self.service = service_s(probe)
         self.hint = hint
-        self.trace = make_trace(inp, 2 * MAX_SWEEP_REQUESTS, seed)
+        self.trace = make_trace(inp, 2 * n_max, seed)
 
     def n_at(self, rate: float) -> int:
-        return int(min(MAX_SWEEP_REQUESTS, max(self.n_min, math.ceil(rate * WINDOW_SERVICES * self.service))))
+        return int(min(self.n_max, max(self.n_min, math.ceil(rate * self.window * self.service))))
 
     def ok(self, rate: float) -> bool:
         return stable(simulate(self.reps, self.trace[:2 * self.n_at(rate)], rate))
 
-    def saturation(self) -> float:
+    def saturation(self, bisect_steps: int = BISECT_STEPS) -> float:
         ok: Callable[[float], bool] = self.ok
         rate, lo, hi = self.hint, 0.0, None
         if ok(rate):
@@ -134,7 +136,7 @@ class Sweep:
                     break
         if hi is None or lo == 0.0:
             return lo
-        for _ in range(BISECT_STEPS):
+        for _ in range(bisect_steps):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if ok(mid) else (lo, mid)
         return lo
