@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,6 +87,13 @@ def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_
     if inp.rate_per_s > 0:
         res["loads"]["file"] = (inp.rate_per_s, at_rate(inp, pols, inp.rate_per_s, seed, n_req))
     res["ga"] = ga_gain(inp, seed, sweep_n)
+    return res
+
+
+def bench_job(job: tuple) -> dict:
+    t0 = time.perf_counter()
+    res = bench_cluster(*job)
+    res["wall_s"] = time.perf_counter() - t0
     return res
 
 
@@ -207,21 +215,23 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "bench/results"))
     ap.add_argument("--clusters", default="", help="comma-separated cluster names (default: all)")
+    ap.add_argument("--jobs", type=int, default=2, help="clusters benchmarked in parallel processes")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     names = ("meshllm", "splitwise", "mixed-dp") if a.quick else POLICIES
     sweep_n, n_req = (600, 600) if a.quick else (sweep.SWEEP_REQUESTS, 2000)
     chosen = a.clusters.split(",") if a.clusters else ([BENCH[0]] if a.quick else list(BENCH) + list(SMALL))
-    results = []
-    for name in chosen:
-        t0 = time.perf_counter()
-        results.append(bench_cluster(name, a.seed, names, sweep_n, n_req, loads=name not in SMALL))
-        print_cluster(results[-1])
-        print(f"(cluster done in {time.perf_counter() - t0:.0f} s)")
-        if results[-1]["loads"]:
-            plot_cluster(results[-1], out)
-        sys.stdout.flush()
+    t0 = time.perf_counter()
+    jobs = [(name, a.seed, names, sweep_n, n_req, name not in SMALL) for name in chosen]
+    with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        results = list(pool.map(bench_job, jobs))
+    for res in results:
+        print_cluster(res)
+        print(f"(cluster done in {res['wall_s']:.0f} s)")
+        if res["loads"]:
+            plot_cluster(res, out)
+    print(f"\n(all clusters: {time.perf_counter() - t0:.0f} s with {a.jobs} processes)")
     times = planner_time_vs_size(a.seed, SIZES[:2] if a.quick else SIZES)
     print("\n## planner time vs cluster size (one process, this machine; both GA phases + DP)")
     print(f"{'devices':>8s} {'model':>12s} {'planner s':>10s}")

@@ -53,7 +53,7 @@ PROGRESS_EVERY_S = 2.0  # progress lines on stderr for long runs
 POLISH_EVALS = 1500  # fitness evaluations of each final local search
 CAPACITY_FLOOR = 0.97  # phase 2 keeps capacity >= this x the best capacity found
 NO_RATE_LOAD = 0.7  # without a workload rate, plan for this fraction of the best capacity
-RUNNERS_UP = 2  # latency-phase individuals offered to a judge besides its pick
+RUNNERS_UP = 1  # latency-phase individuals offered to a judge besides its pick
 FILL_COST_SLACK = 0.01  # a device that adds capacity joins unless the predicted cost rises more than this
 
 if not hasattr(creator, "MeshFitness2"):
@@ -267,9 +267,9 @@ def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> 
 
 
 def fill_unused(ev: Evaluator, genes: list[int], rate: float) -> list[int]:
-    """Every device that adds capacity is used: each device outside the replicas takes the single
-    move (into a replica, or alone) that adds the most capacity, unless that raises the predicted
-    cost at `rate` by more than FILL_COST_SLACK."""
+    """Every device that adds capacity is used: each device outside the replicas, fastest first,
+    takes the move (into a replica, or alone) that adds the most capacity among those that do
+    not raise the predicted cost at `rate` by more than FILL_COST_SLACK."""
     genes = list(genes)
     for i in sorted(range(len(genes)), key=lambda i: -ev.members[i].device.compute_tflops):
         if genes[i] != NONE:
@@ -278,12 +278,14 @@ def fill_unused(ev: Evaluator, genes: list[int], rate: float) -> list[int]:
         cost0 = ev.latency(g0, rate).cost(WAIT_WEIGHT)
         labels = sorted(set(genes) - {NONE})
         fresh = next(x for x in range(len(genes) + 1) if x not in labels)
-        best = max((ev.fitness(genes[:i] + [g] + genes[i + 1:]), g) for g in labels + [fresh])
-        if best[0] <= g0.fitness * (1 + 1e-6):
-            continue
-        trial = genes[:i] + [best[1]] + genes[i + 1:]
-        if ev.latency(ev.decode(trial), rate).cost(WAIT_WEIGHT) <= cost0 * (1 + FILL_COST_SLACK):
-            genes = trial
+        moves = sorted(((ev.fitness(genes[:i] + [g] + genes[i + 1:]), g) for g in labels + [fresh]), reverse=True)
+        for cap, g in moves:
+            if cap <= g0.fitness * (1 + 1e-6):
+                break
+            trial = genes[:i] + [g] + genes[i + 1:]
+            if ev.latency(ev.decode(trial), rate).cost(WAIT_WEIGHT) <= cost0 * (1 + FILL_COST_SLACK):
+                genes = trial
+                break
     return genes
 
 

@@ -173,14 +173,19 @@ def type_order(ev: Evaluator) -> list[int]:
 
 
 def type_genes(ev: Evaluator, slack: float = 1.05) -> list[int]:
-    """Replicas of one device type each (how an operator groups machines), packed per type."""
+    """Replicas of one device type each (how an operator groups machines), packed per type; the
+    devices of a type left over join its replicas in turn (they then hold more KV)."""
     genes, label = [NONE] * len(ev.members), 0
     for kind in sorted(set(ev.kind)):
-        part = pack(ev, [i for i in range(len(ev.members)) if ev.kind[i] == kind], slack)
-        used = sorted({g for g in part if g != NONE})
-        for i, g in enumerate(part):
-            if g != NONE:
-                genes[i] = label + used.index(g)
+        idx = [i for i in range(len(ev.members)) if ev.kind[i] == kind]
+        part = pack(ev, idx, slack)
+        used = sorted({part[i] for i in idx if part[i] != NONE})
+        rest = [i for i in idx if part[i] == NONE]
+        for i in idx:
+            if part[i] != NONE:
+                genes[i] = label + used.index(part[i])
+        for j, i in enumerate(rest if used else []):
+            genes[i] = label + j % len(used)
         label += len(used)
     return genes
 

@@ -52,11 +52,20 @@ def step_at(fit: RoleFit, batch: float) -> float:
     return fit.step1_s + frac * (fit.step_s - fit.step1_s)
 
 
+def busy_step(fit: RoleFit, lam: float, mix: Mix) -> tuple[float, float]:
+    """(sequences decoding, step seconds) of a replica decoding `lam` requests/s: Little's law,
+    batch = lam x (mean output - 1) x step(batch), solved by a few fixed-point rounds."""
+    batch = min(fit.batch, lam * mix.mean_out * fit.step1_s)
+    for _ in range(4):
+        batch = min(fit.batch, lam * (mix.mean_out - 1) * step_at(fit, batch))
+    return batch, step_at(fit, batch)
+
+
 def disaggregated(pre: Sequence[RoleFit], dec: Sequence[RoleFit], lam: float, mix: Mix,
                   cs2_in: float, cs2_out: float) -> tuple[float, float, float]:
     """(wait, ttft, e2e) of the prefill + decode pools at `lam` requests/s."""
     p_cap, d_cap = sum(f.req_s for f in pre), sum(f.req_s for f in dec)
-    rho_p, rho_d = lam / p_cap, lam / d_cap
+    rho_p = lam / p_cap
     w_pre = mgc_wait_approx(lam, len(pre) / p_cap, len(pre), cs2_in)
     share = [f.req_s / p_cap for f in pre]
     lat = (1 - rho_p) * min(f.prefill_s for f in pre) + rho_p * sum(s * f.prefill_s for s, f in zip(share, pre))
@@ -64,7 +73,7 @@ def disaggregated(pre: Sequence[RoleFit], dec: Sequence[RoleFit], lam: float, mi
     ship = sum(s * f.ship_s for s, f in zip(share, pre))
     slots = sum(f.batch for f in dec)
     w_dec = mgc_wait_approx(lam, slots / d_cap, slots, cs2_out)
-    run = sum(f.req_s / d_cap * (mix.mean_out - 1) * step_at(f, rho_d * f.batch) for f in dec)
+    run = sum(f.req_s / d_cap * (mix.mean_out - 1) * busy_step(f, lam * f.req_s / d_cap, mix)[1] for f in dec)
     ttft = w_pre + lat
     return w_pre + w_kv + w_dec, ttft, ttft + ship + w_kv + w_dec + run
 
@@ -81,10 +90,7 @@ def mixed(fit: RoleFit, lam: float, mix: Mix, cs2_in: float) -> tuple[float, flo
     """(wait, ttft, e2e) of one mixed replica at `lam` requests/s: prompts ride free along the
     decode steps (stretched by the step's idle compute); the part of the prompt tokens that does
     not fit there slows every decoding sequence (counted as their wait)."""
-    batch = min(fit.batch, lam * mix.mean_out * fit.step_s)  # Little, at the full-batch step
-    step = step_at(fit, batch)
-    batch = min(fit.batch, lam * (mix.mean_out - 1) * step)
-    step = step_at(fit, batch)
+    batch, step = busy_step(fit, lam, mix)
     alone = fit.prefill_s
     free_rate = free_at(fit, batch) / step if batch >= 1 else 0.0  # prompt tokens/s riding free
     stretched = max(alone, mix.mean_in / free_rate) if free_rate > 0 else alone

@@ -6,9 +6,8 @@ groupings; it errs where the simulator's dynamics matter (deep mixed pipelines, 
 scheduler that cannot keep every stage busy), and the GA exploits such errors. So the last word
 goes to the simulator itself, on a handful of candidates, on a trace of its own (JUDGE_SEED, not
 the one results are reported on):
-1. each candidate's saturation rate, by the stability rule of sweep.py on shorter runs
-   (JUDGE_SWEEP_REQUESTS to JUDGE_MAX_REQUESTS, JUDGE_BISECT_STEPS: ~2.5% resolution), cached
-   per grouping;
+1. each candidate's saturation rate, by the stability rule of sweep.py on runs of 1000 to 2000
+   requests with 4 bisections (~2.5% resolution), cached per grouping;
 2. the candidates that sustain at least what the operator's own groupings do (the search's
    one-device-type-per-replica candidates, whose saturation is the floor) and at least
    HEADROOM x the planned rate are eligible; of those, the lowest cost at the planned rate
@@ -27,9 +26,9 @@ from meshllm.sim import sweep
 from meshllm.sim.replica import from_grouping
 
 JUDGE_REQUESTS = 400
-JUDGE_SWEEP_REQUESTS = 400
+JUDGE_SWEEP_REQUESTS = 1000
 JUDGE_BISECT_STEPS = 4
-JUDGE_WINDOW, JUDGE_MAX_REQUESTS = 5, 1000  # shorter runs than the reported sweep's: it only compares
+JUDGE_WINDOW, JUDGE_MAX_REQUESTS = 20, 2000  # within ~2% of the reported sweep on bench-edge-8b's candidates
 JUDGE_SEED = 7919  # a trace of its own, not the one the results are reported on
 HEADROOM = 1.25  # an eligible plan sustains at least this x the planned rate
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
