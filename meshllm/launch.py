@@ -5,6 +5,7 @@ Run `python launch.py --help` (or the `meshllm` console script). Modes:
     --node-config NODE.yaml     run one node until SIGINT/SIGTERM
     --cluster CLUSTER.yaml      emulate a whole cluster locally, run its workload, tear down
     --cluster CLUSTER.yaml --serve   emulate it and keep serving the OpenAI API until Ctrl-C
+    --cluster CLUSTER.yaml --kill NODE@S --partition ZA:ZB@S1-S2   ... with faults injected
     --plan CLUSTER.yaml         planner only (--json, --png FILE)
     --simulate CLUSTER.yaml     discrete-event simulation with baselines (--json, --rate R)
     --reference                 single-process reference generation (the oracle)
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.add_argument("--serve", action="store_true", help="cluster: keep serving the HTTP API until Ctrl-C")
+    p.add_argument("--kill", action="append", default=None, metavar="NODE@S",
+                   help="cluster: kill -9 NODE S seconds after the workload's first request (repeatable)")
+    p.add_argument("--partition", action="append", default=None, metavar="ZA:ZB@S1-S2",
+                   help="cluster: drop all traffic between zones ZA and ZB from S1 to S2 s (repeatable)")
     p.add_argument("--png", metavar="FILE", help="plan: draw the plan to FILE")
     p.add_argument("--rate", type=float, default=None, help="simulate: override the arrival rate (req/s)")
     p.add_argument("--timeout", type=float, default=None, help="status/cluster: seconds to wait")

@@ -31,6 +31,7 @@ class Job:
     chat: bool = False
     top_p: float = 1.0
     top_k: int = 0
+    ext: dict | None = None  # sent as the request body's `meshllm` object (speculation, gamma, ...)
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Outcome:
     itl_ms: list[float] = field(default_factory=list)
     queue_ms: float = 0.0
     spec: dict | None = None  # acceptance figures of the session (speculative decoding)
+    attempts: int = 1  # > 1: the request was resumed after a failure in the mesh
+    recovery_gaps_ms: list[float] = field(default_factory=list)  # the pauses the client saw
     error: str | None = None
     sent: float = 0.0
     done: float = 0.0
@@ -52,6 +55,8 @@ class Outcome:
                "finish_reason": self.finish_reason, "ttft_ms": self.ttft_ms, "itl_ms": self.itl_ms}
         if self.spec:
             out["speculation"] = self.spec
+        if self.attempts > 1:
+            out["attempts"], out["recovery_gaps_ms"] = self.attempts, self.recovery_gaps_ms
         if self.error:
             out["error"] = self.error
         return out
@@ -71,6 +76,8 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
 async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
     body: dict[str, Any] = {"model": model, "max_tokens": job.max_tokens, "temperature": job.temperature,
                             "seed": job.seed, "top_p": job.top_p, "top_k": job.top_k, "stream": True}
+    if job.ext:
+        body["meshllm"] = dict(job.ext)
     if job.chat:
         body["messages"] = [{"role": "user", "content": job.prompt}]
         path = "/v1/chat/completions"
@@ -107,16 +114,21 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
                 ext = ev.get("meshllm") or {}
                 out.queue_ms = float(ext.get("queue_ms", 0.0))
                 out.spec = ext.get("spec")
+                out.attempts = int(ext.get("attempts", 1))
+                out.recovery_gaps_ms = list(ext.get("recovery_gaps_ms", []))
     out.done = time.monotonic()
 
 
-async def _run(url: str, model: str, jobs: list[Job], rate: float, seed: int, progress: bool) -> list[Outcome]:
+async def _run(url: str, model: str, jobs: list[Job], rate: float, seed: int, progress: bool,
+               on_start=None) -> list[Outcome]:
     import aiohttp
 
     outs = [Outcome(j.prompt) for j in jobs]
     at = arrival_times(len(jobs), rate, seed)
     bar = _bar(len(jobs)) if progress else None
     t0 = time.monotonic()
+    if on_start is not None:
+        on_start()  # e.g. the fault injector's clock starts with the first request
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
 
     async def go(i: int, session) -> None:
@@ -142,9 +154,9 @@ def _bar(n: int):
 
 
 def run_jobs(url: str, model: str, jobs: list[Job], rate: float = 0.0, seed: int = 0,
-             progress: bool = True) -> list[Outcome]:
+             progress: bool = True, on_start=None) -> list[Outcome]:
     """Send `jobs` to the gateway at `url` (http://HOST:PORT) and wait for every one."""
-    return asyncio.run(_run(url, model, jobs, rate, seed, progress))
+    return asyncio.run(_run(url, model, jobs, rate, seed, progress, on_start))
 
 
 def _pct(xs: list[float], q: float) -> float | None:

@@ -57,6 +57,7 @@ def sample(mtype: MsgType) -> p.Message:
                                       drafter="e1", plan_version=2),
         MsgType.RELEASE: lambda: make(mtype, seq=11, reason="finished"),
         MsgType.PLAN: lambda: make(mtype, version=3, coordinator="a", plan={"replicas": []}, addresses={"a": "h:1"}),
+        MsgType.FAULT: lambda: make(mtype, zones=["edge", "fog"], seconds=2.5),
         MsgType.SESSION: lambda: make(mtype, seq=11, prompt_token_ids=[1, 2], max_tokens=8,
                                       sampling=p.sampling_map(0, 0, 1.0, 0), stop_ids=[2], decode_replica=1, gamma=4,
                                       adaptive=True, mode="async", gateway="h:1", plan_version=2),

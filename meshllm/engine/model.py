@@ -189,6 +189,22 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if self.has_head else None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 tables, built on first use
 
+    def sub_shard(self, start: int, end: int) -> Transformer:
+        """Layers [start, end) of this shard as a shard of their own, sharing the weights (no copy):
+        a node that holds more than its new stage needs (a warm spare, a shrunk stage) serves it
+        without reading the model file again. Drop this shard afterwards to free the rest."""
+        if not self.start <= start < end <= self.end:
+            raise ValueError(f"[{start}, {end}) is not inside this shard's [{self.start}, {self.end})")
+        if start == 0 and not self.has_embed or end == self.args.n_layers and not self.has_head:
+            raise ValueError("the sub-shard needs an embedding or a head this shard does not hold")
+        with torch.device("meta"):
+            sub = Transformer(self.args, start, end)
+        sub.layers = nn.ModuleList(self.layers[start - self.start:end - self.start])
+        sub.tok_embeddings = self.tok_embeddings if sub.has_embed else None
+        sub.norm, sub.output = (self.norm, self.output) if sub.has_head else (None, None)
+        sub._rope = self._rope
+        return sub.eval()
+
     def new_cache(self, dtype: torch.dtype | None = None) -> KVCache:
         dtype = dtype or next(self.parameters()).dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):

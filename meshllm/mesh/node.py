@@ -58,8 +58,11 @@ class Node:
         self.mesh = MeshAgent(self.transport, self.members, self.me, self.host.status)
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
         self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None
-        self.coordinator = Coordinator(self.transport, self.members, self.me, cfg, lambda: self.host.offered,
+        self.coordinator = Coordinator(self.transport, self.members, self.me, cfg, lambda: self.host.max_seen,
                                        self.host.offer)
+        self.host.coordinator_of = self.coordinator.current
+        if cfg.fault_injection:  # emulation only: the emulator cuts links between zones on request
+            self.transport.on(MsgType.FAULT, self._on_fault)
         self.gateway = self.api = None
         if cfg.gateway:
             from meshllm.roles.gateway import Gateway  # lazy: aiohttp, the tokenizer
@@ -100,6 +103,15 @@ class Node:
     def _refuse(self, why: str) -> None:
         log.error("%s: %s; this node will not join", self.me.id, why)
         self.refused = why  # run_node sees it and stops
+
+    def _on_fault(self, msg, reply) -> None:
+        zones = msg["zones"]
+        if len(zones) != 2 or not all(isinstance(z, str) for z in zones) or not 0 < msg["seconds"] <= 3600:
+            raise ProtocolError(f"FAULT: bad partition {zones!r:.60} for {msg['seconds']!r} s")
+        log.warning("%s: emulated partition between %s and %s for %.1f s", self.me.id, zones[0], zones[1],
+                    msg["seconds"])
+        self.transport.shaper.partition(zones[0], zones[1], float(msg["seconds"]))
+        reply(make(MsgType.PONG))
 
     def _mdns_found(self, name: str, address: str) -> None:
         log.debug("%s: mdns found %s at %s", self.me.id, name, address)
@@ -146,6 +158,20 @@ def query_status(addr: str, timeout_s: float = 3.0, cluster_key: str | None = No
                 return reply["status"]
         raise TimeoutError(f"no status reply from {addr} within {timeout_s:g} s (is a node running there? "
                            "a mesh with a cluster_key also needs MESHLLM_CLUSTER_KEY)")
+    finally:
+        sock.close(linger=0)
+
+
+def send_control(addr: str, msg, timeout_s: float = 3.0, cluster_key: str | None = None) -> None:
+    """Send one message to the node at HOST:PORT and wait for its answer (emulator control)."""
+    curve = CurveKeys.from_file(cluster_key or os.environ.get("MESHLLM_CLUSTER_KEY"))
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, curve)
+    try:
+        sock.connect(endpoint(addr))
+        sock.send_multipart(encode(msg))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"{addr} did not answer {msg.type.name} within {timeout_s:g} s")
+        sock.recv_multipart()
     finally:
         sock.close(linger=0)
 

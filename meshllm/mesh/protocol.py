@@ -24,6 +24,7 @@ make zero-copy views, so a node that carries no tensors never imports torch.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -70,6 +71,7 @@ class MsgType(IntEnum):
     RELEASE = 20  # free (or abort) a sequence: gateway -> leader, leader -> its stages
     PLAN = 21  # the coordinator's versioned plan, on PUB (and re-sent to newcomers)
     SESSION = 22  # gateway -> drafter: draft for this sequence, publish on that decode replica's topic
+    FAULT = 23  # emulator -> node (emulation only): drop all traffic with a zone for a while
 
 
 class SpanKind(IntEnum):
@@ -136,6 +138,8 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     MsgType.RELEASE: ({"seq": _INT, "reason": _STR}, ()),
     # addresses: node id -> HOST:PORT of every node the plan names
     MsgType.PLAN: ({"version": _INT, "coordinator": _STR, "plan": _MAP, "addresses": _MAP}, ()),
+    # zones: [zone a, zone b]: a node in one drops every message from the other for `seconds`
+    MsgType.FAULT: ({"zones": _LIST, "seconds": _NUM}, ()),
     # mode: "async" | "sync"; gamma: the fixed draft length, or the first one when `adaptive`
     MsgType.SESSION: ({"seq": _INT, "prompt_token_ids": _LIST, "max_tokens": _INT, "sampling": _MAP,
                        "stop_ids": _LIST, "decode_replica": _INT, "gamma": _INT, "adaptive": _BOOL, "mode": _STR,
@@ -216,6 +220,23 @@ def check_int_list(v: Any, what: str, lo: int = 0, hi: int | None = None, max_le
     if not all(_is_int(x, lo, hi) for x in v):
         raise ProtocolError(f"{what} holds a value outside [{lo}, {hi}]")
     return list(v)
+
+
+_ADDRESS = re.compile(r"(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}")
+
+
+def is_address(v: Any) -> bool:
+    """HOST:PORT as the sockets take it (a host name, IPv4 or [IPv6], a port in [1, 65534]: PUB is PORT+1)."""
+    return (isinstance(v, str) and len(v) <= 255 and _ADDRESS.fullmatch(v) is not None
+            and 0 < int(v.rpartition(":")[2]) < 65535)
+
+
+def check_address(v: Any, what: str = "address") -> str:
+    """A node address from the network (where replies and tokens go), else ProtocolError: anything
+    else would fail later, inside the sockets, far from the message that brought it."""
+    if not is_address(v):
+        raise ProtocolError(f"{what} must be HOST:PORT, got {v!r:.60}")
+    return v
 
 
 _TYPES = {int(t): t for t in MsgType}  # a dict lookup: Enum.__call__ is slow on the hot path

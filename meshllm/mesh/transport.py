@@ -77,10 +77,30 @@ class LinkShaper:
                     self._links[src] = (time_scale * ln.rtt_ms / 2000.0, ln.bandwidth_mbps * 1e6 / 8.0 / time_scale)
         self._busy_until: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._cut_until: dict[str, float] = {}  # emulated partitions: src zone -> monotonic end
+        self.cut = 0  # messages dropped by a partition
 
     @property
     def active(self) -> bool:
-        return bool(self._links)
+        return bool(self._links) or bool(self._cut_until)
+
+    def partition(self, zone_a: str, zone_b: str, seconds: float) -> None:
+        """Drop everything between the two zones for `seconds` (fault injection; this node's side)."""
+        other = zone_b if zone_a == self.my_zone else zone_a if zone_b == self.my_zone else None
+        if other is not None:
+            with self._lock:
+                self._cut_until[other] = time.monotonic() + seconds
+
+    def blocked(self, src_zone: str, now: float) -> bool:
+        end = self._cut_until.get(src_zone)
+        if end is None:
+            return False
+        if now >= end:
+            with self._lock:
+                self._cut_until.pop(src_zone, None)
+            return False
+        self.cut += 1
+        return True
 
     def due(self, src_zone: str, nbytes: int, now: float) -> float:
         """Monotonic time at which a message of `nbytes` that arrived `now` is delivered."""
@@ -425,6 +445,8 @@ class Transport:
             msg = self._decode(body)
             if msg is None:
                 continue
+            if self.shaper.active and self.shaper.blocked(msg.zone, arrived):
+                continue  # an emulated partition: the message is lost
             due = self.shaper.due(msg.zone, nbytes(body), arrived) if self.shaper.active else arrived
             if due > arrived:
                 self.loop.hold(due, (msg, ident))

@@ -34,7 +34,7 @@ log = logging.getLogger("meshllm.coordinator")
 
 NODE_ROLE_NAMES = {str(r) for r in NODE_ROLES}
 TICK_S = 0.25
-REPLAN_SETTLE_S = 1.0  # after a change of the live set, wait this long for it to settle
+REPLAN_SETTLE_S = 0.5  # after a change of the live set, wait this long for it to settle
 PLAN_REPUBLISH_S = 1.0
 
 
@@ -61,10 +61,16 @@ class Coordinator:
 
     # -- I/O thread ----------------------------------------------------------------------------
     def live(self) -> list[PeerInfo]:
-        return [self.me] + [p.info for p in self.members.peers() if p.state is PeerState.ALIVE]
+        """This node and every peer not known dead or gone (a suspect peer, often a busy one whose
+        heartbeat is late, is not re-planned around until the failure timeout says it is dead)."""
+        return [self.me] + [p.info for p in self.members.peers() if p.state in (PeerState.ALIVE, PeerState.SUSPECT)]
+
+    def current(self) -> str:
+        """The coordinator as this node sees it: the lowest live id (itself included)."""
+        return min(p.id for p in self.live())
 
     def is_coordinator(self) -> bool:
-        return min(p.id for p in self.live()) == self.me.id
+        return self.current() == self.me.id
 
     def _tick(self) -> None:
         live = self.live()

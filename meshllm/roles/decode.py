@@ -16,6 +16,7 @@ from meshllm.mesh.protocol import (
     Message,
     MsgType,
     ProtocolError,
+    check_address,
     check_int_list,
     check_sampling,
     check_seq,
@@ -50,13 +51,17 @@ class KvAcks:
                                 f"max_tokens {max_tokens})")
         temperature, top_k, top_p, seed = check_sampling(msg["sampling"])
         stop = frozenset(check_int_list(msg["stop_ids"], "stop_ids", 0, vocab - 1, 64))
+        check_address(msg["gateway"], "gateway")
         s = Seq(seq, [], p_len, max_tokens, SamplingParams(temperature, top_k, top_p), seed, stop,
                 str(msg["gateway"]), self.leader.rid, out=list(out), fed=p_len + len(out) - 1,
                 drafter=str(msg["drafter"]), hash=extend_hash(0, out))
+        offset = msg.fields.get("offset", 0)
+        s.offset = offset if isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0 else 0
         at, ms = msg.fields.get("prefilled_at"), msg.fields.get("prefill_ms")
         if isinstance(at, float) and isinstance(ms, (int, float)):
             s.prefilled_at, s.prefill_s = at, ms / 1000
-        s.missing_kv = set(self.nodes) - self._early.pop(seq, (0.0, set()))[1]
+        early = self._early.pop(seq, (0.0, {}))[1]
+        s.missing_kv = set(self.nodes) - {node for node, length in early.items() if length == s.fed}
         self.leader.admit(s)
         if at is None:
             self.leader.stats["migrated_in"] = self.leader.stats.get("migrated_in", 0) + 1
@@ -65,12 +70,20 @@ class KvAcks:
         if not s.missing_kv:
             self.leader.kv_ready(s)
 
-    def on_ack(self, seq: int, node: str) -> None:
+    def check_length(self, seq: int, length: int) -> None:
+        """KV for a sequence waiting here must hold exactly the positions it was handed off with: a
+        sequence started on shorter KV would fail every micro-batch it joins (and its neighbours')."""
+        s = self.leader.seqs.get(seq)
+        if s is not None and s.missing_kv and length != s.fed:
+            raise ProtocolError(f"seq {seq}: KV of {length} positions, the sequence needs {s.fed}")
+
+    def on_ack(self, seq: int, node: str, length: int) -> None:
         if node not in self.nodes:
             raise ProtocolError(f"KV_ACK from {node!r}, not a stage of replica {self.leader.rid}")
         s = self.leader.seqs.get(seq)
         if s is not None:
             if node in s.missing_kv:
+                self.check_length(seq, length)
                 s.missing_kv.discard(node)
                 if not s.missing_kv:
                     self.leader.kv_ready(s)
@@ -78,7 +91,7 @@ class KvAcks:
         if seq in self._gone:
             return
         now = time.monotonic()
-        self._early.setdefault(seq, (now, set()))[1].add(node)
+        self._early.setdefault(seq, (now, {}))[1][node] = length
         while self._early and (len(self._early) > EARLY_ACKS_MAX
                                or now - next(iter(self._early.values()))[0] > EARLY_ACK_TTL_S):
             self._early.popitem(last=False)
@@ -106,8 +119,8 @@ class Balancer:
     replica's topic from then on. KV moves instead of a re-prefill: on the links measured here
     shipping a session's KV costs a small fraction of recomputing it (bench/speculative.py)."""
 
-    def __init__(self, leader: Leader, send, publish):
-        self.leader, self._send, self._publish = leader, send, publish
+    def __init__(self, leader: Leader, send, publish, alive=lambda node: True):
+        self.leader, self._send, self._publish, self.alive = leader, send, publish, alive
         self.peers: dict[int, tuple[float, int, int]] = {}  # replica -> (heard at, active, free slots)
         self._checked = 0.0
         self.moved_out = 0
@@ -130,8 +143,10 @@ class Balancer:
         if now - self._checked < MIGRATE_CHECK_S:
             return
         self._checked = now
+        ctx = self.leader.ctx
         live = [(active, rid, free) for rid, (at, active, free) in self.peers.items()
-                if now - at < CAPACITY_TTL_S and free > 0]
+                if now - at < CAPACITY_TTL_S and free > 0 and ctx.has_replica(rid)
+                and all(self.alive(st.node) for st in ctx.replica(rid).stages)]
         if not live:
             return
         active, rid, _ = min(live)
@@ -154,7 +169,7 @@ class Balancer:
         self._send(ctx.leader(rid), make(
             MsgType.HANDOFF, seq=s.id, prompt_len=s.prompt_len, tokens=list(s.out), max_tokens=s.max_tokens,
             sampling=sampling_map(p.temperature, p.top_k, p.top_p, s.seed), stop_ids=sorted(s.stop_ids),
-            gateway=s.gateway, drafter=s.drafter, plan_version=ctx.version))
+            gateway=s.gateway, drafter=s.drafter, plan_version=ctx.version, offset=s.offset))
         self.moved_out += 1
         lead.stats["migrated_out"] = self.moved_out
         log.info("replica %d: session %d moved to replica %d (%d tokens so far)", lead.rid, s.id, rid, len(s.out))

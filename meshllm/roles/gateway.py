@@ -28,7 +28,15 @@ from typing import Any
 from meshllm.config import NodeConfig
 from meshllm.defaults import served_name
 from meshllm.mesh.membership import Membership, PeerInfo
-from meshllm.mesh.protocol import Message, MsgType, check_seq, make, sampling_map
+from meshllm.mesh.protocol import (
+    Message,
+    MsgType,
+    ProtocolError,
+    check_int_list,
+    check_seq,
+    make,
+    sampling_map,
+)
 from meshllm.mesh.transport import Transport
 from meshllm.roles.context import PlanContext
 from meshllm.roles.coordinator import live_plan_inputs
@@ -40,8 +48,13 @@ from meshllm.sim.router import ReplicaLoad, Router
 
 log = logging.getLogger("meshllm.gateway")
 
-STALL_TIMEOUT_S = 120.0  # no token for this long (x time_scale): the request fails, not hangs
+STALL_TIMEOUT_S = 60.0  # no token for this long (x time_scale): the attempt is resumed, then fails
+MAX_ATTEMPTS = 5  # a request is resumed at most 4 times (a partition may cost two re-plans)
+RESUME_WAIT_S = 60.0  # x time_scale: how long a resumed request waits for a ready replica
+RESUME_POLL_S = 0.2
+READY_WAIT_S = 15.0  # x time_scale: a new request waits this long for a ready replica, then 503
 SEND_POOL_THREADS = 1
+MAX_PENDING = 4096  # TOKENS held out of order per request (and token ids per TOKENS message)
 
 
 class RequestError(Exception):
@@ -50,6 +63,9 @@ class RequestError(Exception):
 
 @dataclass
 class Stream:
+    """One request as the gateway follows it, across every attempt (a failed replica's requests
+    resume on the new plan from their committed tokens)."""
+
     seq: int
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -58,8 +74,15 @@ class Stream:
     decode_rid: int
     n_in: int
     n_out: int
+    prompt: list[int] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)  # sampling, speculation: what an attempt needs
+    emitted: list[int] = field(default_factory=list)  # committed output so far, in order
+    attempts: int = 1
+    gaps_ms: list[float] = field(default_factory=list)  # recovery gaps of resumed attempts
+    last_token_at: float | None = None
     started: float = field(default_factory=time.monotonic)
     next_index: int = 0
+    offset_at_dispatch: int = 0  # output tokens committed when the current attempt started
     pending: dict[int, tuple[list[int], bool, str | None]] = field(default_factory=dict)
     first_at: float | None = None
     queue_ms: float = 0.0
@@ -118,12 +141,9 @@ class Gateway:
                           ReplicaLoad(max_batch=max(1, min(r.max_batch(), MAX_ACTIVE_SEQS))) for rid, r in reps.items()}
             self._decoding = {rid: n for rid, n in self._decoding.items() if rid in keep}
             stale = [s for s in self._streams.values() if s.prefill_rid not in keep or s.decode_rid not in keep]
-            for s in stale:
-                self._streams.pop(s.seq, None)
-        for s in stale:
-            self.metrics.finished("error")
+        for s in stale:  # their replicas changed: resume them on the new plan (tokens() does it)
             s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"the mesh was re-planned "
-                                        f"(plan v{ctx.version}) while this request ran; retry it"))
+                                        f"(plan v{ctx.version}) while this request ran"))
 
     def node_version(self, node: str) -> int:
         if node == self.me:
@@ -195,38 +215,79 @@ class Gateway:
     async def submit(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
                      seed: int, spec_mode: str | None = None, gamma: int | None = None,
                      decode_replica: int | None = None, adaptive: bool | None = None) -> Stream:
-        ctx = self.ctx
-        pre, dec = self.route(len(ids), max_tokens, decode_replica)
-        seq = self._seq_prefix | next(self._seq_counter)
-        loop = asyncio.get_running_loop()
-        leaders = {ctx.leader(pre), ctx.leader(dec)}
         sp = self.cfg.speculation
-        mode = spec_mode or sp.mode
-        drafter = self.pick_drafter() if mode != "off" else ""
-        s = Stream(seq, loop, asyncio.Queue(), leaders, pre, dec, len(ids), max_tokens, drafter=drafter)
-        if drafter:
-            leaders.add(ctx.address(drafter))
+        settings = {"sampling": sampling_map(temperature, top_k, top_p, seed), "mode": spec_mode or sp.mode,
+                    "gamma": gamma or sp.gamma, "adaptive": sp.adaptive if adaptive is None else adaptive,
+                    "pin": decode_replica}
+        s = Stream(0, asyncio.get_running_loop(), asyncio.Queue(), set(), -1, -1, len(ids), max_tokens,
+                   prompt=list(ids), settings=settings)
+        self.metrics.started(len(ids))
+        deadline = time.monotonic() + READY_WAIT_S * self.time_scale
+        while True:  # a mesh that is re-planning (a node died) gets a moment before a 503
+            try:
+                await self._dispatch(s)
+                return s
+            except RequestError:
+                if time.monotonic() > deadline or self.ctx is None:
+                    self.metrics.finished("error")
+                    raise
+                await asyncio.sleep(RESUME_POLL_S)
+
+    async def _dispatch(self, s: Stream) -> None:
+        """Start an attempt: route, then SESSION to a drafter (if any) and GENERATE_REQ to the
+        prefill leader. A resumed attempt's prompt is the request's prompt plus its output so
+        far, and its token indices continue from there."""
+        ids, left = s.prompt + s.emitted, s.n_out - len(s.emitted)
+        pre, dec = self.route(len(ids), left, s.settings["pin"])
+        ctx, st = self.ctx, s.settings
+        drafter = self.pick_drafter() if st["mode"] != "off" else ""
+        seq = self._seq_prefix | next(self._seq_counter)
+        s.seq, s.prefill_rid, s.decode_rid, s.drafter = seq, pre, dec, drafter
+        s.offset_at_dispatch, s.pending = len(s.emitted), {}
+        s.leaders = {ctx.leader(pre), ctx.leader(dec)} | ({ctx.address(drafter)} if drafter else set())
         with self._lock:
             self._streams[seq] = s
         self._book(s, "prefill", +1)
-        self.metrics.started(len(ids))
-        sampling, stop = sampling_map(temperature, top_k, top_p, seed), sorted(self.tokenizer.eos_ids)
-        msgs = [(ctx.leader(pre), make(MsgType.GENERATE_REQ, seq=seq, prompt_token_ids=ids, max_tokens=max_tokens,
-                                       sampling=sampling, stop_ids=stop, decode_replica=dec, gateway=self.address,
-                                       drafter=drafter, plan_version=ctx.version))]
+        stop = sorted(self.tokenizer.eos_ids)
+        msgs = [(ctx.leader(pre), make(MsgType.GENERATE_REQ, seq=seq, prompt_token_ids=ids, max_tokens=left,
+                                       sampling=st["sampling"], stop_ids=stop, decode_replica=dec,
+                                       gateway=self.address, drafter=drafter, plan_version=ctx.version,
+                                       offset=len(s.emitted)))]
         if drafter:  # first, so that the drafter prefills the prompt while the target does
             msgs.insert(0, (ctx.address(drafter), make(
-                MsgType.SESSION, seq=seq, prompt_token_ids=ids, max_tokens=max_tokens, sampling=sampling,
-                stop_ids=stop, decode_replica=dec, gamma=gamma or sp.gamma,
-                adaptive=sp.adaptive if adaptive is None else adaptive,
-                mode=mode, gateway=self.address, plan_version=ctx.version)))
+                MsgType.SESSION, seq=seq, prompt_token_ids=ids, max_tokens=left, sampling=st["sampling"],
+                stop_ids=stop, decode_replica=dec, gamma=st["gamma"], adaptive=st["adaptive"], mode=st["mode"],
+                gateway=self.address, plan_version=ctx.version)))
         try:
             for addr, msg in msgs:
-                await loop.run_in_executor(self._send_pool, self.t.send, addr, msg)
+                await s.loop.run_in_executor(self._send_pool, self.t.send, addr, msg)
         except (TimeoutError, OSError) as e:
-            self.close_stream(s, "error", release=True)
+            self.close_stream(s, "error", release=True, count=False)
             raise RequestError(f"the mesh did not take the request: {e}") from None
-        return s
+
+    async def _resume(self, s: Stream, why: str) -> None:
+        """Re-run a failed attempt on the current plan from the committed output (the client sees
+        a pause, not an error). Bounded: MAX_ATTEMPTS attempts, each waiting at most RESUME_WAIT_S
+        for a replica to be ready."""
+        if s.attempts >= MAX_ATTEMPTS:
+            raise RequestError(f"{why}; gave up after {s.attempts} attempts")
+        log.warning("request seq %d: %s; resuming from %d committed tokens", s.seq, why, len(s.emitted))
+        self.close_stream(s, "resumed", release=True, count=False)
+        s.attempts += 1
+        self.metrics.resumes.inc()
+        t0 = time.monotonic()
+        deadline = t0 + RESUME_WAIT_S * self.time_scale
+        while True:
+            try:
+                await self._dispatch(s)
+                log.info("request resumed as seq %d on replicas %d -> %d after %.2f s", s.seq, s.prefill_rid,
+                         s.decode_rid, time.monotonic() - t0)
+                return
+            except RequestError as e:
+                if time.monotonic() > deadline:
+                    self.metrics.finished("error")  # this request left the books with its last attempt
+                    raise RequestError(f"{why}; no replica could take the request again: {e}") from None
+                await asyncio.sleep(RESUME_POLL_S)
 
     def pick_drafter(self) -> str:
         """The ready drafter with the fewest sessions from this gateway ("" when none is ready).
@@ -242,15 +303,22 @@ class Gateway:
         return min(ready, key=lambda d: (mine[d], d))
 
     async def tokens(self, s: Stream):
-        """Yield (token ids, finish_reason or None) in output order until the sequence ends."""
+        """Yield (token ids, finish_reason or None) in output order until the sequence ends; a
+        failed attempt is resumed (`_resume`) without the caller noticing, but for the pause."""
         while True:
             try:
                 item = await asyncio.wait_for(s.queue.get(), self.stall_s)
             except asyncio.TimeoutError:
-                raise RequestError(f"no token for {self.stall_s:g} s; the mesh stalled") from None
+                await self._resume(s, f"no token for {self.stall_s:g} s")
+                continue
             toks, finished, reason, error = item
             if error:
-                raise RequestError(error)
+                await self._resume(s, error)
+                continue
+            now = time.monotonic()
+            if s.attempts > 1 and len(s.gaps_ms) < s.attempts - 1 and s.last_token_at is not None:
+                s.gaps_ms.append(round(1000 * (now - s.last_token_at), 3))
+            s.last_token_at = now
             yield toks, (reason if finished else None)
             if finished:
                 return
@@ -262,7 +330,8 @@ class Gateway:
             s = self._streams.get(seq)
         if s is None:
             return  # finished or abandoned already
-        idx, toks = msg["index"], [int(t) for t in msg["token_ids"]]
+        idx = msg["index"]
+        toks = check_int_list(msg["token_ids"], "token_ids", 0, self.vocab - 1 if self.vocab else None, MAX_PENDING)
         err = msg.fields.get("error") if msg["finish_reason"] == "error" else None
         if err is not None:
             s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", str(err)))
@@ -275,26 +344,33 @@ class Gateway:
             return
         if self.ctx is not None and msg.src in self.ctx.addresses:
             s.leaders.add(self.ctx.addresses[msg.src])  # a session that moved is released where it is now
+        if idx < s.next_index:
+            return  # a duplicate, or tokens of an earlier attempt
+        if len(s.pending) >= MAX_PENDING:
+            raise ProtocolError(f"seq {seq}: {len(s.pending)} TOKENS messages ahead of index {s.next_index}")
         s.pending[idx] = (toks, msg["finished"], msg["finish_reason"])
         while s.next_index in s.pending:  # in order, each index once (a duplicate is overwritten)
             toks, fin, reason = s.pending.pop(s.next_index)
-            if s.next_index == 0:
+            if s.next_index == s.offset_at_dispatch:  # this attempt's first token: its prefill is done
                 self._book(s, "prefill", -1)
                 self._book(s, "decode", +1)
             s.next_index += len(toks)
+            s.emitted.extend(toks)
             s.loop.call_soon_threadsafe(s.queue.put_nowait, (toks, fin, reason, None))
             if fin:
                 s.pending.clear()
                 break
 
-    def close_stream(self, s: Stream, status: str, release: bool = False) -> None:
-        """The request is over (done, failed, or abandoned: then free it on its replicas)."""
+    def close_stream(self, s: Stream, status: str, release: bool = False, count: bool = True) -> None:
+        """The request (or, with count=False, one attempt of it) is over: done, failed, or abandoned
+        (then free it on its replicas)."""
         with self._lock:
             known = self._streams.pop(s.seq, None) is not None
         if not known:
             return
-        self._book(s, "decode" if s.next_index > 0 else "prefill", -1)
-        self.metrics.finished(status, s.spec)
+        self._book(s, "decode" if s.next_index > s.offset_at_dispatch else "prefill", -1)
+        if count:
+            self.metrics.finished(status, s.spec)
         if release:
             for addr in s.leaders:
                 self.t.send(addr, make(MsgType.RELEASE, seq=s.seq, reason=f"gateway: {status}"))

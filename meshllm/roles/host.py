@@ -23,7 +23,7 @@ from typing import Any
 from meshllm.config import NodeConfig
 from meshllm.defaults import Role
 from meshllm.mesh.membership import Membership, PeerState
-from meshllm.mesh.protocol import Message, MsgType, ProtocolError, check_seq, make
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, check_seq, is_address, make
 from meshllm.mesh.transport import Transport, Worker, topic
 from meshllm.partition.cost import DRAFT_DTYPE
 from meshllm.partition.plan import Plan, PlanError
@@ -49,6 +49,8 @@ class RoleHost:
         self.balancer = None  # decode replicas' leaders: capacity and session moves (roles/decode.py)
         self.ctx: PlanContext | None = None
         self.offered = 0  # newest plan version received (applied or being applied)
+        self.max_seen = 0  # newest plan version seen from anyone (a new coordinator starts above it)
+        self.coordinator_of: Callable[[], str] | None = None  # who this node obeys (set by the Node)
         self.ready_version = 0  # plan version whose stage is loaded and serving
         self.stage = self.leader = self.acks = None
         self._shard_key: tuple | None = None
@@ -78,8 +80,16 @@ class RoleHost:
 
     def offer(self, version: int, plan_json: Any, addresses: Any, coordinator: str) -> None:
         """Take a newer plan (from the network, or from this node's own coordinator) and apply it
-        on the compute thread. Malformed plans are a ProtocolError."""
+        on the compute thread. Only the coordinator this node sees (the lowest live id) is obeyed:
+        after a healed partition the other side's coordinator's plans are ignored. Malformed
+        plans are a ProtocolError."""
+        if isinstance(version, int):
+            self.max_seen = max(self.max_seen, version)
         if version <= self.offered:
+            return
+        if self.coordinator_of is not None and coordinator != self.coordinator_of():
+            log.info("%s: ignoring plan v%s from %s (the coordinator here is %s)", self.me, version, coordinator,
+                     self.coordinator_of())
             return
         try:
             plan = Plan.from_json(plan_json)
@@ -120,6 +130,8 @@ class RoleHost:
                 self._build_stage(ctx, *mine)
             elif self.me in ctx.plan.drafters and self.cfg.speculation.mode != "off":
                 self._build_drafter()
+            else:
+                self._warm_spare(ctx)
         self.ready_version = ctx.version
         self._refresh(force=True)
         for fn in self.listeners:
@@ -148,7 +160,7 @@ class RoleHost:
         self.stage = Stage(ctx, model, self.send, pacer)
         if index == 0:
             self.leader = Leader(self.stage, self.send, model.args.max_seq_len,
-                                 lambda s, finished: handoff(ctx, self.send, s, finished))
+                                 lambda now, s, finished: handoff(now, self.send, s, finished))
             self.acks = KvAcks(self.leader)
             if replica.role in (Role.DECODE, Role.MIXED):
                 self.leader.verifier = Verifier(self.leader, self.send, self.alive, self.cfg.time_scale,
@@ -157,7 +169,8 @@ class RoleHost:
             if replica.role == Role.DECODE:
                 from meshllm.roles.decode import CAPACITY_TOPIC, Balancer
 
-                self.balancer = Balancer(self.leader, self.send, lambda m: self.t.publish(m, topic(CAPACITY_TOPIC)))
+                self.balancer = Balancer(self.leader, self.send, lambda m: self.t.publish(m, topic(CAPACITY_TOPIC)),
+                                         self.alive)
                 self.t.subscribe_topic(topic(CAPACITY_TOPIC))
 
     def _build_drafter(self) -> None:
@@ -205,18 +218,45 @@ class RoleHost:
         return p is not None and p.state is PeerState.ALIVE
 
     def _load_shard(self, layers: tuple[int, int | None]):
-        key = (self.model_spec, layers)
-        if key != self._shard_key:
-            from meshllm.engine.weights import load_transformer, weight_bytes
+        """The target's layers [a, b): the shard held already, carved out of a larger shard held
+        (a warm spare, or a stage whose range shrank: no file read), or loaded from the model."""
+        key = (self.model_spec, tuple(layers))
+        if key == self._shard_key:
+            return self._model
+        from meshllm.engine.weights import load_transformer, release_freed_memory, weight_bytes
 
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        held = self._model if self._shard_key and self._shard_key[0] == self.model_spec else None
+        a, b = layers[0], layers[1] if layers[1] is not None else (held.args.n_layers if held else None)
+        if held is not None and b is not None and held.start <= a < b <= held.end \
+                and (a > 0 or held.has_embed) and (b < held.args.n_layers or held.has_head):
+            self._model = held.sub_shard(a, b)  # the rest of `held` is freed with it
+            how = "carved from the layers held"
+        else:
             self._model = None  # free the old shard before loading the new one
-            self._model = load_transformer(self.model_spec, *layers)
-            self._shard_key = key
-            self._weights_mb = weight_bytes(self._model) / 1e6
-            log.info("%s: loaded layers [%s, %s) of %s in %.1f s (resident %.0f MB)", self.me, layers[0],
-                     layers[1] if layers[1] is not None else "end", self.model_spec, time.perf_counter() - t0, rss_mb())
+            self._model = load_transformer(self.model_spec, a, b)
+            how = "loaded"
+        del held
+        release_freed_memory()
+        self._shard_key = (self.model_spec, (a, self._model.end))
+        self._weights_mb = weight_bytes(self._model) / 1e6
+        log.info("%s: layers [%d, %d) of %s %s in %.1f s (resident %.0f MB)", self.me, a, self._model.end,
+                 self.model_spec, how, time.perf_counter() - t0, rss_mb())
         return self._model
+
+    def _warm_spare(self, ctx: PlanContext) -> None:
+        """A node the plan leaves without a role loads the whole target when its memory allows,
+        so that a re-plan that gives it a stage after a failure does not wait for the model file
+        (the shard is carved out of it: see _load_shard)."""
+        if self.cfg.roles is not None and not {Role.PREFILL, Role.DECODE} & set(self.cfg.roles):
+            return
+        from meshllm.config import resolve_args
+        from meshllm.partition.cost import model_costs
+
+        need = model_costs(resolve_args(self.model_spec), "fp32").weight_bytes
+        if self.cfg.device.memory_bytes >= need * 1.2 and self._shard_key is None:
+            self._load_shard((0, None))
+            log.info("%s: holding the whole model as a warm spare for plan v%d", self.me, ctx.version)
 
     def _describe(self, ctx: PlanContext) -> str:
         mine = ctx.mine
@@ -235,6 +275,8 @@ class RoleHost:
         if self.ctx is not None and isinstance(v, int) and self._epoch <= v <= self.ctx.version:
             return True
         if v not in self._stale_logged:
+            if len(self._stale_logged) >= 64:  # versions from the network: keep the memory bounded
+                self._stale_logged.clear()
             self._stale_logged.add(v)
             log.warning("%s: dropping %s of plan v%s (serving v%s)", self.me, msg.type.name, v,
                         self.ctx.version if self.ctx else None)
@@ -256,16 +298,21 @@ class RoleHost:
             self._need("leader", msg).on_results(msg)
 
     def _on_kv(self, msg: Message, reply: Callable) -> None:
+        if self.acks is not None and isinstance(msg["seq"], int):
+            self.acks.check_length(msg["seq"], msg["length"])  # before the import
         if self._current(msg) and self._need("stage", msg).on_kv_transfer(msg):
             leader_node = self.stage.replica.stages[0].node
             if leader_node == self.me:
-                self.acks.on_ack(msg["seq"], self.me)
+                self.acks.on_ack(msg["seq"], self.me, msg["length"])
             else:
                 self.send(self.ctx.address(leader_node), make_ack(msg["seq"], self.me, msg["length"], self.ctx))
 
     def _on_kv_ack(self, msg: Message, reply: Callable) -> None:
         if self._current(msg):
-            self._need("acks", msg).on_ack(check_seq(msg["seq"]), str(msg["node"]))
+            node = msg["node"]
+            if node == self.me or node != msg.src:  # this node's own stage acknowledges in-process
+                raise ProtocolError(f"KV_ACK for {node!r} from {msg.src!r}")
+            self._need("acks", msg).on_ack(check_seq(msg["seq"]), node, msg["length"])
 
     def _on_generate(self, msg: Message, reply: Callable) -> None:
         from meshllm.roles.prefill import seq_from_generate
@@ -275,7 +322,10 @@ class RoleHost:
             return
         leader = self._need("leader", msg)
         args = self.stage.model.args
-        leader.admit(seq_from_generate(msg, self.ctx, leader.rid, args.vocab_size, args.max_seq_len))
+        s = seq_from_generate(msg, self.ctx, leader.rid, args.vocab_size, args.max_seq_len)
+        if s.id in leader.seqs or s.id in self.stage.cache:  # a second Seq would break its KV's batches
+            raise ProtocolError(f"seq {s.id} is already running on replica {leader.rid}")
+        leader.admit(s)
 
     def _on_handoff(self, msg: Message, reply: Callable) -> None:
         if self._current(msg):
@@ -302,6 +352,8 @@ class RoleHost:
         seq = check_seq(msg["seq"])
         ship_to, length = msg.fields.get("ship_to"), msg.fields.get("length")
         if self.stage is not None and self.leader is None and isinstance(ship_to, int) and isinstance(length, int):
+            if not (self.ctx.has_replica(ship_to) and self.ctx.replica(ship_to).role == "decode") or length < 1:
+                raise ProtocolError(f"RELEASE of seq {seq}: cannot move {length} positions to replica {ship_to}")
             self.stage.migrate_out(seq, ship_to, length)  # the session moves to another replica
             return
         if self.drafter is not None:
@@ -316,7 +368,7 @@ class RoleHost:
     def _refuse(self, msg: Message, code: str) -> None:
         """Tell the gateway at once that a request cannot be taken (it retries or fails it)."""
         gw = msg.fields.get("gateway")
-        if isinstance(gw, str) and isinstance(msg.fields.get("seq"), int):
+        if is_address(gw) and isinstance(msg.fields.get("seq"), int):
             self.send(gw, make(MsgType.TOKENS, seq=msg["seq"], token_ids=[], index=0, finished=True,
                                finish_reason="error", error=f"{code}: this node serves plan "
                                                             f"v{self.ctx.version if self.ctx else None}"))

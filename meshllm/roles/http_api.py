@@ -247,6 +247,8 @@ class Run:
         out = {"queue_ms": round(self.s.queue_ms, 3)}
         if self.s.spec:
             out["spec"] = self.s.spec
+        if self.s.attempts > 1:
+            out["attempts"], out["recovery_gaps_ms"] = self.s.attempts, self.s.gaps_ms
         return out
 
     def _end(self, status: str) -> None:

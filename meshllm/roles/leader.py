@@ -40,6 +40,7 @@ from meshllm.defaults import Role
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import AcceptanceStats, extend_hash
 from meshllm.mesh.protocol import Message, MsgType, SpanKind, WireSpan, make
+from meshllm.roles.context import PlanContext
 from meshllm.roles.stage import Send, Stage, results_of
 from meshllm.roles.verifier import WAIT, Block, Verifier
 
@@ -61,7 +62,8 @@ class Seq:
     stop_ids: frozenset[int]
     gateway: str  # address of the gateway that streams its tokens
     decode_rid: int  # replica that decodes it (this one when mixed)
-    out: list[int] = field(default_factory=list)  # output tokens so far
+    out: list[int] = field(default_factory=list)  # output tokens so far (of this attempt)
+    offset: int = 0  # output tokens before this attempt (a request resumed after a failure)
     fed: int = 0  # positions sent into the pipeline
     busy: bool = False  # a span whose logits we need is in flight
     missing_kv: set[str] = field(default_factory=set)  # decode: stages that have not acknowledged KV
@@ -99,12 +101,13 @@ class Leader:
     """Scheduler of one replica, on its stage-0 node's compute thread."""
 
     def __init__(self, stage: Stage, send: Send, max_context: int,
-                 on_prefilled: Callable[[Seq, int], bool] | None = None):
+                 on_prefilled: Callable[[PlanContext, Seq, bool], None] | None = None):
         self.stage, self.ctx, self._send = stage, stage.ctx, send
         self.rid, self.role = stage.replica.id, stage.replica.role
         self.n_stages = len(stage.replica.stages)
         self.max_context = max_context
-        self.on_prefilled = on_prefilled  # prefill replicas: hand the sequence off (roles/prefill.py)
+        # prefill replicas: hand the sequence off (roles/prefill.py), under the plan in force now
+        self.on_prefilled = on_prefilled
         self.seqs: dict[int, Seq] = {}
         self.queue: list[int] = []  # sequences not yet started, in arrival order
         self.in_flight: dict[int, InFlight] = {}
@@ -183,7 +186,7 @@ class Leader:
 
     def _span(self, s: Seq, n: int, kind: SpanKind) -> WireSpan:
         p = s.params
-        return WireSpan(s.id, s.fed, n, kind, len(s.out), p.temperature, p.top_k, p.top_p, s.seed)
+        return WireSpan(s.id, s.fed, n, kind, s.offset + len(s.out), p.temperature, p.top_k, p.top_p, s.seed)
 
     def _launch(self, fl: InFlight, ids: list[int]) -> None:
         spans = fl.spans
@@ -215,18 +218,17 @@ class Leader:
         self._apply(fl, msg["out"])
 
     def _apply(self, fl: InFlight, out: list) -> None:
-        by_seq = {e[0]: e for e in out if isinstance(e, (list, tuple)) and len(e) == 3}
+        by_seq = {e[0]: e for e in out if isinstance(e, (list, tuple)) and len(e) == 3 and isinstance(e[0], int)}
         took = time.monotonic() - fl.sent
         for sp in fl.spans:
             s = self.seqs.get(sp.seq)
             if s is None or sp.kind is SpanKind.PREFILL:
                 continue  # released meanwhile, or a chunk with no logits
             s.busy = False
-            entry = by_seq.get(sp.seq)
-            if entry is None or not entry[1] or not all(isinstance(t, int) for t in entry[1]):
+            tokens = result_tokens(sp, by_seq.get(sp.seq), fl.blocks.get(sp.seq), self.stage.model.args.vocab_size)
+            if tokens is None:
                 self.fail(s, "the last stage returned no token")
                 continue
-            tokens = [int(t) for t in entry[1]]
             if sp.kind is SpanKind.PREFILL_LAST and s.decode_rid != self.rid:
                 self._handoff(s, tokens[0])
                 continue
@@ -253,7 +255,7 @@ class Leader:
         finished = self._finish_reason(s, token)
         self._tokens(s, [token], finished)
         if self.on_prefilled is not None:
-            self.on_prefilled(s, finished is not None)
+            self.on_prefilled(self.ctx, s, finished is not None)
 
     def emit(self, s: Seq, tokens: list[int]) -> str | None:
         """New output tokens of `s` (several after a verified block): keep those up to the first stop
@@ -282,7 +284,7 @@ class Leader:
 
     def _tokens(self, s: Seq, tokens: list[int], finished: str | None) -> None:
         extra = {"spec": s.spec.to_json()} if finished is not None and s.spec.blocks else {}
-        m = make(MsgType.TOKENS, seq=s.id, token_ids=tokens, index=len(s.out) - len(tokens),
+        m = make(MsgType.TOKENS, seq=s.id, token_ids=tokens, index=s.offset + len(s.out) - len(tokens),
                  finished=finished is not None, finish_reason=finished, queue_ms=round(1000 * s.queued_s, 3),
                  **extra)
         s.queued_s = 0.0
@@ -305,7 +307,7 @@ class Leader:
     def fail(self, s: Seq, why: str) -> None:
         log.error("replica %d: sequence %d failed: %s", self.rid, s.id, why)
         self.stats["aborted"] += 1
-        self._send(s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=len(s.out), finished=True,
+        self._send(s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=s.offset + len(s.out), finished=True,
                                    finish_reason="error", error=why))
         self.drop(s.id)
 
@@ -338,6 +340,19 @@ class Leader:
         return {"replica": self.rid, "role": str(self.role), "queued": len(self.queue), "active": self.active(),
                 "in_flight": len(self.in_flight), "max_active": MAX_ACTIVE_SEQS, **self.stats,
                 "handoffs": list(self.handoffs), **({"spec": self.verifier.load()} if self.verifier else {})}
+
+
+def result_tokens(sp: WireSpan, entry: list | None, block: Block | None, vocab: int) -> list[int] | None:
+    """The tokens a RESULTS entry gives a span, or None if they cannot be its result: none, not
+    token ids, or, for a VERIFY span, not its block's accepted drafts + one token (a wrong count
+    would move the sequence past the KV its stages hold)."""
+    toks = entry[1] if entry is not None else None
+    if not isinstance(toks, list) or not toks or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in toks):
+        return None
+    if sp.kind is SpanKind.VERIFY and (block is None or len(toks) > sp.n or toks[:-1] != block.tokens[:len(toks) - 1]):
+        return None
+    return list(toks)
 
 
 def is_phase(role: Role, phase: Role) -> bool:

@@ -30,6 +30,7 @@ class GatewayMetrics:
         self.waiting = Gauge("meshllm_requests_waiting_first_token", "Requests before their first token",
                              registry=r)
         self.replicas_ready = Gauge("meshllm_replicas_ready", "Replicas of the current plan ready", registry=r)
+        self.resumes = Counter("meshllm_request_resumes", "Attempts resumed after a failure", registry=r)
         self.drafted = Counter("meshllm_spec_draft_tokens", "Draft tokens verified", registry=r)
         self.accepted = Counter("meshllm_spec_accepted_tokens", "Draft tokens accepted", registry=r)
         self.blocks = Counter("meshllm_spec_blocks", "Draft blocks verified", registry=r)

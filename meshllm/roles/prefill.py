@@ -16,6 +16,7 @@ from meshllm.mesh.protocol import (
     Message,
     MsgType,
     ProtocolError,
+    check_address,
     check_int_list,
     check_sampling,
     check_seq,
@@ -39,11 +40,15 @@ def seq_from_generate(msg: Message, ctx: PlanContext, my_rid: int, vocab: int, m
         raise ProtocolError(f"seq {seq}: max_tokens must be a positive integer")
     temperature, top_k, top_p, seed = check_sampling(msg["sampling"])
     stop = frozenset(check_int_list(msg["stop_ids"], "stop_ids", 0, vocab - 1, 64))
+    check_address(msg["gateway"], "gateway")
     rid = msg["decode_replica"]
     if rid != my_rid and not (ctx.has_replica(rid) and ctx.replica(rid).role.value == "decode"):
         raise ProtocolError(f"seq {seq}: decode replica {rid} is not a decode replica of plan v{ctx.version}")
+    offset = msg.fields.get("offset", 0)
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise ProtocolError(f"seq {seq}: offset must be a non-negative integer")
     return Seq(seq, ids, len(ids), msg["max_tokens"], SamplingParams(temperature, top_k, top_p), seed, stop,
-               str(msg["gateway"]), rid, drafter=str(msg["drafter"]))
+               str(msg["gateway"]), rid, drafter=str(msg["drafter"]), offset=offset)
 
 
 def handoff(ctx: PlanContext, send: Send, s: Seq, finished: bool) -> None:
@@ -56,5 +61,6 @@ def handoff(ctx: PlanContext, send: Send, s: Seq, finished: bool) -> None:
     send(ctx.leader(s.decode_rid),
          make(MsgType.HANDOFF, seq=s.id, prompt_len=s.prompt_len, tokens=list(s.out), max_tokens=s.max_tokens,
               sampling=sampling_map(p.temperature, p.top_k, p.top_p, s.seed), stop_ids=sorted(s.stop_ids),
-              gateway=s.gateway, drafter=s.drafter, plan_version=ctx.version, prefill_ms=round(1000 * s.prefill_s, 3),
+              gateway=s.gateway, drafter=s.drafter, plan_version=ctx.version, offset=s.offset,
+              prefill_ms=round(1000 * s.prefill_s, 3),
               prefilled_at=time.monotonic()))
