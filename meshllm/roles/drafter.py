@@ -41,6 +41,7 @@ from meshllm.mesh.protocol import (
     Message,
     MsgType,
     ProtocolError,
+    check_address,
     check_int_list,
     check_sampling,
     check_seq,
@@ -54,6 +55,7 @@ Q_TOP_K = 32  # draft distribution support sent with sampled blocks
 MAX_OUTSTANDING = {"async": 2, "sync": 1}  # blocks in flight per session
 RESEND_MIN_S = 2.0  # x time_scale: a block with no verdict this long is published again
 DRAFT_SALT = 0xD7AF7  # the drafter's sampling generators differ from the target's
+SESSION_IDLE_S = 120.0  # x time_scale: a session with no verdict this long is dropped
 PREFILL_CHUNK = 256
 
 
@@ -88,6 +90,7 @@ class Session:
     blocks: list[OutBlock] = field(default_factory=list)  # published, no verdict yet
     next_no: int = 0
     block_end: int = 0  # stream index where the block being drafted ends
+    heard: float = field(default_factory=time.monotonic)  # last SESSION / VERDICT for it
     alpha: float | None = None  # per-token acceptance estimate
     rtt_s: float | None = None
     draft_s: float | None = None
@@ -114,6 +117,7 @@ class Drafter:
         self.cache = model.new_cache()
         self.sessions: dict[int, Session] = {}
         self.resend_s = RESEND_MIN_S * time_scale
+        self.idle_s = SESSION_IDLE_S * time_scale
         self.busy_s = 0.0
         self.since: float | None = None  # first session's arrival: the busy fraction's window
         self.stats = {"steps": 0, "blocks": 0, "resent": 0, "resyncs": 0}
@@ -127,21 +131,25 @@ class Drafter:
         if not prompt or msg["mode"] not in MAX_OUTSTANDING or seq in self.sessions:
             raise ProtocolError(f"seq {seq}: bad SESSION (mode {msg['mode']!r}, {len(prompt)} prompt tokens)")
         t, k, p, seed = check_sampling(msg["sampling"])
+        check_address(msg["gateway"], "gateway")
+        if msg["max_tokens"] < 1:
+            raise ProtocolError(f"seq {seq}: max_tokens must be positive")
         self.sessions[seq] = Session(seq, prompt, msg["max_tokens"], SamplingParams(t, k, p), seed,
                                      msg["decode_replica"], gamma, bool(msg["adaptive"]), msg["mode"],
                                      str(msg["gateway"]))
-        self.cache.allocate(seq, len(prompt) + msg["max_tokens"] + 2 * gamma + 2)
+        self.cache.allocate(seq, min(len(prompt) + msg["max_tokens"] + 2 * gamma + 2, self.model.args.max_seq_len))
         self.since = self.since or time.monotonic()
 
     def on_verdict(self, msg: Message) -> None:
         s = self.sessions.get(check_seq(msg["seq"]))
-        if s is None:
+        if s is None or msg["tenant"] != self.me:
             return
         if msg["finished"]:
             self.end(s.seq)
             return
+        room = self.model.args.max_seq_len - len(s.prompt) - (len(s.committed) if msg["block"] >= 0 else 0)
+        tokens = check_int_list(msg["tokens"], "tokens", 0, self.model.args.vocab_size - 1, room)
         s.rid = msg["replica"]  # the session may have moved to another decode replica
-        tokens = [int(t) for t in msg["tokens"]]
         if msg["block"] < 0:
             self._resync(s, tokens)  # the whole output: first token, a step taken without us, migration
         else:
@@ -201,7 +209,7 @@ class Drafter:
         """One batched draft forward over every session that may draft; True if any did."""
         now = time.monotonic()
         self._resend(now)
-        ready = [s for s in self.sessions.values() if s.can_draft()]
+        ready = [s for s in self.sessions.values() if s.can_draft() and len(s.tokens) < self.model.args.max_seq_len]
         if not ready:
             return False
         spans, ids = [], []
@@ -261,6 +269,9 @@ class Drafter:
                     start=b.start, after=after, hash=b.hash, tokens=b.tokens, plan_version=0)
 
     def _resend(self, now: float) -> None:
+        for s in [s for s in self.sessions.values() if now - s.heard > self.idle_s]:
+            log.warning("%s: session %d heard nothing for %.0f s; dropped", self.me, s.seq, now - s.heard)
+            self.end(s.seq)  # its verifier and its gateway are gone: memory stays bounded
         for s in self.sessions.values():
             for b in s.blocks:
                 if now - b.sent > self.resend_s:

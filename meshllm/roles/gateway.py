@@ -371,9 +371,11 @@ class Gateway:
         self._book(s, "decode" if s.next_index > s.offset_at_dispatch else "prefill", -1)
         if count:
             self.metrics.finished(status, s.spec)
-        if release:
-            for addr in s.leaders:
-                self.t.send(addr, make(MsgType.RELEASE, seq=s.seq, reason=f"gateway: {status}"))
+        targets = set(s.leaders) if release else set()
+        if s.drafter and self.ctx is not None and s.drafter in self.ctx.addresses:
+            targets.add(self.ctx.addresses[s.drafter])  # a session that ended at its first token, too
+        for addr in targets:
+            self.t.send(addr, make(MsgType.RELEASE, seq=s.seq, reason=f"gateway: {status}"))
 
     def mesh_view(self) -> dict[str, Any]:
         """Every node's state and its last heartbeat load (this node's own load included)."""
