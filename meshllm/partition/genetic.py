@@ -161,7 +161,7 @@ def run_ga(score: Score, pop: list[list[int]], n_genes: int, generations: int, s
     for gen in range(generations):
         off = [creator.MeshIndividual2(x) for x in tools.selTournament(pop, len(pop) - ELITE, tournsize=3)]
         for a, b in zip(off[::2], off[1::2]):
-            if random.random() < CX_PROB:
+            if len(a) > 1 and random.random() < CX_PROB:  # two-point crossover needs two genes
                 tools.cxTwoPoint(a, b)
         for ind in off:
             if random.random() < MUT_PROB:
