@@ -272,3 +272,27 @@ def test_cluster_cli_runs_its_workload_and_reports_the_brief_json(tmp_path, smol
         assert m[k] is None  # speculation is off
     assert {r["role"] for r in out["plan"]["replicas"]} == {"prefill", "decode"}
     assert all(v["rss_mb"] > 0 for v in m["nodes"].values())
+
+
+def test_a_mixed_replica_prefills_its_own_prompts_and_ships_no_kv(tmp_path, smollm2, smollm2_tokenizer):
+    """One node holding the whole model is a mixed replica; with a drafter beside it, the same
+    replica verifies drafts of the sequences it prefilled itself."""
+    nodes = [{"id": "solo", "device": small_device("box", 8.0), "zone": "fog"},
+             {"id": "pi", "device": "raspberry-pi-5-8gb", "zone": "edge", "roles": ["drafter"]}]
+    path = write_cluster(tmp_path / "mixed.yaml", nodes, speculation={"mode": "async", "gamma": 4},
+                         links=[{"zones": ["edge", "fog"], "rtt_ms": 20, "bandwidth_mbps": 100}])
+    s = Served(path, tmp_path / "serve.log")
+    try:
+        plan = plan_of(s)
+        assert [r["role"] for r in plan["replicas"]] == ["mixed"] and plan["drafters"] == ["pi"]
+        for prompt, mode in (("The capital of France is", "off"), ("List three prime numbers:", "async")):
+            code, res = s.post("/v1/completions", {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 20,
+                                                   "temperature": 0, "meshllm": {"speculation": mode}})
+            assert code == 200, res
+            ok, why = same_up_to_tie(res["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, prompt, 20))
+            assert ok, why
+            assert ("spec" in res["meshllm"]) == (mode == "async")
+        loads = mesh_loads(s)
+        assert loads["solo"]["stage"]["kv_bytes_sent"] == 0 and loads["solo"]["stage"]["kv_bytes_received"] == 0
+    finally:
+        assert s.stop() == 0
