@@ -46,13 +46,13 @@ SIZES = (12, 25, 50, 100, 200)
 COLS = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mean_e2e_ms")
 
 
-def at_rate(inp, pols: dict, rate: float, seed: int, n_req: int) -> dict:
+def at_rate(inp, pols: dict, rate: float, seed: int, n_req: int, sweep_n: int) -> dict:
     """Metrics of every policy at `rate` (meshllm re-planned for it)."""
     trace = sweep.make_trace(inp, n_req, seed)
     out = {}
     for name, pol in pols.items():
         if name == "meshllm":
-            pol = sweep.meshllm_policy(inp, rate, seed)
+            pol = sweep.meshllm_policy(inp, rate, seed, sweep_n)
         out[name] = metrics(sweep.simulate(pol.replicas, trace, rate)) if pol.replicas else None
     return out
 
@@ -69,7 +69,7 @@ def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_
     cfg = load_cluster(REPO / "clusters" / f"{name}.yaml")
     inp = plan_inputs(cfg)
     t0 = time.perf_counter()
-    pols = sweep.build_policies(inp, seed, names)
+    pols = sweep.build_policies(inp, seed, names, sweep_requests=sweep_n)
     planner_s = time.perf_counter() - t0
     bound = bound_rate_per_s(inp, [(a, b) for _, a, b in sweep.make_trace(inp, 2000, seed)])
     sat = {p: sweep.saturation_rate(pol.replicas, inp, seed, sweep_n) if pol.replicas else 0.0
@@ -83,9 +83,9 @@ def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_
     for ref, top in refs.items():
         for f in LOADS:
             if top > 0:
-                res["loads"][f"{ref}@{f}"] = (f * top, at_rate(inp, pols, f * top, seed, n_req))
+                res["loads"][f"{ref}@{f}"] = (f * top, at_rate(inp, pols, f * top, seed, n_req, sweep_n))
     if inp.rate_per_s > 0:
-        res["loads"]["file"] = (inp.rate_per_s, at_rate(inp, pols, inp.rate_per_s, seed, n_req))
+        res["loads"]["file"] = (inp.rate_per_s, at_rate(inp, pols, inp.rate_per_s, seed, n_req, sweep_n))
     res["ga"] = ga_gain(inp, seed, sweep_n)
     return res
 

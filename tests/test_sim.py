@@ -193,9 +193,12 @@ def test_simulate_policies_schema_and_determinism():
     for name, got in a["policies"].items():
         assert got is not None and set(got) == FIELDS, name
         assert 0 < got["saturation_rate_per_s"] <= a["bound_rate_per_s"] and got["mean_wait_ms"] >= 0
-    assert simulate_policies(plan_inputs(cfg), rate=20.0, seed=3, sweep_requests=300) == a
+    quick = ("splitwise", "mixed-dp")  # deterministic for a seed (two of them: a run costs seconds)
+    assert simulate_policies(plan_inputs(cfg), rate=20.0, seed=3, names=quick, sweep_requests=300)["policies"] == {
+        k: a["policies"][k] for k in quick}
 
 
+@pytest.mark.slow
 def test_simulate_cli_json():
     p = run_cli("--simulate", "clusters/wan.yaml", "--json", "--rate", "50")
     assert p.returncode == 0, p.stderr

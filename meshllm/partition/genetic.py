@@ -257,10 +257,11 @@ def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> 
         picks += [pack(ev, type_order(ev), slack) for slack in PACK_SLACK[:2]]
         cands = [ev.decode(g) for g in picks]
         typed = ev.decode(type_genes(ev))  # one device type per replica: what an operator runs
-        standard = [typed] + [m for m in (all_mixed(typed),) if m is not None]
+        standard = [typed] + [m for m in (all_mixed(ev, typed),) if m is not None]
         unique = list({(c.groups, c.roles): c for c in cands + standard if c.fitness > 0}.values())
         keys = {(c.groups, c.roles) for c in standard}
-        with_pred = tuple(Grouping(c.groups, c.roles, c.evals, c.fitness, ev.latency(c, lam)) for c in unique)
+        with_pred = tuple(Grouping(c.groups, c.roles, c.evals, c.fitness, ev.latency(c, lam), c.link_req_s)
+                          for c in unique)
         return Search(with_pred[0], with_pred, cap, lam,
                       tuple(i for i, c in enumerate(unique) if (c.groups, c.roles) in keys))
     return seeded(seed, run)

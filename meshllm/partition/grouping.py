@@ -14,17 +14,22 @@ CUT_NEIGHBOURS cuts either side of it); so does "all mixed" when that is better 
 make shipping KV cost more than it saves). A lone replica is mixed. A replica holding a node
 whose `roles:` allow only prefill (or decode) keeps that role.
 
-`Evaluator.latency` predicts the grouping's mean wait, TTFT and e2e at a rate (latency.py).
+Shared zone links cap a grouping's capacity (links.py). `Evaluator.latency` predicts the
+grouping's mean wait, TTFT and e2e at a rate (latency.py), the busiest shared link an M/D/1
+queue for everyone.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshllm.partition.cost import ModelCosts
 from meshllm.partition.dp import Member, Net, Splitter
 from meshllm.partition.latency import Prediction, predict
+from meshllm.partition.links import LinkLoad
+from meshllm.partition.queueing import md1_wait
 from meshllm.partition.replica import Mix, ReplicaEval, evaluate_replica, with_free_tokens
 
 NONE = -1
@@ -36,8 +41,9 @@ class Grouping:
     groups: tuple[tuple[int, ...], ...]  # member indices of each usable replica
     roles: tuple[str, ...]  # "prefill" | "decode" | "mixed" per replica
     evals: tuple[ReplicaEval, ...]
-    fitness: float  # sustainable requests/s (the capacity)
+    fitness: float  # sustainable requests/s (the capacity, shared zone links included)
     prediction: Prediction | None = None  # at the planned rate, when the planner made one
+    link_req_s: float = math.inf  # requests/s the shared zone links let through (links.py)
 
 
 def _convert_surplus(rates, roles: list[str], p: float, d: float, side: list[int]) -> float:
@@ -97,6 +103,7 @@ class Evaluator:
         self.cs2 = cs2  # squared coefficients of variation of the input and output lengths
         self.cache: dict[tuple, ReplicaEval] = {}
         self.free_cache: dict[tuple, ReplicaEval] = {}
+        self.links = LinkLoad(mc, self.members, net, mix)
         self.splitters = (Splitter(mc, net, mix.prefill_wp()), Splitter(mc, net, mix.decode_wp()))
         ranked = sorted(range(len(self.members)), key=lambda i: (self.members[i].key, i))
         self.rank = [0] * len(self.members)
@@ -135,14 +142,30 @@ class Evaluator:
         if not groups:
             return Grouping((), (), (), 0.0)
         fit, roles = assign_roles([(e.prefill_req_s, e.decode_req_s, e.mixed_req_s) for e in evals], forced)
-        return Grouping(tuple(groups), tuple(roles), tuple(evals), fit)
+        return self.with_links(Grouping(tuple(groups), tuple(roles), tuple(evals), fit))
+
+    def with_links(self, g: Grouping) -> Grouping:
+        """`g` with its capacity capped by the shared zone links (a no-op without such links)."""
+        if not self.links.active or not g.groups:
+            return g
+        p = sum(e.prefill_req_s for e, r in zip(g.evals, g.roles) if r == "prefill")
+        d = sum(e.decode_req_s for e, r in zip(g.evals, g.roles) if r == "decode")
+        cap_pd = min(p, d) if p > 0 and d > 0 else 0.0
+        cap = cap_pd + sum(e.mixed_req_s for e, r in zip(g.evals, g.roles) if r == "mixed")
+        bound = self.links.bound(g.evals, g.roles, cap_pd, cap)
+        return Grouping(g.groups, g.roles, g.evals, min(g.fitness, bound), g.prediction, bound)
 
     def fitness(self, genes: Sequence[int]) -> float:
         """Capacity in requests/s."""
         return self.decode(genes).fitness
 
     def latency(self, g: Grouping, rate: float) -> Prediction:
-        return predict([self.completed(e) for e in g.evals], g.roles, rate, self.mix, *self.cs2)
+        pred = predict([self.completed(e) for e in g.evals], g.roles, rate, self.mix, *self.cs2)
+        if math.isfinite(g.link_req_s):  # the busiest shared link as one more queue for everyone
+            extra = md1_wait(rate, 1.0 / g.link_req_s) if rate < g.link_req_s else math.inf
+            pred = Prediction(pred.wait_s + extra, pred.ttft_s, pred.e2e_s + extra, min(pred.capacity_req_s,
+                              g.link_req_s), rate)
+        return pred
 
     def completed(self, ev: ReplicaEval) -> ReplicaEval:
         """`ev` with what only the latency estimate needs (free prompt tokens of its mixed fit)."""
@@ -190,12 +213,11 @@ def type_genes(ev: Evaluator, slack: float = 1.05) -> list[int]:
     return genes
 
 
-def all_mixed(g: Grouping) -> Grouping | None:
-    """The same replicas, every one mixed (None if one cannot be: no mixed fit, or its nodes'
-    `roles:` allow one phase only, which the evaluator encoded as a forced role)."""
+def all_mixed(ev: Evaluator, g: Grouping) -> Grouping | None:
+    """The same replicas, every one mixed (None if one cannot be: no mixed fit)."""
     if not g.groups or any(e.mixed is None for e in g.evals):
         return None
-    return Grouping(g.groups, ("mixed",) * len(g.groups), g.evals, sum(e.mixed_req_s for e in g.evals))
+    return ev.with_links(Grouping(g.groups, ("mixed",) * len(g.groups), g.evals, sum(e.mixed_req_s for e in g.evals)))
 
 
 def greedy_genes(ev: Evaluator, slack: float = 1.05) -> list[int]:

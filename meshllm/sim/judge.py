@@ -6,12 +6,12 @@ groupings; it errs where the simulator's dynamics matter (deep mixed pipelines, 
 scheduler that cannot keep every stage busy), and the GA exploits such errors. So the last word
 goes to the simulator itself, on a handful of candidates, on a trace of its own (JUDGE_SEED, not
 the one results are reported on):
-1. each candidate's saturation rate, by the stability rule of sweep.py on runs of 1000 to 2000
-   requests with 4 bisections (~2.5% resolution), cached per grouping;
+1. each candidate's saturation rate, by the stability rule of sweep.py on runs of 2 x 600 to
+   2 x 1200 requests with 4 bisections (~2.5% resolution), cached per grouping;
 2. the candidates that sustain at least what the operator's own groupings do (the search's
    one-device-type-per-replica candidates, whose saturation is the floor) and at least
    HEADROOM x the planned rate are eligible; of those, the lowest cost at the planned rate
-   wins (mean e2e + WAIT_WEIGHT x mean wait over JUDGE_REQUESTS requests; the router's score).
+   wins (mean e2e + WAIT_WEIGHT x mean wait over JUDGE_REQUESTS requests, the planner's cost).
    If none is eligible, the highest saturation wins.
 """
 
@@ -26,9 +26,9 @@ from meshllm.sim import sweep
 from meshllm.sim.replica import from_grouping
 
 JUDGE_REQUESTS = 400
-JUDGE_SWEEP_REQUESTS = 1000
+JUDGE_SWEEP_REQUESTS = 600
 JUDGE_BISECT_STEPS = 4
-JUDGE_WINDOW, JUDGE_MAX_REQUESTS = 20, 2000  # within ~2% of the reported sweep on bench-edge-8b's candidates
+JUDGE_WINDOW, JUDGE_MAX_REQUESTS = 10, 1200  # as the reported sweep, shorter: it only compares candidates
 JUDGE_SEED = 7919  # a trace of its own, not the one the results are reported on
 HEADROOM = 1.25  # an eligible plan sustains at least this x the planned rate
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
@@ -39,21 +39,23 @@ def run_cost(reps, trace, rate: float) -> float:
     return sum(r.done - r.arrival + WAIT_WEIGHT * r.wait_s for r in reqs) / len(reqs)
 
 
-def saturation(inp: PlanInputs, g: Grouping, reps) -> float:
-    key = (inp.source, inp.args.name, inp.dtype, tuple(n.id for n in inp.nodes), inp.input_tokens,
-           inp.output_tokens, g.groups, g.roles)
+def saturation(inp: PlanInputs, g: Grouping, reps, requests: int = JUDGE_SWEEP_REQUESTS) -> float:
+    key = (inp.source, inp.args.name, inp.dtype, tuple(node.id for node in inp.nodes), inp.input_tokens,
+           inp.output_tokens, g.groups, g.roles, requests)
     got = _SATURATION.get(key)
     if got is None:
-        s = sweep.Sweep(reps, inp, JUDGE_SEED, JUDGE_SWEEP_REQUESTS, JUDGE_WINDOW, JUDGE_MAX_REQUESTS)
+        most = max(requests, JUDGE_MAX_REQUESTS * requests // JUDGE_SWEEP_REQUESTS)
+        s = sweep.Sweep(reps, inp, JUDGE_SEED, requests, JUDGE_WINDOW, most)
         got = _SATURATION[key] = s.saturation(JUDGE_BISECT_STEPS)
     return got
 
 
 def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float,
-                    floor_from: Sequence[int] = ()) -> int:
-    """Index of the winner; `floor_from`: the candidates whose saturation eligible ones must match."""
+                    floor_from: Sequence[int] = (), sweep_requests: int = JUDGE_SWEEP_REQUESTS) -> int:
+    """Index of the winner; `floor_from`: the candidates whose saturation eligible ones must match;
+    `sweep_requests`: N of the saturation runs (smaller for quick runs)."""
     trace = sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
-    sat = [saturation(inp, g, from_grouping(inp, g)) for g in candidates]
+    sat = [saturation(inp, g, from_grouping(inp, g), sweep_requests) for g in candidates]
     floor = max([sat[i] for i in floor_from] + [HEADROOM * rate])
     eligible = [i for i, s in enumerate(sat) if s >= floor * (1 - 1e-9)]
     if not eligible:

@@ -14,7 +14,7 @@ the future: the simulator passes the workload's mean). `now` is seconds on any c
 loads' absolute times use. The module functions `pick_prefill` / `pick_decode` do the same
 without keeping a Router.
 
-Score of a candidate = estimated finish of the request + WAIT_WEIGHT x its estimated waiting
+Score of a candidate = estimated finish of the request + ROUTE_WAIT_WEIGHT x its estimated waiting
 (queueing before the prefill, for ports, for a decode slot; on a mixed replica also the pause
 its prefill imposes on the sequences decoding there, when it goes whole). Every candidate is scored to the end of
 the request, so a prefill replica (prefill, then KV shipping, then the best decode replica's
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from meshllm.partition.cost import transfer_s
 from meshllm.partition.dp import Member
-from meshllm.partition.latency import WAIT_WEIGHT
+from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.sim.ports import RX, TX, PortBook
 from meshllm.sim.replica import SimReplica
 
@@ -49,7 +49,7 @@ class ReplicaLoad:
 
 
 class Router:
-    def __init__(self, replicas: Sequence[SimReplica], ports: PortBook, wait_weight: float = WAIT_WEIGHT):
+    def __init__(self, replicas: Sequence[SimReplica], ports: PortBook, wait_weight: float = ROUTE_WAIT_WEIGHT):
         self.reps = {r.id: r for r in replicas}
         self.ports = ports
         self.w = wait_weight

@@ -20,6 +20,7 @@ bisects BISECT_STEPS times; the result is the highest stable rate found (resolut
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -38,8 +39,8 @@ SWEEP_REQUESTS = 2000  # N of the stability rule, at least
 STABLE_GROWTH = 0.25
 STABLE_NOISE = 0.05
 STABLE_BACKLOG = 0.05  # of the second half's arrivals: how many more may arrive than depart in it
-WINDOW_SERVICES = 20  # the first N requests' arrivals span at least this many service times
-MAX_SWEEP_REQUESTS = 20_000  # N at most (bounds a run's cost)
+WINDOW_SERVICES = 10  # the first N requests' arrivals span at least this many service times
+MAX_SWEEP_REQUESTS = 8_000  # N at most (bounds a run's cost)
 STEP_FACTOR = 1.5
 MAX_STEPS = 16
 BISECT_STEPS = 6
@@ -147,21 +148,23 @@ def saturation_rate(reps: Sequence[SimReplica], inp: PlanInputs, seed: int = 0,
     return Sweep(reps, inp, seed, sweep_requests).saturation() if reps else 0.0
 
 
-def meshllm_policy(inp: PlanInputs, rate: float, seed: int) -> Policy:
-    from meshllm.sim.judge import simulated_judge  # judge imports this module
+def meshllm_policy(inp: PlanInputs, rate: float, seed: int, sweep_requests: int = SWEEP_REQUESTS) -> Policy:
+    from meshllm.sim.judge import JUDGE_SWEEP_REQUESTS, simulated_judge  # judge imports this module
 
-    plan = plan_cluster(replace(inp, rate_per_s=rate), seed=seed, log=False, judge=simulated_judge)
+    judge = functools.partial(simulated_judge, sweep_requests=min(sweep_requests, JUDGE_SWEEP_REQUESTS))
+    plan = plan_cluster(replace(inp, rate_per_s=rate), seed=seed, log=False, judge=judge)
     return Policy(from_plan(inp, plan), {n: plan.reasons.get(n, "") for n in plan.unused + plan.drafters
                                          if n in {m.id for m in inp.members}})
 
 
-def build_policies(inp: PlanInputs, seed: int, names: Sequence[str] = POLICIES, rate: float | None = None) -> dict:
+def build_policies(inp: PlanInputs, seed: int, names: Sequence[str] = POLICIES, rate: float | None = None,
+                   sweep_requests: int = SWEEP_REQUESTS) -> dict:
     rate = inp.rate_per_s if rate is None else rate
     out = {}
     for name in names:
         if name == "meshllm":
             try:
-                out[name] = meshllm_policy(inp, rate, seed)
+                out[name] = meshllm_policy(inp, rate, seed, sweep_requests)
             except PlanInfeasible:
                 out[name] = Policy([], {})
         elif name == "random":
@@ -192,6 +195,6 @@ def simulate_policies(inp: PlanInputs, rate: float | None = None, seed: int = 0,
     """The `--simulate` JSON: every policy on the same trace, router and simulator."""
     rate = inp.rate_per_s if rate is None else rate
     bound = bound_rate_per_s(inp, [(a, b) for _, a, b in make_trace(inp, max(sweep_requests, 1000), seed)])
-    policies = build_policies(inp, seed, names, rate)
+    policies = build_policies(inp, seed, names, rate, sweep_requests)
     return {"policies": {name: report(pol, inp, rate, seed, bound, sweep_requests) for name, pol in policies.items()},
             "rate_per_s": rate, "bound_rate_per_s": round(bound, 4)}
