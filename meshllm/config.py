@@ -112,6 +112,8 @@ class NodeConfig:
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S  # liveness: see mesh/membership.py
     failure_timeout_s: float = FAILURE_TIMEOUT_S  # a peer silent this long is dead
     gateway: str | None = None  # HOST:PORT of this node's OpenAI-compatible HTTP API, if it runs one
+    fetch_weights: bool = True  # without the model file: fetch this node's layer range from a peer that has it
+    weights_cache: str | None = None  # where fetched tensors are kept (default $MESHLLM_WEIGHTS_CACHE or ~/.cache)
     # what the coordinator plans for (the cluster file's settings; see the README's node file schema)
     draft: DraftSpec = DraftSpec()
     speculation: SpeculationSpec = SpeculationSpec()
@@ -342,7 +344,8 @@ def _plan_inputs(cfg: ClusterConfig | NodeConfig, nodes: tuple[PlanNode, ...], s
 # -- node file ------------------------------------------------------------------------------
 NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "model", "roles", "cluster_key",
              "links", "heartbeat_interval_s", "failure_timeout_s", "gateway", "draft", "speculation",
-             "weights_dtype", "workload", "expect_nodes", "plan_settle_s", "pace", "time_scale", "fault_injection"}
+             "weights_dtype", "workload", "expect_nodes", "plan_settle_s", "pace", "time_scale", "fault_injection",
+             "fetch_weights", "weights_cache"}
 
 
 def parse_node(data: dict, src: str) -> NodeConfig:
@@ -376,8 +379,19 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         seeds=tuple(seeds), mdns=mdns, model=_model(data.get("model", DEFAULT_MODEL), src),
         roles=_roles(data.get("roles"), src, "roles"), cluster_key=None if key is None else str(key), links=links,
         heartbeat_interval_s=hb, failure_timeout_s=fail, gateway=_gateway(data.get("gateway"), src),
+        **_weights_keys(data, src),
         **_serving(data, src),
     )
+
+
+def _weights_keys(d: dict, src: str) -> dict[str, Any]:
+    """fetch_weights / weights_cache: weights over the mesh (roles/weights_fetch.py)."""
+    fetch, cache = d.get("fetch_weights", True), d.get("weights_cache")
+    if not isinstance(fetch, bool):
+        raise ConfigError(src, "fetch_weights", f"must be true or false, got {fetch!r}")
+    if cache is not None and (not isinstance(cache, str) or not cache):
+        raise ConfigError(src, "weights_cache", f"must be a directory path, got {cache!r}")
+    return {"fetch_weights": fetch, "weights_cache": cache}
 
 
 def _gateway(v: Any, src: str) -> str | None:

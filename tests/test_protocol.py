@@ -61,6 +61,16 @@ def sample(mtype: MsgType) -> p.Message:
         MsgType.SESSION: lambda: make(mtype, seq=11, prompt_token_ids=[1, 2], max_tokens=8,
                                       sampling=p.sampling_map(0, 0, 1.0, 0), stop_ids=[2], decode_replica=1, gamma=4,
                                       adaptive=True, mode="async", gateway="h:1", plan_version=2),
+        MsgType.WEIGHTS_INDEX_REQ: lambda: make(mtype, model="smollm2-135m"),
+        MsgType.WEIGHTS_INDEX: lambda: make(mtype, model="smollm2-135m", fingerprint="ab" * 32,
+                                            args={"dim": 576, "n_layers": 30, "tie_embeddings": True},
+                                            directory={"blk.0.attn_q.weight": [3, [576, 576], 207360]}),
+        MsgType.WEIGHTS_REQ: lambda: make(mtype, model="smollm2-135m", fingerprint="ab" * 32, fetch=5,
+                                          tensor="blk.0.attn_q.weight", offset=65536, length=65536,
+                                          reply_to="127.0.0.1:7702"),
+        MsgType.WEIGHTS_CHUNK: lambda: make(mtype, tensors={"data": np.arange(300, dtype=np.uint8)},
+                                            model="smollm2-135m", fetch=5, tensor="blk.0.attn_q.weight",
+                                            offset=65536, total=207360, sha256="cd" * 32),
     }
     return t[mtype]()
 

@@ -97,7 +97,7 @@ class GGUFFile:
             dims = [self._read("<Q") for _ in range(self._read("<I"))]
             infos.append((name, tuple(reversed(dims)), self._read("<I"), self._read("<Q")))
         align = int(self.fields.get("general.alignment", 32))
-        data_start = (self._pos + align - 1) // align * align
+        data_start = self.data_start = (self._pos + align - 1) // align * align  # header = bytes before it
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, gtype, off in infos:
             block, size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
@@ -116,9 +116,29 @@ class GGUFFile:
 
     def dequantize(self, name: str) -> np.ndarray:
         """fp32 array in torch order (rows, ..., ne0)."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
+        return dequantize_tensor(self.raw(name), self.tensors[name])
 
-        t = self.tensors[name]
-        arr = dequantize(self.raw(name), GGMLQuantizationType(t.ggml_type))
-        return np.array(arr, dtype=np.float32).reshape(t.shape)  # a writable copy
+    def header_bytes(self) -> memoryview:
+        """The metadata and tensor directory (everything before the tensor data)."""
+        return self._buf[:self.data_start]
+
+
+def tensor_nbytes(shape: tuple[int, ...], ggml_type: int) -> int:
+    """Bytes of a tensor of `shape` (torch order) stored as `ggml_type`; ValueError if they do not fit
+    its blocks (an unknown type, or a row that is not a whole number of blocks)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if not shape or shape[-1] % block:
+        raise ValueError(f"shape {shape} is not whole {GGMLQuantizationType(ggml_type).name} blocks of {block}")
+    return int(np.prod(shape)) // block * size
+
+
+def dequantize_tensor(raw: np.ndarray, t: TensorInfo) -> np.ndarray:
+    """A tensor's raw bytes shaped (rows, bytes_per_row), from a GGUF file or the mesh's tensor cache
+    -> a writable fp32 array in torch order (rows, ..., ne0)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    arr = dequantize(raw, GGMLQuantizationType(t.ggml_type))
+    return np.array(arr, dtype=np.float32).reshape(t.shape)  # a writable copy

@@ -72,6 +72,10 @@ class MsgType(IntEnum):
     PLAN = 21  # the coordinator's versioned plan, on PUB (and re-sent to newcomers)
     SESSION = 22  # gateway -> drafter: draft for this sequence, publish on that decode replica's topic
     FAULT = 23  # emulator -> node (emulation only): drop all traffic with a zone for a while
+    WEIGHTS_INDEX_REQ = 24  # a node without the model file -> a peer that has it: the model's directory?
+    WEIGHTS_INDEX = 25  # its answer: the model's shape and every tensor's GGUF type, shape and size
+    WEIGHTS_REQ = 26  # bytes [offset, offset + length) of one tensor, to be sent to `reply_to`
+    WEIGHTS_CHUNK = 27  # those raw (still quantized) bytes + the sha256 of the whole tensor
 
 
 class SpanKind(IntEnum):
@@ -144,6 +148,19 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     MsgType.SESSION: ({"seq": _INT, "prompt_token_ids": _LIST, "max_tokens": _INT, "sampling": _MAP,
                        "stop_ids": _LIST, "decode_replica": _INT, "gamma": _INT, "adaptive": _BOOL, "mode": _STR,
                        "gateway": _STR, "plan_version": _INT}, ()),
+    # weights over the mesh (roles/weights_fetch.py). model: a name the serving node announces in its
+    # load's `has_model`; fingerprint: sha256 (hex) of the GGUF header; args: ModelArgs fields;
+    # directory: {GGUF tensor name: [ggml type, [shape (torch order)], bytes]}
+    MsgType.WEIGHTS_INDEX_REQ: ({"model": _STR}, ()),
+    MsgType.WEIGHTS_INDEX: ({"model": _STR, "fingerprint": _STR, "args": _MAP, "directory": _MAP}, ()),
+    # fetch: the requester's id for this fetch (chunks of an abandoned one are told apart);
+    # reply_to: the requester's own address (chunks are sent there from the server's compute thread)
+    MsgType.WEIGHTS_REQ: ({"model": _STR, "fingerprint": _STR, "fetch": _INT, "tensor": _STR, "offset": _INT,
+                           "length": _INT, "reply_to": _STR}, ()),
+    # data: uint8 (length,) = bytes [offset, offset + length) of a tensor of `total` bytes whose bytes hash
+    # to `sha256` (hex); an optional "error" (str, data empty) says why the request cannot be served
+    MsgType.WEIGHTS_CHUNK: ({"model": _STR, "fetch": _INT, "tensor": _STR, "offset": _INT, "total": _INT,
+                             "sha256": _STR}, ("data",)),
 }
 
 

