@@ -1,7 +1,7 @@
 """A real deployment on loopback: nodes started one by one with `--node-config` (seeds), one of
 them running the gateway (`gateway: {listen: ...}`); the coordinator plans after membership
-settles. Then a node is killed mid-generation: the mesh re-plans, the in-flight request fails
-with a clear error (recovering it is the reliability issue's work) and the next one is served."""
+settles. Then a node is killed mid-generation: the mesh re-plans, the requests in flight finish
+(resumed where needed) with the reference's tokens, and the next one is served."""
 
 from __future__ import annotations
 
@@ -82,18 +82,21 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
                               reference(smollm2, smollm2_tokenizer, body["prompt"], 10))[0]
         v1 = wait_healthy(url)["plan_version"]
 
-        # a long request in flight, then a node dies: a clear error, not a hang
-        long_body = {**body, "prompt": "Count from one to a thousand: 1, 2, 3,", "max_tokens": 2000, "stream": False}
+        # requests in flight, then a node dies: the mesh re-plans and every request completes, each
+        # exactly as the reference (those on the dead node's replica resume from their tokens)
+        long_prompt, n_long = "Count from one to a thousand: 1, 2, 3,", 120
+        long_body = {**body, "prompt": long_prompt, "max_tokens": n_long}
         import concurrent.futures as cf
 
-        with cf.ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(complete, url, long_body, 120)
-            time.sleep(3)
+        with cf.ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(complete, url, long_body, 300) for _ in range(2)]
+            time.sleep(2)
             os.killpg(procs["n3"].pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            code, res = fut.result(timeout=120)
-        assert code == 503 and "re-planned" in res["error"]["message"], res
-        assert time.monotonic() - t0 < 30
+            results = [f.result(timeout=300) for f in futs]
+        want = reference(smollm2, smollm2_tokenizer, long_prompt, n_long)
+        for code, res in results:
+            assert code == 200, res
+            assert same_up_to_tie(res["choices"][0]["token_ids"], want)[0]
         deadline = time.monotonic() + 120
         while wait_healthy(url)["plan_version"] == v1 or wait_healthy(url)["status"] != "ok":
             assert time.monotonic() < deadline
