@@ -29,8 +29,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from meshllm.device import device_from_mapping
 from meshllm.mesh.membership import Membership, PeerInfo, PeerState, Transition
-from meshllm.mesh.protocol import Message, MsgType, make
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, check_address, make
 from meshllm.mesh.transport import Transport
 
 log = logging.getLogger("meshllm.mesh.discovery")
@@ -41,6 +42,16 @@ JOIN_RETRY_MAX_S = 4.0  # backoff cap
 SERVICE_TYPE = "_meshllm._tcp.local."
 MDNS_RESOLVE_TIMEOUT_MS = 3000
 MDNS_LISTEN_FIRST_S = 0.3  # browse this long before registering our own name
+
+
+def check_peer(info: PeerInfo) -> PeerInfo:
+    """A peer as a HELLO or gossip describes it: an id, an address the sockets take, a device
+    profile the planner takes (else ValueError: it would fail later, in every node it reaches)."""
+    if not info.id:
+        raise ValueError("empty node id")
+    check_address(info.address)
+    device_from_mapping(info.id, info.device, f"the device of {info.id!r}")
+    return info
 
 
 class Gossip:
@@ -91,6 +102,10 @@ class Gossip:
     def _on_hello(self, msg: Message, reply: Callable[[Message], None]) -> None:
         info = PeerInfo(msg["node"], msg["address"], msg.zone, dict(msg["device"]),
                         tuple(str(r) for r in msg["roles"]), msg["incarnation"])
+        try:
+            check_peer(info)
+        except ValueError as e:
+            raise ProtocolError(f"HELLO: {e}") from None
         if self.members.conflicts(info):
             holder = self.me if info.id == self.me.id else self.members.get(info.id).info
             if holder is self.me and info.incarnation < self.me.incarnation:
@@ -108,7 +123,7 @@ class Gossip:
     def _on_peers(self, msg: Message, reply: Callable[[Message], None]) -> None:
         for entry in msg["peers"]:
             try:
-                info = PeerInfo.from_wire(entry)
+                info = check_peer(PeerInfo.from_wire(entry))
             except ValueError as e:
                 log.warning("%s: ignoring a gossip entry from %r: %s", self.me.id, msg.src, e)
                 continue

@@ -41,6 +41,7 @@ MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 16
 MAX_NDIM = 8
 MAX_SEQ_ID = (1 << 63) - 1
+MAX_PLAN_VERSION = 1 << 53  # plan versions grow by one per plan; far above any real count
 RESERVED = {"src", "zone", "rid", "t"}  # header keys every message may carry
 
 

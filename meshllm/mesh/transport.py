@@ -16,7 +16,9 @@ here, so a long forward pass never looks like a death) and the timers. Data-plan
 handlers are registered with a `Worker` (a compute thread fed by a queue): the
 I/O thread only decodes and enqueues them. Other threads hand the I/O thread
 work with `call_soon` (a deque plus a wake-up pipe). Every socket has linger=0.
-A malformed frame is logged and dropped. A handler that fails answers its caller
+Rejected input (a malformed frame, a message a handler refuses with ProtocolError) is
+dropped, counted (`rejected`) and logged, at most REJECT_LOG_PER_S lines a second per
+(sender, message type), then one "suppressed K" line (`Rejections`). A handler that fails answers its caller
 with ERROR carrying the request id (code "bad_request" for a ProtocolError,
 "internal" with a logged traceback for anything else), so no caller waits for a
 timeout. Data-plane sends from compute threads block while the peer's queue is
@@ -51,6 +53,9 @@ log = logging.getLogger("meshllm.mesh.transport")
 
 POLL_MAX_S = 0.1  # the I/O loop wakes at least this often
 RECV_BUDGET = 256  # messages read from one socket per loop turn, so timers still run under load
+REJECT_LOG_PER_S = 5  # log lines a second per (sender, message type) for rejected messages; the rest are counted
+REJECT_LOG_TOTAL_PER_S = 20  # ... and in all
+REJECT_LOG_KEYS = 1024  # (sender, message type) pairs tracked at once
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: IntFlag ops are slow
 Handler = Callable[[Message, Callable[[Message], None]], None]
 TOPIC_MESH = b"mesh\0"  # heartbeats, gossip, plans: every node subscribes
@@ -114,14 +119,70 @@ class LinkShaper:
         return departed + one_way_s
 
 
-def guard(fn: Callable[[], Any], who: str) -> Exception | None:
+class Rejections:
+    """Counts rejected input and logs it, one line per message but at most `per_s` lines a second
+    per (sender, message type) and REJECT_LOG_TOTAL_PER_S in all (sender names can be forged): a
+    flood of bad messages cannot flood the log. What is held back is summed up in "suppressed"
+    lines: when its key logs again, at `flush` (every second, on the I/O thread, which also forgets
+    idle keys), or when the table of keys is full. Thread-safe."""
+
+    def __init__(self, who: str, per_s: int = REJECT_LOG_PER_S, clock: Callable[[], float] = time.monotonic):
+        self.who, self.per_s, self.clock = who, per_s, clock
+        self.count = 0  # every rejected message, logged or not
+        self._keys: dict[tuple[str, str], list] = {}  # key -> [window start, lines logged, lines held back]
+        self._second = [0.0, 0]  # all keys: [window start, lines logged]
+        self._lock = threading.Lock()
+
+    def reject(self, key: tuple[str, str], err: Exception, verb: str = "rejected") -> None:
+        """One rejected message from sender key[0] of type key[1] (ProtocolError `err`)."""
+        now = self.clock()
+        with self._lock:
+            self.count += 1
+            w = self._keys.get(key)
+            if w is None or now - w[0] >= 1.0:
+                if w is not None and w[2]:
+                    self._summary(w[2], f"{key[1]} from {key[0]!r}")
+                if w is None and len(self._keys) >= REJECT_LOG_KEYS:
+                    held = sum(x[2] for x in self._keys.values())
+                    if held:
+                        self._summary(held, f"from {len(self._keys)} senders")
+                    self._keys.clear()
+                w = self._keys[key] = [now, 0, 0]
+            if now - self._second[0] >= 1.0:
+                self._second = [now, 0]
+            if w[1] >= self.per_s or self._second[1] >= REJECT_LOG_TOTAL_PER_S:
+                w[2] += 1
+                return
+            w[1] += 1
+            self._second[1] += 1
+        log.warning("%s: %s %s from %r: %s", self.who, verb, key[1], key[0], err)
+
+    def flush(self) -> None:
+        now = self.clock()
+        with self._lock:
+            for key, w in list(self._keys.items()):
+                if now - w[0] >= 1.0:
+                    if w[2]:
+                        self._summary(w[2], f"{key[1]} from {key[0]!r}")
+                    del self._keys[key]
+
+    def _summary(self, n: int, what: str) -> None:
+        log.warning("%s: suppressed %d similar rejected messages (%s)", self.who, n, what)
+
+
+def guard(fn: Callable[[], Any], who: str, rejections: Rejections | None = None,
+          key: tuple[str, str] = ("?", "?")) -> Exception | None:
     """Run a handler or timer; a failure must not kill its thread (the I/O thread carries the
-    heartbeats). Bad input (ProtocolError) is logged in one line, anything else with its
-    traceback; never swallowed. Returns the exception, for the caller's answer."""
+    heartbeats). Bad input (ProtocolError) is logged in one line (rate-limited by `rejections`,
+    per `key` = (sender, message type)), anything else with its traceback; never swallowed.
+    Returns the exception, for the caller's answer."""
     try:
         fn()
     except ProtocolError as e:
-        log.warning("%s: rejected bad input: %s", who, e)
+        if rejections is not None:
+            rejections.reject(key, e)
+        else:
+            log.warning("%s: rejected bad input: %s", who, e)
         return e
     except Exception as e:
         log.exception("%s: handler crashed; the node keeps serving", who)
@@ -276,6 +337,8 @@ class Transport:
         self.ctx = ctx or zmq.Context.instance()
         self.dropped = 0  # malformed messages dropped
         self.loop = IOLoop(node_id)
+        self.rejections = Rejections(node_id)  # malformed frames and messages a handler refused
+        self.loop.every(1.0, self.rejections.flush)
         self.client = Requester(self.ctx, curve, self._stamp, self._decode, self.shaper)
         self._handlers: dict[MsgType, tuple[Handler, Worker | None]] = {}
         self._dealers: dict[str, zmq.Socket] = {}
@@ -335,6 +398,11 @@ class Transport:
         self.loop.close()
 
     # -- any thread -------------------------------------------------------------------------
+    @property
+    def rejected(self) -> int:
+        """Messages refused so far: malformed frames, and messages a handler refused (ProtocolError)."""
+        return self.rejections.count
+
     def call_soon(self, fn: Callable[[], None]) -> None:
         self.loop.call_soon(fn)
 
@@ -412,7 +480,7 @@ class Transport:
             return decode(frames)
         except ProtocolError as e:
             self.dropped += 1
-            log.warning("%s: dropped a malformed message: %s", self.node_id, e)
+            self.rejections.reject(("?", "a malformed message"), e, "dropped")
             return None
 
     def _run(self) -> None:
@@ -467,7 +535,7 @@ class Transport:
             self.loop.call_soon(lambda: self._send(self.router, r, ident))
 
         def run() -> None:
-            err = guard(lambda: handler(msg, reply), self.node_id)
+            err = guard(lambda: handler(msg, reply), self.node_id, self.rejections, (msg.src, msg.type.name))
             if err is not None and msg.type is not MsgType.ERROR:
                 code = "bad_request" if isinstance(err, ProtocolError) else "internal"
                 reply(make(MsgType.ERROR, code=code, message=f"{msg.type.name}: {type(err).__name__}: {err}"))

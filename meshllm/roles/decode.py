@@ -74,8 +74,9 @@ class KvAcks:
         """KV for a sequence waiting here must hold exactly the positions it was handed off with: a
         sequence started on shorter KV would fail every micro-batch it joins (and its neighbours')."""
         s = self.leader.seqs.get(seq)
-        if s is not None and s.missing_kv and length != s.fed:
-            raise ProtocolError(f"seq {seq}: KV of {length} positions, the sequence needs {s.fed}")
+        if s is not None and (not s.missing_kv or length != s.fed):
+            raise ProtocolError(f"seq {seq}: KV of {length} positions, the sequence needs "
+                                f"{s.fed if s.missing_kv else 'none'}")
 
     def on_ack(self, seq: int, node: str, length: int) -> None:
         if node not in self.nodes:
@@ -134,9 +135,10 @@ class Balancer:
 
     def on_capacity(self, msg: Message) -> None:
         rid, ctx = msg["replica"], self.leader.ctx
-        if rid != self.leader.rid and ctx.has_replica(rid) and ctx.replica(rid).role == Role.DECODE:
+        if rid != self.leader.rid and ctx.has_replica(rid) and ctx.replica(rid).role == Role.DECODE \
+                and msg["node"] == msg.src == ctx.replica(rid).stages[0].node:  # from that replica's leader
             active = msg.fields.get("active")
-            self.peers[rid] = (time.monotonic(), active if isinstance(active, int) else 0, msg["free_slots"])
+            self.peers[rid] = (time.monotonic(), max(0, active) if isinstance(active, int) else 0, msg["free_slots"])
 
     def rebalance(self) -> None:
         now = time.monotonic()

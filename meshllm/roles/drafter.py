@@ -149,6 +149,7 @@ class Drafter:
             return
         room = self.model.args.max_seq_len - len(s.prompt) - (len(s.committed) if msg["block"] >= 0 else 0)
         tokens = check_int_list(msg["tokens"], "tokens", 0, self.model.args.vocab_size - 1, room)
+        s.heard = time.monotonic()
         s.rid = msg["replica"]  # the session may have moved to another decode replica
         if msg["block"] < 0:
             self._resync(s, tokens)  # the whole output: first token, a step taken without us, migration

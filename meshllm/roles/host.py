@@ -23,7 +23,15 @@ from typing import Any
 from meshllm.config import NodeConfig
 from meshllm.defaults import Role
 from meshllm.mesh.membership import Membership, PeerState
-from meshllm.mesh.protocol import Message, MsgType, ProtocolError, check_seq, is_address, make
+from meshllm.mesh.protocol import (
+    MAX_PLAN_VERSION,
+    Message,
+    MsgType,
+    ProtocolError,
+    check_seq,
+    is_address,
+    make,
+)
 from meshllm.mesh.transport import Transport, Worker, topic
 from meshllm.partition.cost import DRAFT_DTYPE
 from meshllm.partition.plan import Plan, PlanError
@@ -80,6 +88,8 @@ class RoleHost:
     # -- plans ----------------------------------------------------------------------------------
     def _on_plan(self, msg: Message, reply: Callable) -> None:
         """I/O thread: a PLAN from the coordinator (it is re-published every second)."""
+        if not 0 < msg["version"] <= MAX_PLAN_VERSION:  # a huge one would freeze this node's plans
+            raise ProtocolError(f"PLAN version {msg['version']} outside [1, {MAX_PLAN_VERSION}]")
         self.offer(msg["version"], msg["plan"], msg["addresses"], str(msg["coordinator"]))
 
     def offer(self, version: int, plan_json: Any, addresses: Any, coordinator: str) -> None:

@@ -49,6 +49,7 @@ log = logging.getLogger("meshllm.leader")
 TOKEN_BUDGET = 256  # rows per micro-batch, decodes first, then prompt chunks (chunked prefill)
 MAX_ACTIVE_SEQS = 64  # sequences a replica decodes at once; more wait in its queue
 RESULT_TIMEOUT_S = 120.0  # a micro-batch whose RESULTS never come back fails its sequences
+KV_TIMEOUT_S = 120.0  # a handed-off sequence whose KV has not all arrived by then fails
 
 
 @dataclass
@@ -323,6 +324,8 @@ class Leader:
 
     def _expire(self) -> None:
         now = time.monotonic()
+        for s in [s for s in self.seqs.values() if s.missing_kv and now - s.arrived > KV_TIMEOUT_S]:
+            self.fail(s, f"its KV did not arrive in {KV_TIMEOUT_S:g} s")  # it would hold a slot forever
         for batch, fl in list(self.in_flight.items()):
             if now - fl.sent > RESULT_TIMEOUT_S:
                 del self.in_flight[batch]

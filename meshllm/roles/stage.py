@@ -58,14 +58,16 @@ def logit_rows(spans: Sequence[WireSpan]) -> list[int]:
     return rows
 
 
-def results_of(logits: torch.Tensor, spans: Sequence[WireSpan], verify: dict[int, tuple] | None = None) -> list[list]:
+def results_of(logits: torch.Tensor, spans: Sequence[WireSpan], verify: dict[int, tuple] | None = None,
+               skip: set[int] = frozenset()) -> list[list]:
     """RESULTS entries [seq, tokens, margins] from the logits of `logit_rows(spans)`, in order.
     A VERIFY span's tokens are the ones its block commits (accepted drafts + the target's token);
-    `verify` maps its sequence to (draft tokens, q ids, q probs) (engine/speculative.py)."""
+    `verify` maps its sequence to (draft tokens, q ids, q probs) (engine/speculative.py). Spans whose
+    index is in `skip` (strays: Stage._check_spans) get no entry."""
     out, r = [], 0
-    for s in spans:
+    for i, s in enumerate(spans):
         n = 0 if s.kind is SpanKind.PREFILL else (s.n if s.kind is SpanKind.VERIFY else 1)
-        if n:
+        if n and i not in skip and bool(torch.isfinite(logits[r:r + n]).all()):  # else: that sequence fails
             params = SamplingParams(s.temperature, s.top_k, s.top_p)
             if s.kind is SpanKind.VERIFY:
                 draft, q_ids, q_p = (verify or {}).get(s.seq, (None, None, None))
@@ -101,6 +103,16 @@ def parse_verify(x: object, vocab: int) -> dict[int, tuple]:
     return out
 
 
+def check_verify(spans: Sequence[WireSpan], verify: dict[int, tuple]) -> None:
+    """Every VERIFY span comes with its drafts (one fewer than its rows) and, when sampled, with
+    their draft distribution (the acceptance rule needs it)."""
+    for s in spans:
+        if s.kind is SpanKind.VERIFY:
+            draft, q_ids, _ = verify.get(s.seq, (None, None, None))
+            if draft is None or len(draft) != s.n - 1 or (s.temperature > 0 and q_ids is None):
+                raise ProtocolError(f"seq {s.seq}: a VERIFY span of {s.n} rows without its drafts")
+
+
 class Stage:
     def __init__(self, ctx: PlanContext, model: Transformer, send: Send, pacer: Pacer | None = None):
         mine = ctx.mine
@@ -114,6 +126,7 @@ class Stage:
         self._kv_have: dict[int, set[int]] = {}  # seq -> layers imported so far (decode replicas)
         self.kv_bytes_sent = self.kv_bytes_received = 0
         self.tokens_computed = {k: 0 for k in SpanKind}  # rows run, by span kind
+        self.strays: set[int] = set()  # spans of the last micro-batch that did not fit (_check_spans)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -123,11 +136,16 @@ class Stage:
     def compute(self, x: torch.Tensor, spans: Sequence[WireSpan]) -> torch.Tensor:
         """Run this stage over a micro-batch: hidden states out, or (last stage) the logits of
         `logit_rows(spans)`. `x` is token ids on stage 0, hidden states after it."""
-        zombies = self._check_spans(spans, x)
-        model_spans = [SeqSpan(s.seq, s.start, s.n) for s in spans]
-        for s in spans:
-            if s.seq not in self.cache:
+        zombies, self.strays = self._check_spans(spans, x)
+        model_spans = []
+        for i, s in enumerate(spans):
+            sid = s.seq if i not in self.strays else -1 - i  # a scratch slot (wire ids are >= 0)
+            if i in self.strays:
+                zombies.add(sid)
+                self.cache.allocate(sid, s.start + s.n, length=s.start)
+            elif s.seq not in self.cache:
                 self.cache.allocate(s.seq, s.start + s.n, length=s.start if s.seq in zombies else 0)
+            model_spans.append(SeqSpan(sid, s.start, s.n))
             self.tokens_computed[s.kind] += s.n
         rows = torch.tensor(logit_rows(spans), dtype=torch.long) if self.last else None
         try:
@@ -139,10 +157,12 @@ class Stage:
             for seq in zombies:
                 self.cache.free(seq)
 
-    def _check_spans(self, spans: Sequence[WireSpan], x: torch.Tensor) -> set[int]:
-        """Validate a micro-batch against this stage's cache; returns the released sequences it
-        still carries (their rows run on scratch slots and are discarded: the other sequences'
-        rows stay exactly as they would be without them)."""
+    def _check_spans(self, spans: Sequence[WireSpan], x: torch.Tensor) -> tuple[set[int], set[int]]:
+        """Validate a micro-batch against this stage's cache, then roll back rejected drafts. Returns
+        the released sequences it still carries and, after stage 0, the indices of spans that do not
+        fit this stage's KV (a sequence this stage lost, or a forged span): both run on scratch slots
+        and are discarded, so the other sequences' rows stay exactly as they would be without them;
+        a stray span gets no result, so only its own sequence fails, never its whole micro-batch."""
         rows = sum(s.n for s in spans)
         if not spans or x.shape[0] != rows:
             raise ProtocolError(f"micro-batch of {x.shape[0]} rows for spans covering {rows}")
@@ -150,18 +170,25 @@ class Stage:
             raise ProtocolError(f"hidden states of shape {tuple(x.shape)}, expected ({rows}, {self.model.args.dim})")
         seen: set[int] = set()
         zombies: set[int] = set()
-        for s in spans:
-            have = self.cache.length(s.seq) if s.seq in self.cache else 0
-            if s.seq not in self.cache and s.start > 0 and s.seq in self._tombstones:
-                zombies.add(s.seq)
-            elif s.kind in (SpanKind.DECODE, SpanKind.VERIFY) and 0 < s.start < have and s.seq not in seen:
-                self.cache.truncate(s.seq, s.start)  # drafts the last verification rejected
-            elif s.seq in seen or s.start != have:
-                raise ProtocolError(f"seq {s.seq}: span at {s.start} but this stage holds {have} positions")
+        strays: set[int] = set()
+        rollback: dict[int, int] = {}
+        for i, s in enumerate(spans):
             if s.start + s.n > self.model.args.max_seq_len:
                 raise ProtocolError(f"seq {s.seq}: position {s.start + s.n} beyond the context")
+            have = self.cache.length(s.seq) if s.seq in self.cache else 0
+            if s.seq in seen or not (s.start == have or (s.seq in self._tombstones and s.seq not in self.cache)
+                                     or (s.kind in (SpanKind.DECODE, SpanKind.VERIFY) and 0 < s.start < have)):
+                if self.first:
+                    raise ProtocolError(f"seq {s.seq}: span at {s.start} but this stage holds {have} positions")
+                strays.add(i)
+            elif s.seq not in self.cache and s.start > 0:
+                zombies.add(s.seq)
+            elif s.start < have:
+                rollback[s.seq] = s.start  # drafts the last verification rejected
             seen.add(s.seq)
-        return zombies
+        for seq, n in rollback.items():
+            self.cache.truncate(seq, n)
+        return zombies, strays
 
     def after_batch(self, spans: Sequence[WireSpan], ship: dict[int, int]) -> None:
         """Ship the KV of sequences whose prompt just ended here to their decode replica."""
@@ -171,19 +198,28 @@ class Stage:
 
     # -- messages -------------------------------------------------------------------------------
     def on_activations(self, msg: Message) -> None:
-        """A micro-batch from the previous stage (never called on stage 0)."""
+        """A micro-batch from the previous stage (never called on stage 0). Everything is checked
+        before the forward writes any KV."""
+        if self.first:
+            raise ProtocolError("ACTIVATIONS for a replica's first stage (its leader runs that stage)")
         spans = [WireSpan.from_wire(x) for x in msg["spans"]]
         ship = parse_ship(msg["ship"])
-        verify = parse_verify(msg["verify"], self.model.args.vocab_size) if self.last else {}
+        if any(not (self.ctx.has_replica(r) and self.ctx.replica(r).role == "decode") for r in ship.values()):
+            raise ProtocolError(f"ship {sorted(set(ship.values()))}: not decode replicas of plan v{self.ctx.version}")
+        verify = parse_verify(msg["verify"], self.model.args.vocab_size)
+        check_verify(spans, verify)
         hidden = msg.tensors["hidden"]
         if hidden.dtype not in ("float32", "bfloat16"):
             raise ProtocolError(f"hidden states of dtype {hidden.dtype}")
-        out = self.compute(hidden.torch().to(self.model.act_dtype), spans)
+        x = hidden.torch().to(self.model.act_dtype)
+        if not bool(torch.isfinite(x).all()):
+            raise ProtocolError("hidden states hold NaN or infinity")
+        out = self.compute(x, spans)
         self.after_batch(spans, ship)
         rid, batch, v = self.replica.id, msg["batch"], self.ctx.version
         if self.last:
             self._send(self.ctx.leader(rid), make(MsgType.RESULTS, replica=rid, batch=batch, plan_version=v,
-                                                  out=results_of(out, spans, verify)))
+                                                  out=results_of(out, spans, verify, self.strays)))
         else:
             self._send(self.ctx.next_stage(rid, self.index),
                        make(MsgType.ACTIVATIONS, tensors={"hidden": out}, replica=rid, batch=batch, plan_version=v,
@@ -218,6 +254,11 @@ class Stage:
         shape = (b - a, self.model.args.n_kv_heads, msg["length"], self.model.args.head_dim)
         if k.shape != shape or v.shape != shape or k.dtype != v.dtype or msg["length"] < 1:
             raise ProtocolError(f"seq {seq}: KV of shape {k.shape}/{v.shape}, expected {shape}")
+        if k.dtype not in ("float32", "bfloat16", "float16") or msg["length"] > self.model.args.max_seq_len:
+            raise ProtocolError(f"seq {seq}: KV of {msg['length']} positions of {k.dtype}")
+        if seq in self.cache and (seq not in self._kv_have or not self._kv_have[seq].isdisjoint(range(a, b))
+                                  or self.cache.length(seq) != msg["length"]):  # a duplicate, or another sequence's
+            raise ProtocolError(f"seq {seq}: KV for layers [{a}, {b}) that this stage holds already")
         dtype = self.cache.dtype
         self.cache.import_seq(seq, k.torch().to(dtype), v.torch().to(dtype), a)
         self.kv_bytes_received += k.nbytes + v.nbytes
