@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from meshllm.config import parse_cluster, resolve_args  # noqa: E402
 from meshllm.device import load_device  # noqa: E402
 from meshllm.emulate import EmulatedCluster, http_json  # noqa: E402
-from meshllm.engine.speculative import choose_gamma, expected_tokens  # noqa: E402
+from meshllm.engine.speculative import choose_gamma, expected_tokens, pipelined_block_s  # noqa: E402
 from meshllm.partition.cost import model_costs, stage_batch_s  # noqa: E402
 from meshllm.roles.drafter import MAX_OUTSTANDING  # noqa: E402
 from meshllm.workload import Job, Outcome, run_jobs  # noqa: E402
@@ -295,38 +295,11 @@ def model_sync_s(alpha: float, gamma: int, t_draft: float, t_verify: float, rtt:
 
 
 def async_epoch(alpha: float, gamma: int, t_draft: float, t_verify: float, rtt: float, hit: float | None = None,
-                outstanding: int = MAX_OUTSTANDING["async"], horizon: int = 200) -> tuple[float, float]:
-    """Async drafting as the drafter does it (roles/drafter.py), as (seconds, tokens) per block.
-
-    After a verdict that breaks the pipeline (a "miss") the drafter drafts block 1 from the
-    corrected token (gamma steps) and sends it; it then guesses that block's bonus token and
-    drafts block 2 after the guess (gamma + 1 steps), and so on, with at most `outstanding` blocks
-    without a verdict. A verdict is a "hit" with h = alpha^(gamma+1) (all gamma drafts accepted and
-    the guessed bonus right): the next block, already drafted, stands. Otherwise the blocks in
-    flight are stale and the drafter starts over (after the draft step it is in, on average half a
-    step). With s_i the send time of block i and V_i its verdict at the drafter:
-        s_1 = gamma * T_d;  s_i = max(s_{i-1}, V_{i-outstanding}) + (gamma + 1) * T_d
-        V_i = max(s_i + RTT + T_v, V_{i-1} + T_v)      (one stream: the verifier takes them in order)
-    An epoch ends with its first miss, at block J ~ Geometric(1 - h). Per block on average:
-    (E[V_J] + restart) / E[J] seconds and E = (1 - alpha^(gamma+1)) / (1 - alpha) tokens (Wald).
-    choose_gamma in engine/speculative.py uses the cruder max(gamma * T_d, RTT + T_v) + T_d."""
-    h = min(0.999, min(alpha, 0.999) ** (gamma + 1) if hit is None else hit)
-    c, w = (gamma + 1) * t_draft, rtt + t_verify
-    s: list[float] = []
-    v: list[float] = []
-    e_v, p = 0.0, 1.0
-    for i in range(horizon):
-        if i == 0:
-            s.append(gamma * t_draft)
-        else:
-            start = max(s[-1], v[i - outstanding] if i >= outstanding else 0.0)
-            s.append(start + c)
-        v.append(max(s[-1] + w, v[-1] + t_verify) if v else s[-1] + w)
-        e_v += p * (1 - h) * v[-1]  # the epoch ends with block i + 1
-        p *= h
-    drafting_at_miss = min(1.0, c / max(w, 1e-9))  # the drafter is mid-step when the miss arrives
-    blocks = 1 / (1 - h)
-    return (e_v + drafting_at_miss * t_draft / 2) / blocks, expected_tokens(alpha, gamma)
+                outstanding: int = MAX_OUTSTANDING["async"]) -> tuple[float, float]:
+    """Async drafting as the drafter does it, as (seconds, tokens) per block: the runtime's own
+    model (engine/speculative.py pipelined_block_s, which adaptive gamma also uses)."""
+    return (pipelined_block_s(alpha, gamma, t_draft, t_verify, rtt, outstanding, hit=hit),
+            expected_tokens(alpha, gamma))
 
 
 def model_async_s(alpha: float, gammas: dict[int, int], t_draft: float, t_verify: float, rtt: float,

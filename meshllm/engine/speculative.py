@@ -73,23 +73,74 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
+ASYNC_OUTSTANDING = 2  # blocks in flight per pipelined (asynchronous) session
+
+
+def sync_block_s(gamma: int, draft_s: float, verify_s: float, rtt_s: float) -> float:
+    """Seconds per block when drafting waits for each verdict: draft, round trip, verification."""
+    return gamma * draft_s + rtt_s + verify_s
+
+
+def pipelined_block_s(alpha: float, gamma: int, draft_s: float, verify_s: float, rtt_s: float,
+                      outstanding: int = ASYNC_OUTSTANDING, horizon: int = 200, hit: float | None = None) -> float:
+    """Mean seconds per block of an asynchronous drafter that drafts ahead of its verdicts.
+
+    After a verdict that breaks the pipeline (a miss) the drafter drafts block 1 from the
+    corrected token (gamma steps), then guesses that block's bonus token and drafts block 2 after
+    the guess (gamma + 1 steps), and so on, with at most `outstanding` blocks awaiting verdicts.
+    A verdict is a hit with h = alpha^(gamma+1) (every draft and the guessed bonus right): the
+    block already drafted after it stands. Otherwise the blocks in flight are stale and the
+    drafter starts over after the draft step it is in (half a step on average). With s_i the send
+    time of block i and V_i its verdict:
+        s_1 = gamma * T_d;  s_i = max(s_{i-1}, V_{i-outstanding}) + (gamma + 1) * T_d
+        V_i = max(s_i + RTT + T_v, V_{i-1} + T_v)
+    An epoch ends at its first miss, block J ~ Geometric(1 - h): (E[V_J] + restart) / E[J].
+    `hit`: a measured h instead of the i.i.d. one."""
+    h = min(0.999, max(0.0, min(alpha, 0.999)) ** (gamma + 1) if hit is None else hit)
+    c, w = (gamma + 1) * draft_s, rtt_s + verify_s
+    s: list[float] = []
+    v: list[float] = []
+    e_v, p = 0.0, 1.0
+    for i in range(horizon):
+        if i == 0:
+            s.append(gamma * draft_s)
+        else:
+            s.append(max(s[-1], v[i - outstanding] if i >= outstanding else 0.0) + c)
+        v.append(max(s[-1] + w, v[-1] + verify_s) if v else s[-1] + w)
+        e_v += p * (1 - h) * v[-1]
+        p *= h
+        if p < 1e-6:
+            break
+    drafting_at_miss = min(1.0, c / max(w, 1e-9))
+    return (e_v + drafting_at_miss * draft_s / 2) * (1 - h)
+
+
+def choose_drafting(alpha: float, draft_s: float, verify_s: float, rtt_s: float, asynchronous: bool,
+                    lo: int = 1, hi: int = 12) -> tuple[int, bool]:
+    """(draft length, pipeline?) that maximise committed tokens per second for one session.
+
+    Synchronous drafting pays drafting, round trip and verification in series. An asynchronous
+    session may also draft ahead of its verdicts, but a look-ahead block stands only if the block
+    before it is fully accepted and its bonus guessed right, so pipelining pays only when round
+    trips are long against drafting and acceptance is high; otherwise the session drafts as a
+    synchronous one would (it stays free to pipeline again when its estimates change)."""
+    best, best_rate = (lo, False), -1.0
+    for g in range(lo, hi + 1):
+        e = expected_tokens(alpha, g)
+        options = [(sync_block_s(g, draft_s, verify_s, rtt_s), False)]
+        if asynchronous:
+            options.append((pipelined_block_s(alpha, g, draft_s, verify_s, rtt_s), True))
+        for secs, pipe in options:
+            rate = e / max(secs, 1e-9)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = (g, pipe), rate
+    return best
+
+
 def choose_gamma(alpha: float, draft_s: float, verify_s: float, rtt_s: float, asynchronous: bool,
                  lo: int = 1, hi: int = 12) -> int:
-    """The draft length that maximises committed tokens per second for one session.
-
-    Per block: drafting takes gamma * draft_s; the block then needs the round trip and the
-    verification. Synchronous drafting pays all of it in series; an asynchronous drafter drafts
-    the next block meanwhile, so a block costs the longer of the two (the next block is wasted
-    unless this one is fully accepted, which the expected-token count already discounts). The
-    optimum grows roughly with log(delay) (SpecEdge / recent work)."""
-    best, best_rate = lo, -1.0
-    for g in range(lo, hi + 1):
-        wait = rtt_s + verify_s
-        per_block = g * draft_s + wait if not asynchronous else max(g * draft_s, wait) + draft_s
-        rate = expected_tokens(alpha, g) / max(per_block, 1e-9)
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = g, rate
-    return best
+    """The draft length of `choose_drafting` (grows roughly with log(delay), as in SpecEdge)."""
+    return choose_drafting(alpha, draft_s, verify_s, rtt_s, asynchronous, lo, hi)[0]
 
 
 @dataclass

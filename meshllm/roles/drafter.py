@@ -20,7 +20,9 @@ Modes:
 Every block carries (session, block number, committed length and hash it was drafted after), so
 duplicates and stale blocks are harmless. A block without a verdict in `resend_s` is published
 again (ZeroMQ's slow joiner and high-water mark can drop PUB messages). With adaptive gamma a
-session's draft length follows its measured acceptance and round trip (engine/speculative.py).
+session's draft length follows its measured acceptance and round trip, and an async session
+drafts ahead only while the model says the look-ahead pays (engine/speculative.py: a look-ahead
+block stands only after a fully accepted block whose bonus was guessed right).
 For sampled requests the drafter samples from the draft's top-K distribution and sends exactly
 that distribution, so the verifier's rejection rule stays lossless.
 """
@@ -36,7 +38,7 @@ import torch
 
 from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.sampling import SamplingParams, probs, token_generator
-from meshllm.engine.speculative import choose_gamma, ewma, extend_hash
+from meshllm.engine.speculative import ASYNC_OUTSTANDING, choose_drafting, ewma, extend_hash
 from meshllm.mesh.protocol import (
     Message,
     MsgType,
@@ -52,11 +54,12 @@ from meshllm.roles.pacer import Pacer
 log = logging.getLogger("meshllm.drafter")
 
 Q_TOP_K = 32  # draft distribution support sent with sampled blocks
-MAX_OUTSTANDING = {"async": 2, "sync": 1}  # blocks in flight per session
+MAX_OUTSTANDING = {"async": ASYNC_OUTSTANDING, "sync": 1}  # blocks in flight per session
 RESEND_MIN_S = 2.0  # x time_scale: a block with no verdict this long is published again
 DRAFT_SALT = 0xD7AF7  # the drafter's sampling generators differ from the target's
 SESSION_IDLE_S = 120.0  # x time_scale: a session with no verdict this long is dropped
 PREFILL_CHUNK = 256
+LOOKAHEAD_SLACK = 1.1  # look-ahead rows may stretch a draft step by at most this factor
 
 
 @dataclass
@@ -94,6 +97,7 @@ class Session:
     alpha: float | None = None  # per-token acceptance estimate
     rtt_s: float | None = None
     draft_s: float | None = None
+    pipeline: bool = True  # async: draft ahead of verdicts (adaptive sessions decide per estimate)
 
     @property
     def tokens(self) -> list[int]:
@@ -105,7 +109,8 @@ class Session:
         return sum(len(b.tokens) + 1 for b in self.blocks)
 
     def can_draft(self) -> bool:
-        if not self.started or len(self.blocks) >= MAX_OUTSTANDING[self.mode]:
+        limit = MAX_OUTSTANDING[self.mode] if self.pipeline else 1
+        if not self.started or len(self.blocks) >= limit:
             return self.fed < len(self.prompt)  # a new session prefills its prompt meanwhile
         return len(self.committed) + len(self.stream) < self.max_tokens + self.gamma
 
@@ -120,7 +125,8 @@ class Drafter:
         self.idle_s = SESSION_IDLE_S * time_scale
         self.busy_s = 0.0
         self.since: float | None = None  # first session's arrival: the busy fraction's window
-        self.stats = {"steps": 0, "blocks": 0, "resent": 0, "resyncs": 0}
+        self.stats = {"steps": 0, "blocks": 0, "resent": 0, "resyncs": 0, "lookahead_deferred": 0}
+        self.step_s: dict[int, float] = {}  # rows (one token each) -> measured step seconds
 
     # -- messages ---------------------------------------------------------------------------------
     def on_session(self, msg: Message, vocab: int, default_gamma: int) -> None:
@@ -193,7 +199,8 @@ class Drafter:
         s.alpha = ewma(s.alpha, accepted / max(1, accepted + rejected))
         s.rtt_s = ewma(s.rtt_s, now - b.sent)
         if s.adaptive and s.draft_s:
-            s.gamma = choose_gamma(min(s.alpha, 0.98), s.draft_s, 0.0, s.rtt_s, s.mode == "async")
+            s.gamma, pipe = choose_drafting(min(s.alpha, 0.98), s.draft_s, 0.0, s.rtt_s, s.mode == "async")
+            s.pipeline = s.mode == "async" and pipe
 
     def replan(self, unchanged: Callable[[int], bool]) -> None:
         """A new plan: sessions whose decode replica changed are over (their requests failed)."""
@@ -210,7 +217,8 @@ class Drafter:
         """One batched draft forward over every session that may draft; True if any did."""
         now = time.monotonic()
         self._resend(now)
-        ready = [s for s in self.sessions.values() if s.can_draft() and len(s.tokens) < self.model.args.max_seq_len]
+        ready = self._rows([s for s in self.sessions.values()
+                            if s.can_draft() and len(s.tokens) < self.model.args.max_seq_len])
         if not ready:
             return False
         spans, ids = [], []
@@ -228,12 +236,33 @@ class Drafter:
         took = time.perf_counter() - t0
         self.busy_s += took
         self.stats["steps"] += 1
+        if len(ids) == len(spans):
+            self.step_s[len(spans)] = ewma(self.step_s.get(len(spans)), took)
         for i, (s, sp) in enumerate(zip(ready, spans)):
             s.fed += sp.n_tokens
             if s.started and s.fed == len(s.tokens):  # caught up: this row's logits draft a token
                 s.draft_s = ewma(s.draft_s, took)
                 self._extend(s, logits[i:i + 1])
         return True
+
+    def _rows(self, ready: list[Session]) -> list[Session]:
+        """The sessions this step drafts for. Look-ahead rows (a session drafting past a block that
+        awaits its verdict, mostly thrown away) ride along only while they leave the step's
+        measured time within LOOKAHEAD_SLACK of the committed-prefix rows' alone: on a shared,
+        compute-bound draft server they must not slow the sessions whose drafts will stand."""
+        first = [s for s in ready if not s.blocks]
+        ahead = [s for s in ready if s.blocks]
+        if not first or not ahead:
+            return ready
+        base = self.step_s.get(len(first))
+        n = len(first)
+        while n < len(ready):
+            cost = self.step_s.get(n + 1)
+            if base is not None and cost is not None and cost > LOOKAHEAD_SLACK * base:
+                break
+            n += 1
+        self.stats["lookahead_deferred"] += len(ready) - n
+        return first + ahead[:n - len(first)]
 
     def _extend(self, s: Session, logits: torch.Tensor) -> None:
         """Append one drafted token; publish the block when it is complete."""
@@ -285,6 +314,13 @@ class Drafter:
         return max(0.0, min(sent) + self.resend_s - time.monotonic()) if sent else None
 
     def load(self) -> dict:
+        """Sessions, draft steps, busy time (cumulative: callers difference two readings for a
+        window) and, when emulating, the pacer's figures."""
         window = time.monotonic() - self.since if self.since else 0.0
-        return {"sessions": len(self.sessions), "busy_fraction": round(self.busy_s / window, 4) if window else None,
-                **self.stats}
+        out = {"sessions": len(self.sessions), "busy_s": round(self.busy_s, 3),
+               "busy_fraction": round(self.busy_s / window, 4) if window else None,
+               "pipelined_sessions": sum(1 for s in self.sessions.values() if s.mode == "async" and s.pipeline),
+               **self.stats}
+        if self.pacer is not None:
+            out["pacer"] = self.pacer.summary()
+        return out

@@ -426,9 +426,7 @@ class RoleHost:
                             "tokens": {k.name.lower(): v for k, v in st.tokens_computed.items()},
                             "kv_cache_bytes": st.cache.nbytes()}
             if st.pacer is not None:
-                out["stage"]["pacer"] = {"steps": st.pacer.steps, "measured_s": round(st.pacer.measured_s, 3),
-                                         "slept_s": round(st.pacer.slept_s, 3),
-                                         "overrun_s": round(st.pacer.overrun_s, 3)}
+                out["stage"]["pacer"] = st.pacer.summary()
         if self.leader is not None:
             out["leader"] = self.leader.load()
             if self.balancer is not None:

@@ -148,6 +148,8 @@ class Leader:
         fl, ids = InFlight([], time.monotonic()), []
         self._start_queued()
         ready = [s for s in self.seqs.values() if s.id not in self.queue and s.ready_to_decode()]
+        if self.verifier is not None:  # oldest draft blocks first; plain steps (key 0) before them
+            ready.sort(key=lambda s: self.verifier.oldest(s) if s.drafter else 0.0)
         per_batch = max(1, math.ceil(len(ready) / self.n_stages))  # spread over the pipeline
         for s in ready:
             if len(fl.spans) >= per_batch or len(ids) >= TOKEN_BUDGET:
@@ -238,8 +240,9 @@ class Leader:
             else:
                 tokens = tokens[:1]
             block = fl.blocks.get(s.id)
-            if block is not None:
-                self.verifier.record(s, block, len(tokens) - 1, took)  # before the last TOKENS report it
+            if block is not None:  # before the last TOKENS reports it; drafts past the end do not count
+                kept = self._kept(s, tokens)
+                self.verifier.record(s, block, min(len(block.tokens), kept), min(len(tokens) - 1, kept), took)
             n0 = len(s.out)
             finished = self.emit(s, tokens)
             if s.drafter and self.verifier:
@@ -262,13 +265,9 @@ class Leader:
         """New output tokens of `s` (several after a verified block): keep those up to the first stop
         token, max_tokens or the context limit, stream them to the gateway, and finish the sequence
         when done. Returns the finish reason, if it finished."""
-        finished = None
-        for i, t in enumerate(tokens):
-            s.out.append(t)
-            finished = self._finish_reason(s, t)
-            if finished is not None:
-                tokens = tokens[:i + 1]
-                break
+        tokens = tokens[:self._kept(s, tokens)]
+        s.out.extend(tokens)
+        finished = self._finish_reason(s, tokens[-1]) if tokens else None
         s.hash = extend_hash(s.hash, tokens)
         self._tokens(s, tokens, finished)
         if finished is not None:
@@ -276,12 +275,20 @@ class Leader:
             self.drop(s.id)
         return finished
 
-    def _finish_reason(self, s: Seq, last: int) -> str | None:
+    def _finish_reason(self, s: Seq, last: int, extra: int = 0) -> str | None:
+        """Why `s` ends with `last` (`extra` tokens after its current output), if it does."""
         if last in s.stop_ids:
             return "stop"
-        if len(s.out) >= s.max_tokens or s.context >= self.max_context:
+        if len(s.out) + extra >= s.max_tokens or s.context + extra >= self.max_context:
             return "length"
         return None
+
+    def _kept(self, s: Seq, tokens: list[int]) -> int:
+        """How many of `tokens` `s` keeps: up to the first stop token, max_tokens or the context limit."""
+        for i, t in enumerate(tokens):
+            if self._finish_reason(s, t, i + 1) is not None:
+                return i + 1
+        return len(tokens)
 
     def _tokens(self, s: Seq, tokens: list[int], finished: str | None) -> None:
         extra = {"spec": s.spec.to_json()} if finished is not None and s.spec.blocks else {}

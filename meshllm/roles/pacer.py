@@ -41,6 +41,11 @@ class Pacer:
         self.slept_s += lag
         return lag
 
+    def summary(self) -> dict[str, float]:
+        """Steps, host compute, sleep and overrun (host time the emulation could not hide)."""
+        return {"steps": self.steps, "measured_s": round(self.measured_s, 3), "slept_s": round(self.slept_s, 3),
+                "overrun_s": round(self.overrun_s, 3)}
+
     @contextlib.contextmanager
     def step(self, *args: Any, **kwargs: Any) -> Iterator[None]:
         """`with pacer.step(stage, n_tokens): forward(...)`: paced to `predict(*args, **kwargs)`."""

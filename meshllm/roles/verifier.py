@@ -22,6 +22,7 @@ the `cap` topic; roles/decode.py moves sessions to a replica with room when the 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,6 +92,12 @@ class Verifier:
             del blocks[min(blocks)]
 
     # -- the leader's questions ---------------------------------------------------------------------
+    def oldest(self, s) -> float:
+        """When the block `take` would verify for `s` arrived (inf without one): the leader serves
+        the oldest blocks first, so with max_verify_batch set no tenant waits behind later ones."""
+        return min((b.received for b in self.pending.get(s.id, {}).values()
+                    if b.start == s.context and b.hash == s.hash), default=math.inf)
+
     def take(self, s, now: float, taken: int = 0):
         """For a ready speculative sequence: its block (verify it), WAIT, or None (plain step).
         `taken`: blocks already in this micro-batch (with max_batch set, the rest wait)."""
@@ -131,11 +138,12 @@ class Verifier:
         return max(0.0, min(waits)) if waits else None
 
     # -- outcomes -------------------------------------------------------------------------------
-    def record(self, s, block: Block, accepted: int, verify_s: float) -> None:
-        """A verified block of `s`: the target accepted `accepted` of its drafts."""
+    def record(self, s, block: Block, drafted: int, accepted: int, verify_s: float) -> None:
+        """A verified block of `s`: of its `drafted` drafts that the output reaches (a request's
+        last block may draft past its end), the target accepted `accepted`."""
         now = time.monotonic()
-        s.spec.record(len(block.tokens), accepted)
-        self.stats.record(len(block.tokens), accepted)
+        s.spec.record(drafted, accepted)
+        self.stats.record(drafted, accepted)
         self.verify_ms = ewma(self.verify_ms, 1000 * verify_s)
         if s.last_block_at is not None:
             s.block_interval_s = ewma(s.block_interval_s, now - s.last_block_at)

@@ -1,0 +1,95 @@
+"""Scheduling rules of speculative serving, on the real classes with a tiny random model: which
+rows a shared draft server steps, what the drafter reports, what a request's last block counts
+and which tenant's block a one-block-per-forward verifier takes first."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshllm.engine.model import Transformer
+from meshllm.engine.sampling import SamplingParams
+from meshllm.engine.speculative import AcceptanceStats
+from meshllm.roles.drafter import Drafter, OutBlock, Session
+from meshllm.roles.leader import Leader, Seq
+from meshllm.roles.pacer import Pacer
+from meshllm.roles.verifier import Block, Verifier
+from meshllm.shapes import ModelArgs
+
+ARGS = ModelArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=50, hidden_dim=64, max_seq_len=64)
+
+
+def drafter(pacer: Pacer | None = None) -> Drafter:
+    torch.manual_seed(0)
+    return Drafter("edge", Transformer(ARGS), lambda *a: None, lambda *a: None, pacer)
+
+
+def session(seq: int, blocks: int) -> Session:
+    s = Session(seq, [1, 2, 3], 32, SamplingParams(), 0, 1, 4, False, "async", "gw")
+    s.started, s.fed = True, 3
+    s.blocks = [OutBlock(i, 3, 0, [5] * 4, [], 0.0) for i in range(blocks)]
+    return s
+
+
+def test_lookahead_rows_wait_when_they_would_slow_the_committed_rows():
+    d = drafter()
+    first, ahead = [session(i, 0) for i in range(2)], [session(10 + i, 1) for i in range(3)]
+    # nothing measured yet: every row rides (and the step times are learnt)
+    assert d._rows(first + ahead) == first + ahead
+    # a compute-bound draft server: 3 rows cost 1.8x two rows; look-ahead rows are deferred
+    d.step_s = {2: 0.10, 3: 0.18, 4: 0.25, 5: 0.33}
+    assert d._rows(ahead + first) == first
+    assert d.stats["lookahead_deferred"] == 3
+    # a weight-bound one: a few more rows are nearly free, so they ride
+    d.step_s = {2: 0.10, 3: 0.102, 4: 0.105, 5: 0.2}
+    assert d._rows(first + ahead) == first + ahead[:2]
+    # no committed-prefix rows waiting: the look-ahead has the server to itself
+    assert d._rows(ahead) == ahead
+
+
+def test_drafter_load_reports_busy_time_and_its_pacer():
+    d = drafter(Pacer(lambda *a: 0.0))
+    d.pacer.pace(0.0, d.pacer.clock())
+    d.busy_s = 1.5
+    load = d.load()
+    assert load["busy_s"] == 1.5 and load["pacer"]["steps"] == 1 and "overrun_s" in load["pacer"]
+    assert load["pipelined_sessions"] == 0
+
+
+def seq(i: int, out: list[int], max_tokens: int, stop: frozenset[int] = frozenset()) -> Seq:
+    return Seq(i, [1, 2, 3], 3, max_tokens, SamplingParams(), 0, stop, "gw", 1, out=list(out), fed=3, drafter="edge")
+
+
+def test_the_last_block_counts_only_the_drafts_the_output_reaches():
+    leader = Leader.__new__(Leader)
+    leader.max_context = 64
+    s = seq(1, [7, 7], max_tokens=4)
+    assert leader._kept(s, [9, 9, 9, 9, 9]) == 2  # max_tokens: 2 more
+    assert leader._kept(seq(2, [], 10, frozenset({4})), [9, 4, 9]) == 2  # the stop token ends it
+    assert leader._kept(seq(3, [], 10), [9, 9]) == 2
+    v = Verifier.__new__(Verifier)
+    v.stats, v.verify_ms = AcceptanceStats(), None
+    # a block of 4 drafts, all accepted, of which the output reaches 2: 2 drafted, 2 accepted
+    block = Block(0, 3, s.hash, [9, 9, 9, 9], None, None, 0.0)
+    kept = leader._kept(s, [9, 9, 9, 9, 9])
+    v.record(s, block, min(len(block.tokens), kept), min(4, kept), 0.01)
+    assert (s.spec.drafted, s.spec.accepted, s.spec.blocks) == (2, 2, 1)
+    assert (v.stats.drafted, v.stats.accepted) == (2, 2)
+
+def test_one_block_per_forward_serves_the_oldest_block_first():
+    v = Verifier.__new__(Verifier)
+    early, late = seq(1, [5], 10), seq(2, [5], 10)
+    v.pending = {1: {}, 2: {}}
+    assert v.oldest(early) == math.inf
+
+    def block(s: Seq, received: float):
+        return type("B", (), {"start": s.context, "hash": s.hash, "received": received})()
+
+    v.pending[1][0] = block(early, 20.0)
+    v.pending[2][0] = block(late, 10.0)
+    order = sorted([early, late], key=v.oldest)
+    assert [s.id for s in order] == [2, 1]
+    # a stale block (drafted after other tokens) does not count
+    v.pending[2][0].hash = 12345
+    assert v.oldest(late) == math.inf
