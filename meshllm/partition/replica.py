@@ -11,8 +11,7 @@ the lower of
   activations of the previous stage plus, on a decode replica, the KV of its layers.
 A mixed replica does both phases itself: no KV crosses a port, and prompts are prefilled in
 chunks riding along its decode steps (the compute a memory-bound step leaves idle), so it is
-bound by its decode or by all the useful FLOPs, whichever is lower; on whichever of its two
-splits is better.
+bound by its decode or by all the useful FLOPs, whichever is lower; on the decode split.
 Links between zones are counted per replica here; the simulator shares them between replicas.
 """
 
@@ -328,9 +327,10 @@ def evaluate_replica(mc: ModelCosts, members: Sequence[Member], net: Net, mix: M
     if dfit.batch < 1:
         return ReplicaEval(members, None, None, "no memory left for the KV of one sequence")
     pfit = prefill_fit(mc, members, pre, net, mix)
-    fits = {pre: (pfit, decode_fit(mc, members, pre, net, mix)), dec: (prefill_fit(mc, members, dec, net, mix), dfit)}
-    mixes = [f for f in (mixed_fit(mc, members, s, net, mix, f) for s, f in fits.items()) if f is not None]
-    return ReplicaEval(members, pfit, dfit, mixed=max(mixes, key=lambda f: f.req_s, default=None))
+    # mixed on the decode split: its capacity is decode- or compute-bound, and that split balances
+    # the weights (memory) and the layers (compute) of the pipeline alike
+    mixed = mixed_fit(mc, members, dec, net, mix, (prefill_fit(mc, members, dec, net, mix), dfit))
+    return ReplicaEval(members, pfit, dfit, mixed=mixed)
 
 
 def mixed_req_s(ev: ReplicaEval) -> float:

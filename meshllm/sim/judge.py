@@ -8,9 +8,10 @@ goes to the simulator itself, on a handful of candidates, on a trace of its own 
 the one results are reported on):
 1. each candidate's saturation rate, by the stability rule of sweep.py on runs of 2 x 600 to
    2 x 1200 requests with 4 bisections (~2.5% resolution), cached per grouping;
-2. the candidates that sustain at least what the operator's own groupings do (the search's
-   one-device-type-per-replica candidates, whose saturation is the floor) and at least
-   HEADROOM x the planned rate are eligible; of those, the lowest cost at the planned rate
+2. eligible: the operator's own groupings (the search's one-device-type-per-replica candidates,
+   whose best saturation is the floor), and the others that sustain JUDGE_MARGIN more than
+   that floor (the estimates are this noisy); all at least HEADROOM x the planned rate. Of
+   those, the lowest cost at the planned rate
    wins (mean e2e + WAIT_WEIGHT x mean wait over JUDGE_REQUESTS requests, the planner's cost).
    If none is eligible, the highest saturation wins.
 """
@@ -31,6 +32,7 @@ JUDGE_BISECT_STEPS = 4
 JUDGE_WINDOW, JUDGE_MAX_REQUESTS = 10, 1200  # as the reported sweep, shorter: it only compares candidates
 JUDGE_SEED = 7919  # a trace of its own, not the one the results are reported on
 HEADROOM = 1.25  # an eligible plan sustains at least this x the planned rate
+JUDGE_MARGIN = 0.05  # a plan of its own must out-sustain the operator's groupings by this much
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
 
 
@@ -56,8 +58,9 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     `sweep_requests`: N of the saturation runs (smaller for quick runs)."""
     trace = sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
     sat = [saturation(inp, g, from_grouping(inp, g), sweep_requests) for g in candidates]
-    floor = max([sat[i] for i in floor_from] + [HEADROOM * rate])
-    eligible = [i for i, s in enumerate(sat) if s >= floor * (1 - 1e-9)]
+    floor = max([sat[i] for i in floor_from], default=0.0)
+    need = [floor if i in floor_from else floor * (1 + JUDGE_MARGIN) for i in range(len(sat))]
+    eligible = [i for i, s in enumerate(sat) if s >= max(need[i], HEADROOM * rate) * (1 - 1e-9)]
     if not eligible:
         return max(range(len(sat)), key=lambda i: (sat[i], -i))
     if rate <= 0 or len(eligible) == 1:
