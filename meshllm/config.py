@@ -7,7 +7,7 @@ problem (the CLI turns it into one line and exit code 2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,8 @@ from meshllm.defaults import (
 )
 from meshllm.device import DeviceProfile, load_device
 from meshllm.errors import ConfigError, InputError
+from meshllm.mesh.keys import NodeKeys, read_authorized_keys
+from meshllm.mesh.transport import RateLimit
 from meshllm.partition.inputs import LengthDist, PlanInputs, PlanLink, PlanNode
 
 DISTS = ("fixed", "uniform", "lognormal")
@@ -77,6 +79,12 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class SecuritySpec:
+    curve: bool = False  # emulation: per-node CURVE keys and an authorized-keys file in the run directory
+    api_token: bool = False  # emulation: the gateway's HTTP API requires a bearer token
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     source: str
     model: str
@@ -87,6 +95,7 @@ class ClusterConfig:
     workload: Workload = Workload()
     weights_dtype: str = DEFAULT_WEIGHT_DTYPE
     time_scale: float = 1.0  # every emulated device and link this many times slower (BRIEF)
+    security: SecuritySpec = SecuritySpec()
 
     def link(self, zone_a: str, zone_b: str) -> LinkSpec | None:
         for ln in self.links:
@@ -103,15 +112,19 @@ class NodeConfig:
     zone: str = "default"
     listen: str = "127.0.0.1:7700"
     advertise: str | None = None
-    seeds: tuple[str, ...] = ()
+    seeds: tuple[str, ...] = ()  # HOST:PORT of each seed
+    seed_ids: tuple[tuple[str, str], ...] = ()  # (HOST:PORT, node id) of seeds given as ID@HOST:PORT
     mdns: bool = True
     model: str = DEFAULT_MODEL
     roles: tuple[Role, ...] | None = None
-    cluster_key: str | None = None
+    node_key: str | None = None  # this node's CURVE secret key file (with authorized_keys: CURVE on)
+    authorized_keys: str | None = None  # the mesh's `NODE_ID Z85_PUBLIC_KEY` lines
+    rate_limit: RateLimit = RateLimit()  # per-peer message rate limit of the transport
     links: tuple[LinkSpec, ...] = ()  # zone links: the planner's input; the emulator also shapes them
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S  # liveness: see mesh/membership.py
     failure_timeout_s: float = FAILURE_TIMEOUT_S  # a peer silent this long is dead
     gateway: str | None = None  # HOST:PORT of this node's OpenAI-compatible HTTP API, if it runs one
+    api_token: str | None = field(default=None, repr=False)  # bearer token that API requires, if any
     fetch_weights: bool = True  # without the model file: fetch this node's layer range from a peer that has it
     weights_cache: str | None = None  # where fetched tensors are kept (default $MESHLLM_WEIGHTS_CACHE or ~/.cache)
     # what the coordinator plans for (the cluster file's settings; see the README's node file schema)
@@ -208,7 +221,7 @@ def _model(v: Any, src: str) -> str:
 # -- cluster file ---------------------------------------------------------------------------
 def parse_cluster(data: dict, src: str) -> ClusterConfig:
     _check_keys(data, {"model", "draft", "speculation", "nodes", "links", "workload", "weights_dtype",
-                       "time_scale"}, {"model", "nodes"}, src, "")
+                       "time_scale", "security"}, {"model", "nodes"}, src, "")
     nodes_raw = data["nodes"]
     if not isinstance(nodes_raw, list) or not nodes_raw:
         raise ConfigError(src, "nodes", "must be a non-empty list")
@@ -232,7 +245,16 @@ def parse_cluster(data: dict, src: str) -> ClusterConfig:
         workload=_workload(data.get("workload") or {}, src),
         weights_dtype=_choice(data.get("weights_dtype", DEFAULT_WEIGHT_DTYPE), WEIGHT_DTYPES, src, "weights_dtype"),
         time_scale=_time_scale(data.get("time_scale", 1.0), src),
+        security=_security(data.get("security") or {}, src),
     )
+
+
+def _security(d: Any, src: str) -> SecuritySpec:
+    _check_keys(d, {"curve", "api_token"}, set(), src, "security.")
+    for k in ("curve", "api_token"):
+        if not isinstance(d.get(k, False), bool):
+            raise ConfigError(src, f"security.{k}", f"must be true or false, got {d[k]!r}")
+    return SecuritySpec(d.get("curve", False), d.get("api_token", False))
 
 
 def _link(ln: Any, i: int, src: str, zones: set[str] | None) -> LinkSpec:
@@ -342,8 +364,8 @@ def _plan_inputs(cfg: ClusterConfig | NodeConfig, nodes: tuple[PlanNode, ...], s
 
 
 # -- node file ------------------------------------------------------------------------------
-NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "model", "roles", "cluster_key",
-             "links", "heartbeat_interval_s", "failure_timeout_s", "gateway", "draft", "speculation",
+NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "model", "roles", "node_key",
+             "authorized_keys", "rate_limit", "links", "heartbeat_interval_s", "failure_timeout_s", "gateway", "draft", "speculation",
              "weights_dtype", "workload", "expect_nodes", "plan_settle_s", "pace", "time_scale", "fault_injection",
              "fetch_weights", "weights_cache"}
 
@@ -355,17 +377,11 @@ def parse_node(data: dict, src: str) -> NodeConfig:
     split_hostport(data["listen"], src, "listen")
     if data.get("advertise") is not None:
         split_hostport(data["advertise"], src, "advertise")
-    seeds = data.get("seeds") or []
-    if not isinstance(seeds, list):
-        raise ConfigError(src, "seeds", "must be a list of HOST:PORT")
-    for i, s in enumerate(seeds):
-        split_hostport(s, src, f"seeds[{i}]")
+    security = _node_security(data, src)
+    seeds, seed_ids = _seeds(data.get("seeds") or [], src, security.get("authorized"))
     mdns = data.get("mdns", True)
     if not isinstance(mdns, bool):
         raise ConfigError(src, "mdns", f"must be true or false, got {mdns!r}")
-    key = data.get("cluster_key")
-    if key is not None and not Path(str(key)).is_file():
-        raise ConfigError(src, "cluster_key", f"no such file {key!r}")
     # Links in a node file (written by the emulator) name zones of other nodes: no zone check here.
     links = tuple(_link(ln, i, src, None) for i, ln in enumerate(data.get("links") or []))
     hb = float(_num(data.get("heartbeat_interval_s", HEARTBEAT_INTERVAL_S), src, "heartbeat_interval_s",
@@ -376,9 +392,10 @@ def parse_node(data: dict, src: str) -> NodeConfig:
     return NodeConfig(
         source=src, id=data["id"], device=load_device(data["device"], f"{src}: device"),
         zone=str(data.get("zone", "default")), listen=data["listen"], advertise=data.get("advertise"),
-        seeds=tuple(seeds), mdns=mdns, model=_model(data.get("model", DEFAULT_MODEL), src),
-        roles=_roles(data.get("roles"), src, "roles"), cluster_key=None if key is None else str(key), links=links,
-        heartbeat_interval_s=hb, failure_timeout_s=fail, gateway=_gateway(data.get("gateway"), src),
+        seeds=seeds, seed_ids=seed_ids, mdns=mdns, model=_model(data.get("model", DEFAULT_MODEL), src),
+        roles=_roles(data.get("roles"), src, "roles"), node_key=security.get("node_key"),
+        authorized_keys=security.get("authorized_keys"), rate_limit=_rate_limit(data.get("rate_limit"), src),
+        links=links, heartbeat_interval_s=hb, failure_timeout_s=fail, **_gateway(data.get("gateway"), src),
         **_weights_keys(data, src),
         **_serving(data, src),
     )
@@ -394,12 +411,66 @@ def _weights_keys(d: dict, src: str) -> dict[str, Any]:
     return {"fetch_weights": fetch, "weights_cache": cache}
 
 
-def _gateway(v: Any, src: str) -> str | None:
+def _gateway(v: Any, src: str) -> dict[str, Any]:
+    """gateway: {listen: HOST:PORT, api_token: FILE} -> the gateway and api_token fields."""
     if v is None:
-        return None
-    _check_keys(v, {"listen"}, {"listen"}, src, "gateway.")
+        return {"gateway": None, "api_token": None}
+    _check_keys(v, {"listen", "api_token"}, {"listen"}, src, "gateway.")
     split_hostport(v["listen"], src, "gateway.listen")
-    return v["listen"]
+    path, token = v.get("api_token"), None
+    if path is not None:
+        try:
+            token = Path(str(path)).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(src, "gateway.api_token", f"cannot read {path!r}: {e}") from None
+        if len(token) < 16 or any(c.isspace() for c in token):
+            raise ConfigError(src, "gateway.api_token", f"{path}: the token must be one word of at least 16 "
+                                                        "characters")
+    return {"gateway": v["listen"], "api_token": token}
+
+
+def _node_security(d: dict, src: str) -> dict[str, Any]:
+    """node_key + authorized_keys (both or neither): CURVE with this node's own key pair."""
+    key, auth = d.get("node_key"), d.get("authorized_keys")
+    if key is None and auth is None:
+        return {}
+    if key is None or auth is None:
+        missing = "node_key" if key is None else "authorized_keys"
+        raise ConfigError(src, missing, "node_key and authorized_keys go together (CURVE needs both)")
+    for fld, v in (("node_key", key), ("authorized_keys", auth)):
+        if not isinstance(v, str) or not v:
+            raise ConfigError(src, fld, f"must be a file path, got {v!r}")
+    NodeKeys.load(str(d["id"]), key, auth, src)  # a bad key file or an id without its key: ConfigError
+    return {"node_key": key, "authorized_keys": auth, "authorized": read_authorized_keys(auth, src, "authorized_keys")}
+
+
+def _seeds(v: Any, src: str, authorized: dict | None) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """`[ID@]HOST:PORT` seeds -> (addresses, (address, id) pairs). With CURVE every seed needs its id."""
+    if not isinstance(v, list):
+        raise ConfigError(src, "seeds", "must be a list of HOST:PORT or ID@HOST:PORT")
+    addresses, ids = [], []
+    for i, s in enumerate(v):
+        node_id, at, address = str(s).rpartition("@") if isinstance(s, str) else ("", "", s)
+        split_hostport(address, src, f"seeds[{i}]")
+        if at and not node_id:
+            raise ConfigError(src, f"seeds[{i}]", f"expected ID@HOST:PORT, got {s!r}")
+        if authorized is not None and node_id not in authorized:
+            raise ConfigError(src, f"seeds[{i}]", f"with CURVE a seed is ID@HOST:PORT with ID in authorized_keys, "
+                                                  f"got {s!r}")
+        addresses.append(address)
+        if node_id:
+            ids.append((address, node_id))
+    return tuple(addresses), tuple(ids)
+
+
+def _rate_limit(v: Any, src: str) -> RateLimit:
+    if v is None:
+        return RateLimit()
+    _check_keys(v, {"messages_per_s", "burst"}, set(), src, "rate_limit.")
+    default = RateLimit()
+    rate = float(_num(v.get("messages_per_s", default.messages_per_s), src, "rate_limit.messages_per_s", strict=True))
+    burst = float(_num(v.get("burst", default.burst), src, "rate_limit.burst", lo=1.0))
+    return RateLimit(rate, burst)
 
 
 def _serving(d: dict, src: str) -> dict[str, Any]:

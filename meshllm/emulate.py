@@ -12,6 +12,11 @@ then SIGKILL after TEARDOWN_GRACE_S), teardown runs from `finally`, atexit and a
 SIGTERM handler, and on Linux each child also gets PR_SET_PDEATHSIG so it dies
 with the emulator even if the emulator is killed with -9.
 
+Security (`security:` in the cluster file): with `curve: true` the emulator makes a key pair
+per node (and one for itself, id `emulator`, to ask for status) and an authorized-keys file
+in the run directory, and every node runs CURVE with its own key, seeded as ID@HOST:PORT;
+with `api_token: true` the gateway requires a bearer token, which the emulator's client sends.
+
 Emulated links: every node's transport delays messages from another zone by
 rtt/2 + bytes/bandwidth, FIFO per link (see transport.LinkShaper). Emulated
 device speed: every stage's `Pacer` (roles/pacer.py) stretches each measured
@@ -39,6 +44,7 @@ from typing import Any
 from meshllm.config import ClusterConfig, NodeSpec
 from meshllm.defaults import STAGE_ROLES, Role, served_name
 from meshllm.errors import InputError
+from meshllm.mesh.keys import NodeKeys, generate_key
 from meshllm.mesh.node import query_status, send_control
 from meshllm.mesh.protocol import MsgType, make
 from meshllm.mesh.sockets import free_port_pair
@@ -54,6 +60,9 @@ STATUS_POLL_S = 0.1
 METRIC_KEYS = ("ttft_ms_mean", "ttft_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s",
                "queue_wait_ms_mean", "acceptance_rate", "mean_acceptance_length", "drafted_tokens",
                "accepted_tokens")
+
+
+EMULATOR_ID = "emulator"  # the emulator's own CURVE identity (status queries, fault injection)
 
 
 def node_file(spec: NodeSpec, cfg: ClusterConfig, address: str, seed: str, gateway: str | None = None) -> dict[str, Any]:
@@ -112,6 +121,8 @@ class EmulatedCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.gateway_node = gateway_node(cfg)
         self.gateway = f"127.0.0.1:{free_port_pair()}"  # the OpenAI API of the emulated mesh
+        self.keys: NodeKeys | None = None  # with security.curve: the emulator's own identity
+        self.api_headers: dict[str, str] = {}  # with security.api_token: the bearer token the gateway wants
 
     def __enter__(self) -> EmulatedCluster:
         atexit.register(self.close)
@@ -135,17 +146,57 @@ class EmulatedCluster:
 
         for spec in self.cfg.nodes:
             self.addresses[spec.id] = f"127.0.0.1:{free_port_pair()}"
-        seed = self.addresses[self.cfg.nodes[0].id]
+        seed = self.target(self.cfg.nodes[0].id) if self.cfg.security.curve else self.addresses[self.cfg.nodes[0].id]
+        secure, token_file = self._security_files()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         for spec in self.cfg.nodes:
             path = self.workdir / f"{spec.id}.yaml"
             gw = self.gateway if spec.id == self.gateway_node else None
-            path.write_text(yaml.safe_dump(node_file(spec, self.cfg, self.addresses[spec.id], seed, gw)))
+            nf = node_file(spec, self.cfg, self.addresses[spec.id], seed, gw)
+            nf.update(secure.get(spec.id, {}))
+            if gw and token_file:
+                nf["gateway"]["api_token"] = token_file
+            path.write_text(yaml.safe_dump(nf))
             with open(self.workdir / f"{spec.id}.log", "wb") as logf:
                 self.procs[spec.id] = subprocess.Popen(
                     [sys.executable, str(LAUNCH), "--node-config", str(path)], stdin=subprocess.DEVNULL,
                     stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=LAUNCH.parent, preexec_fn=_die_with_parent)
         log.info("started %d node processes (logs in %s)", len(self.procs), self.workdir)
+
+    def _security_files(self) -> tuple[dict[str, dict], str | None]:
+        """Keys (0600) and the authorized-keys file in the run directory, per `security:`; returns the
+        node-file keys to add per node id, and the API token file (or None)."""
+        out: dict[str, dict] = {}
+        token_file = None
+        sec = self.cfg.security
+        if sec.curve:
+            kdir = self.workdir / "keys"
+            kdir.mkdir(mode=0o700, exist_ok=True)
+            ids = [n.id for n in self.cfg.nodes] + [EMULATOR_ID]
+            public = {nid: generate_key(kdir / f"{nid}.key") for nid in ids}
+            auth = kdir / "authorized_keys"
+            auth.write_text("".join(f"{nid} {pk}\n" for nid, pk in public.items()))
+            for nid in ids:
+                out[nid] = {"node_key": str(kdir / f"{nid}.key"), "authorized_keys": str(auth)}
+            self.keys = NodeKeys.load(EMULATOR_ID, str(kdir / f"{EMULATOR_ID}.key"), str(auth), "the emulator")
+        if sec.api_token:
+            import secrets
+
+            token = secrets.token_urlsafe(32)
+            path = self.workdir / "api_token"
+            path.touch(mode=0o600)
+            path.write_text(token + "\n")
+            token_file = str(path)
+            self.api_headers = {"Authorization": f"Bearer {token}"}
+        return out, token_file
+
+    def target(self, node_id: str) -> str:
+        """How the emulator dials a node: ID@HOST:PORT (the id pins its CURVE key)."""
+        return f"{node_id}@{self.addresses[node_id]}"
+
+    def status(self, node_id: str, timeout_s: float) -> dict[str, Any]:
+        """The node's `--status` object (TimeoutError if it does not answer)."""
+        return query_status(self.target(node_id), timeout_s=timeout_s, keys=self.keys)
 
     def log_tail(self, node_id: str, n_chars: int = 1500) -> str:
         p = self.workdir / f"{node_id}.log"
@@ -161,7 +212,7 @@ class EmulatedCluster:
             for nid in ids:
                 with contextlib.suppress(TimeoutError):
                     wait_s = min(1.0, max(0.01, deadline - time.monotonic()))
-                    statuses[nid] = query_status(self.addresses[nid], timeout_s=wait_s)
+                    statuses[nid] = self.status(nid, wait_s)
             if len(statuses) == len(ids) and all(_sees_all(statuses[n], ids) for n in ids):
                 return statuses
             time.sleep(STATUS_POLL_S)
@@ -173,7 +224,7 @@ class EmulatedCluster:
         deadline, last = time.monotonic() + timeout_s, {}
         while time.monotonic() < deadline:
             self._check_alive()
-            code, last = http_json(f"http://{self.gateway}/health", timeout_s=2.0)
+            code, last = http_json(f"http://{self.gateway}/health", timeout_s=2.0, headers=self.api_headers)
             if code == 200:
                 return last
             time.sleep(STATUS_POLL_S * 3)
@@ -241,7 +292,7 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
             injector = FaultInjector(cluster, faults)
             outs = run_jobs(f"http://{cluster.gateway}", served_name(cfg.model), jobs,
                             cfg.workload.arrival_rate_per_s, getattr(args, "seed", 0) or 0,
-                            progress=len(jobs) > 1, on_start=injector.start)
+                            progress=len(jobs) > 1, on_start=injector.start, headers=cluster.api_headers)
             injector.stop()
             report = cluster_report(cfg, cluster, outs, formed_s, statuses)
             report["faults"] = injector.done
@@ -327,10 +378,10 @@ class FaultInjector:
 
     def _partition(self, f: Fault, at: float) -> None:
         msg = make(MsgType.FAULT, zones=list(f.zones), seconds=f.until_s - f.at_s)
-        for nid, addr in self.cluster.addresses.items():
+        for nid in self.cluster.addresses:
             if nid not in self.cluster.dead():
                 with contextlib.suppress(TimeoutError):
-                    send_control(addr, msg)
+                    send_control(self.cluster.target(nid), msg, keys=self.cluster.keys)
         log.warning("fault: partition %s:%s from %.1f s for %.1f s", *f.zones, at, f.until_s - f.at_s)
         self.done.append({"kind": "partition", "zones": list(f.zones), "at_s": at,
                           "until_s": round(at + f.until_s - f.at_s, 3)})
@@ -380,11 +431,11 @@ def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, for
                    statuses: dict[str, dict]) -> dict[str, Any]:
     """The BRIEF's `--cluster` JSON: results, metrics (with each node's memory and traffic) and the
     plan the mesh actually served."""
-    _, live = http_json(f"http://{cluster.gateway}/v1/plan")
+    _, live = http_json(f"http://{cluster.gateway}/v1/plan", headers=cluster.api_headers)
     nodes = {}
     for n in cfg.nodes:
         with contextlib.suppress(TimeoutError, RuntimeError):
-            st = query_status(cluster.addresses[n.id], timeout_s=5.0)
+            st = cluster.status(n.id, 5.0)
             nodes[n.id] = {"roles": st["roles"], **node_figures(st["load"])}
     metrics = summarize(outs)
     metrics.update(serving_figures(nodes, live.get("plan", {}), outs))
@@ -424,13 +475,13 @@ def serving_figures(nodes: dict, plan: dict, outs: list) -> dict[str, Any]:
             "decode_prompt_tokens_computed": recomputed}
 
 
-def http_json(url: str, timeout_s: float = 10.0) -> tuple[int, dict]:
+def http_json(url: str, timeout_s: float = 10.0, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     """GET a JSON document; (status, body), (0, {}) when nothing answers."""
     import urllib.error
     import urllib.request
 
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         with contextlib.suppress(ValueError):

@@ -9,7 +9,9 @@ Run `python launch.py --help` (or the `meshllm` console script). Modes:
     --plan CLUSTER.yaml         planner only (--json, --png FILE)
     --simulate CLUSTER.yaml     discrete-event simulation with baselines (--json, --rate R)
     --reference                 single-process reference generation (the oracle)
-    --status HOST:PORT          ask a running node for its view of the mesh
+    --status [ID@]HOST:PORT     ask a running node for its view of the mesh (a mesh with CURVE:
+                                ID@, $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS)
+    --keygen FILE               write a new CURVE secret key (mode 0600), print its public key
 
 Exit codes: 0 success, 2 bad input (one line naming file/field/problem), 1 runtime failure.
 With --json exactly one JSON object goes to stdout; logs go to stderr.
@@ -36,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--plan", metavar="CLUSTER.yaml", help="planner only")
     mode.add_argument("--simulate", metavar="CLUSTER.yaml", help="discrete-event simulation with baselines")
     mode.add_argument("--reference", action="store_true", help="single-process reference generation")
-    mode.add_argument("--status", metavar="HOST:PORT", help="ask a running node for its view of the mesh")
+    mode.add_argument("--status", metavar="[ID@]HOST:PORT", help="ask a running node for its view of the mesh "
+                      "(with CURVE: ID@HOST:PORT and $MESHLLM_NODE_KEY, $MESHLLM_AUTHORIZED_KEYS)")
+    mode.add_argument("--keygen", metavar="FILE", help="write a new node key (CURVE secret key, mode 0600) to FILE "
+                      "and print its public key for the authorized_keys file")
     p.add_argument("--model", default=None, help="registry name, .gguf file or HF safetensors dir")
     p.add_argument("--draft", default=None, help="reference: run the quantized draft instead (w4a16|w8a16)")
     p.add_argument("--group-size", type=int, default=64, help="draft quantization group size (default 64)")
@@ -135,9 +140,18 @@ def cmd_status(a: argparse.Namespace) -> int:
     from meshllm.config import split_hostport
     from meshllm.mesh.node import format_status, query_status
 
-    split_hostport(a.status, "--status", "HOST:PORT")
+    split_hostport(a.status.rpartition("@")[2], "--status", "[ID@]HOST:PORT")
     st = query_status(a.status, timeout_s=a.timeout or 3.0)
     _emit(st, a.json, None if a.json else format_status(st))
+    return 0
+
+
+def cmd_keygen(a: argparse.Namespace) -> int:
+    from meshllm.mesh.keys import generate_key
+
+    public = generate_key(a.keygen)
+    _emit({"key_file": a.keygen, "public_key": public}, a.json,
+          f"{public}\n(wrote the secret key to {a.keygen}; list the node as `NODE_ID {public}` in authorized_keys)")
     return 0
 
 
@@ -150,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(a.threads)
     handlers = {"node_config": cmd_node, "cluster": cmd_cluster, "plan": cmd_plan, "simulate": cmd_simulate,
-                "reference": cmd_reference, "status": cmd_status}
+                "reference": cmd_reference, "status": cmd_status, "keygen": cmd_keygen}
     mode = next(k for k in handlers if getattr(a, k))
     try:
         return handlers[mode](a)

@@ -120,7 +120,7 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
 
 
 async def _run(url: str, model: str, jobs: list[Job], rate: float, seed: int, progress: bool,
-               on_start=None) -> list[Outcome]:
+               on_start=None, headers: dict[str, str] | None = None) -> list[Outcome]:
     import aiohttp
 
     outs = [Outcome(j.prompt) for j in jobs]
@@ -140,7 +140,8 @@ async def _run(url: str, model: str, jobs: list[Job], rate: float, seed: int, pr
         if bar is not None:
             bar.update(1)
 
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                     headers=headers) as session:
         await asyncio.gather(*(go(i, session) for i in range(len(jobs))))
     if bar is not None:
         bar.close()
@@ -154,9 +155,10 @@ def _bar(n: int):
 
 
 def run_jobs(url: str, model: str, jobs: list[Job], rate: float = 0.0, seed: int = 0,
-             progress: bool = True, on_start=None) -> list[Outcome]:
-    """Send `jobs` to the gateway at `url` (http://HOST:PORT) and wait for every one."""
-    return asyncio.run(_run(url, model, jobs, rate, seed, progress, on_start))
+             progress: bool = True, on_start=None, headers: dict[str, str] | None = None) -> list[Outcome]:
+    """Send `jobs` to the gateway at `url` (http://HOST:PORT) and wait for every one (`headers`:
+    e.g. the API's bearer token)."""
+    return asyncio.run(_run(url, model, jobs, rate, seed, progress, on_start, headers))
 
 
 def _pct(xs: list[float], q: float) -> float | None:

@@ -185,6 +185,9 @@ class FakeTransport:
             if to is not self and topic_frame in to.topics:
                 self.net.post(to, frames, False)
 
+    def pin(self, node_id: str, address: str, first_hand: bool) -> bool:
+        return True  # as Transport without CURVE
+
     def subscribe(self, address: str) -> None:
         check_endpoint(address, 1)
 

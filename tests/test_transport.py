@@ -18,7 +18,7 @@ from meshllm.device import device_from_mapping
 from meshllm.mesh.membership import PeerState
 from meshllm.mesh.node import Node, query_status
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
-from meshllm.mesh.sockets import CurveKeys, RemoteError, endpoint, free_port_pair
+from meshllm.mesh.sockets import RemoteError, endpoint, free_port_pair
 from meshllm.mesh.transport import LinkShaper, Transport, Worker, topic
 
 DEV = device_from_mapping("inline", {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50,
@@ -239,26 +239,3 @@ def test_heartbeats_survive_a_busy_compute_thread() -> None:
         for n in (b, a):
             if not n.stopped.is_set():
                 n.stop()
-
-
-def test_cluster_key_encrypts_and_shuts_out_strangers(tmp_path) -> None:
-    key, other = tmp_path / "key", tmp_path / "other"
-    key.write_bytes(b"the cluster secret")
-    other.write_bytes(b"another secret")
-    b_addr = addr()
-    b = Transport("b", "z", b_addr, curve=CurveKeys.from_file(str(key)))
-    friend = Transport("a", "z", addr(), curve=CurveKeys.from_file(str(key)))
-    stranger = Transport("s", "z", addr(), curve=CurveKeys.from_file(str(other)))
-    plain = Transport("p", "z", addr())
-    b.on(MsgType.PING, lambda m, reply: reply(make(MsgType.PONG)))
-    for t in (b, friend, stranger, plain):
-        t.start()
-    try:
-        assert friend.request(b_addr, make(MsgType.PING), timeout_s=10).type is MsgType.PONG
-        for t in (stranger, plain):
-            with pytest.raises(TimeoutError):
-                t.request(b_addr, make(MsgType.PING), timeout_s=0.5)
-    finally:
-        for t in (b, friend, stranger, plain):
-            t.close_thread_sockets()
-            t.close()

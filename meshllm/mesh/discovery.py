@@ -18,6 +18,11 @@ mDNS. With `mdns: true` a node registers `<id>._meshllm._tcp.local.` (address,
 port, and a TXT record with id/zone) with zeroconf and browses the same type;
 each service found is greeted with a HELLO, so the seed path above does the rest.
 It binds the advertise address's interface (127.0.0.1 in local emulation).
+
+With CURVE (keys.py) every peer learned is pinned to its node id's public key before any
+socket dials it: a seed is `ID@HOST:PORT`, a HELLO or a PEERS entry about its own sender is
+first-hand, other gossip entries and mDNS names only fill gaps, and ids outside the
+authorized keys are ignored.
 """
 
 from __future__ import annotations
@@ -144,6 +149,10 @@ class Gossip:
             log.warning("%s: error from %r: %s: %s", self.me.id, msg.src, msg["code"], msg["message"])
 
     def _learn(self, info: PeerInfo, first_hand: bool) -> None:
+        if not self.t.pin(info.id, info.address, first_hand):  # CURVE: only admitted ids, pinned to their key
+            log.debug("%s: ignoring %s at %s: not in the authorized keys, or that address is known as another "
+                      "node", self.me.id, info.id, info.address)
+            return
         tr = self.members.observe(info, time.monotonic(), first_hand=first_hand)
         if tr is None:
             return

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import threading
 import time
@@ -22,11 +21,13 @@ from typing import Any
 import zmq
 
 from meshllm.config import NodeConfig
+from meshllm.errors import InputError
 from meshllm.mesh.agent import MeshAgent
-from meshllm.mesh.discovery import Gossip, MdnsDiscovery
+from meshllm.mesh.discovery import SERVICE_TYPE, Gossip, MdnsDiscovery
+from meshllm.mesh.keys import NodeKeys
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
-from meshllm.mesh.sockets import CurveKeys, endpoint, make_socket
+from meshllm.mesh.sockets import client_socket
 from meshllm.mesh.transport import LinkShaper, Transport
 from meshllm.roles.coordinator import Coordinator
 from meshllm.roles.host import RoleHost
@@ -52,8 +53,11 @@ class Node:
         self.stopped = threading.Event()
         self.members = Membership(cfg.id, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                   failure_timeout_s=cfg.failure_timeout_s)
+        keys = NodeKeys.load(cfg.id, cfg.node_key, cfg.authorized_keys, cfg.source) if cfg.node_key else None
         self.transport = Transport(cfg.id, cfg.zone, cfg.listen, LinkShaper(cfg.zone, cfg.links, cfg.time_scale),
-                                   curve=CurveKeys.from_file(cfg.cluster_key))
+                                   keys=keys, rate=cfg.rate_limit)
+        for address, seed_id in cfg.seed_ids:  # CURVE: a seed's key is its id's in the authorized keys
+            self.transport.pin(seed_id, address, first_hand=True)
         self.host = RoleHost(self.transport, cfg, self.members)
         self.mesh = MeshAgent(self.transport, self.members, self.me, self.host.status)
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
@@ -71,7 +75,7 @@ class Node:
             self.gateway = Gateway(self.transport, self.members, self.me, cfg)
             self.gateway.local_load = self.mesh.load
             self.host.listeners.append(self.gateway.on_plan)
-            self.api = ApiServer(self.gateway, cfg.gateway)
+            self.api = ApiServer(self.gateway, cfg.gateway, cfg.api_token)
 
     def start(self) -> Node:
         if self.gateway is not None:
@@ -115,7 +119,9 @@ class Node:
 
     def _mdns_found(self, name: str, address: str) -> None:
         log.debug("%s: mdns found %s at %s", self.me.id, name, address)
-        self.transport.call_soon(lambda: self.gossip.greet(address))
+        node_id = name.removesuffix("." + SERVICE_TYPE)
+        if self.transport.pin(node_id, address, first_hand=False):  # CURVE: an admitted id's key, or nothing
+            self.transport.call_soon(lambda: self.gossip.greet(address))
 
 
 def run_node(cfg: NodeConfig) -> int:
@@ -138,14 +144,32 @@ def run_node(cfg: NodeConfig) -> int:
     return EXIT_OK
 
 
-def query_status(addr: str, timeout_s: float = 3.0, cluster_key: str | None = None) -> dict[str, Any]:
-    """Ask the node at HOST:PORT for its view of the mesh (the `--status` JSON object).
-    `cluster_key` (default: $MESHLLM_CLUSTER_KEY) is needed for a mesh that uses CURVE."""
-    curve = CurveKeys.from_file(cluster_key or os.environ.get("MESHLLM_CLUSTER_KEY"))
-    sock = make_socket(zmq.Context.instance(), zmq.DEALER, curve)
+def split_target(target: str) -> tuple[str | None, str]:
+    """'[ID@]HOST:PORT' -> (ID or None, 'HOST:PORT')."""
+    node_id, at, address = target.rpartition("@")
+    return (node_id or None) if at else None, address
+
+
+def _ask(target: str, msg, keys: NodeKeys | None) -> zmq.Socket:
+    """A DEALER to the node at '[ID@]HOST:PORT' with `msg` sent. With CURVE (`keys`, default from
+    $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS) the node's id must be given: its public key is
+    pinned."""
+    keys = keys if keys is not None else NodeKeys.from_env()
+    node_id, address = split_target(target)
+    if keys is not None:
+        if node_id is None or not keys.pin(node_id, address, first_hand=True):
+            raise InputError(f"{target}: a mesh with CURVE needs the node's id as ID@HOST:PORT, with ID in "
+                             "the authorized keys")
+    sock, _ = client_socket(zmq.Context.instance(), zmq.DEALER, address, keys)
+    sock.send_multipart(encode(msg))
+    return sock
+
+
+def query_status(target: str, timeout_s: float = 3.0, keys: NodeKeys | None = None) -> dict[str, Any]:
+    """Ask the node at '[ID@]HOST:PORT' for its view of the mesh (the `--status` JSON object).
+    A mesh with CURVE needs `keys` (or $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS) and the ID."""
+    sock = _ask(target, make(MsgType.STATUS_REQ), keys)
     try:
-        sock.connect(endpoint(addr))
-        sock.send_multipart(encode(make(MsgType.STATUS_REQ)))
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not sock.poll(int(left * 1000) + 1):
@@ -153,24 +177,21 @@ def query_status(addr: str, timeout_s: float = 3.0, cluster_key: str | None = No
             try:
                 reply = decode(sock.recv_multipart())
             except ProtocolError as e:
-                raise RuntimeError(f"{addr} answered with a malformed message: {e}") from None
+                raise RuntimeError(f"{target} answered with a malformed message: {e}") from None
             if reply.type is MsgType.STATUS_REP:
                 return reply["status"]
-        raise TimeoutError(f"no status reply from {addr} within {timeout_s:g} s (is a node running there? "
-                           "a mesh with a cluster_key also needs MESHLLM_CLUSTER_KEY)")
+        raise TimeoutError(f"no status reply from {target} within {timeout_s:g} s (is a node running there? "
+                           "a mesh with CURVE also needs MESHLLM_NODE_KEY, MESHLLM_AUTHORIZED_KEYS and ID@HOST:PORT)")
     finally:
         sock.close(linger=0)
 
 
-def send_control(addr: str, msg, timeout_s: float = 3.0, cluster_key: str | None = None) -> None:
-    """Send one message to the node at HOST:PORT and wait for its answer (emulator control)."""
-    curve = CurveKeys.from_file(cluster_key or os.environ.get("MESHLLM_CLUSTER_KEY"))
-    sock = make_socket(zmq.Context.instance(), zmq.DEALER, curve)
+def send_control(target: str, msg, timeout_s: float = 3.0, keys: NodeKeys | None = None) -> None:
+    """Send one message to the node at '[ID@]HOST:PORT' and wait for its answer (emulator control)."""
+    sock = _ask(target, msg, keys)
     try:
-        sock.connect(endpoint(addr))
-        sock.send_multipart(encode(msg))
         if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"{addr} did not answer {msg.type.name} within {timeout_s:g} s")
+            raise TimeoutError(f"{target} did not answer {msg.type.name} within {timeout_s:g} s")
         sock.recv_multipart()
     finally:
         sock.close(linger=0)

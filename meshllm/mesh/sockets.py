@@ -1,15 +1,14 @@
 """ZeroMQ socket helpers of the mesh: addresses, CURVE keys, and the per-thread request client.
 
 A node listening on HOST:PORT has its ROUTER on PORT and its PUB on PORT+1
-(`endpoint`). Every socket is made by `make_socket`: linger=0, the protocol's
-message size limit and, with a cluster key, CURVE. `Requester` gives each
+(`endpoint`). Every socket is made by `make_socket`: linger=0 and the protocol's
+frame size limit; with node keys, CURVE (keys.py). `Requester` gives each
 calling thread its own DEALER per peer (ZeroMQ sockets are not thread-safe), so
 a compute thread can make blocking requests without going through the I/O thread.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import socket
 import threading
@@ -19,6 +18,7 @@ from typing import Protocol
 
 import zmq
 
+from meshllm.mesh.keys import NodeKeys
 from meshllm.mesh.protocol import MAX_MESSAGE_BYTES, Message, MsgType, encode
 
 SEND_TIMEOUT_S = 10.0  # a compute thread's send blocks at most this long on a full peer queue
@@ -46,42 +46,27 @@ def free_port_pair(host: str = "127.0.0.1", tries: int = 50) -> int:
     raise RuntimeError(f"no two adjacent free ports on {host} after {tries} tries")
 
 
-class CurveKeys:
-    """CURVE encryption from a shared `cluster_key` file. Every node derives the same server key
-    pair from the file (SHA-256 of its bytes as the secret); clients use a fresh key pair and must
-    know the server public key, so only holders of the file can connect or read traffic."""
-
-    def __init__(self, secret: bytes):
-        from zmq.utils import z85
-
-        self.server_secret = z85.encode(hashlib.sha256(secret).digest())
-        self.server_public = zmq.curve_public(self.server_secret)
-
-    @staticmethod
-    def from_file(path: str | None) -> CurveKeys | None:
-        if path is None:
-            return None
-        if not zmq.has("curve"):
-            raise OSError("cluster_key needs libzmq built with CURVE support")
-        with open(path, "rb") as f:
-            return CurveKeys(f.read())
-
-    def apply(self, sock: zmq.Socket, server: bool) -> None:
-        if server:
-            sock.curve_secretkey, sock.curve_server = self.server_secret, True
-        else:
-            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-            sock.curve_serverkey = self.server_public
-
-
-def make_socket(ctx: zmq.Context, kind: int, curve: CurveKeys | None = None) -> zmq.Socket:
-    """A socket with linger=0, the message size limit and, with a cluster key, CURVE."""
+def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    """A socket with linger=0 and the frame size limit: libzmq disconnects a peer that sends a frame
+    over MAX_MESSAGE_BYTES before it is ever delivered (the whole message's size, header and
+    tensor count are checked by protocol.decode). CURVE is set by the caller (keys.NodeKeys)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    if curve is not None:
-        curve.apply(sock, server=kind in (zmq.ROUTER, zmq.PUB))
     return sock
+
+
+def client_socket(ctx: zmq.Context, kind: int, address: str, keys: NodeKeys | None,
+                  offset: int = 0) -> tuple[zmq.Socket, str | None]:
+    """A DEALER (offset 0) or SUB (offset 1) connected to the node at `address`; with `keys`, CURVE
+    pinned to that node's public key. Returns (socket, the peer's node id or None without CURVE).
+    Raises keys.UnknownPeerKey when no node id is pinned for the address."""
+    peer = keys.peer_at(address) if keys is not None else None  # raises before a socket exists
+    sock = make_socket(ctx, kind)
+    if keys is not None:
+        keys.client(sock, address)
+    sock.connect(endpoint(address, offset))
+    return sock, peer
 
 
 def nbytes(frames: list) -> int:
@@ -103,23 +88,24 @@ class RemoteError(RuntimeError):
 class Requester:
     """Blocking requests and sends from any thread, each thread on its own DEALER per peer."""
 
-    def __init__(self, ctx: zmq.Context, curve: CurveKeys | None, stamp: Callable[[Message], None],
+    def __init__(self, ctx: zmq.Context, keys: NodeKeys | None, stamp: Callable[[Message], None],
                  decode: Callable[[list], Message | None], shaper: Shaper):
-        self.ctx, self.curve, self._stamp, self._decode, self._shaper = ctx, curve, stamp, decode, shaper
+        self.ctx, self.keys, self._stamp, self._decode, self._shaper = ctx, keys, stamp, decode, shaper
         self._rid = itertools.count(1)
         self._local = threading.local()
 
     def send(self, address: str, msg: Message) -> None:
         """Fire-and-forget; blocks (at most SEND_TIMEOUT_S) while the peer's queue is full."""
         self._stamp(msg)
+        sock, _ = self._socket(address)
         try:
-            self._socket(address).send_multipart(encode(msg), copy=False)
+            sock.send_multipart(encode(msg), copy=False)
         except zmq.Again:
             raise TimeoutError(f"{address} accepted no {msg.type.name} for {SEND_TIMEOUT_S:g} s") from None
 
     def request(self, address: str, msg: Message, timeout_s: float) -> Message:
         """Send `msg` and wait for the reply carrying its request id. Raises TimeoutError."""
-        sock = self._socket(address)
+        sock, peer = self._socket(address)
         msg.rid = next(self._rid)
         self._stamp(msg)
         sock.send_multipart(encode(msg), copy=False)
@@ -134,6 +120,8 @@ class Requester:
             reply = self._decode(frames)
             if reply is None or reply.rid != msg.rid:
                 continue  # malformed, or a late reply to an earlier timed-out request
+            if peer is not None and reply.src not in ("", peer):
+                continue  # cannot happen over CURVE pinned to `peer`'s key, short of a bug: never trusted
             delay = self._shaper.due(reply.zone, nbytes(frames), arrived) - time.monotonic()
             if delay > 0:
                 time.sleep(delay)  # the emulated link of the reply
@@ -144,17 +132,21 @@ class Requester:
 
     def close_thread_sockets(self) -> None:
         """Close the DEALERs the calling thread opened."""
-        for s in getattr(self._local, "dealers", {}).values():
+        for s, _ in getattr(self._local, "dealers", {}).values():
             s.close(linger=0)
         self._local.dealers = {}
 
-    def _socket(self, address: str) -> zmq.Socket:
+    def _socket(self, address: str) -> tuple[zmq.Socket, str | None]:
+        """This thread's DEALER to `address` and the node id its CURVE key is pinned to (a new
+        socket when the pin changed, e.g. another node now listens there)."""
         socks = getattr(self._local, "dealers", None)
         if socks is None:
             socks = self._local.dealers = {}
-        sock = socks.get(address)
-        if sock is None:
-            sock = socks[address] = make_socket(self.ctx, zmq.DEALER, self.curve)
-            sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
-            sock.connect(endpoint(address))
-        return sock
+        entry = socks.get(address)
+        if entry is not None and self.keys is not None and entry[1] != self.keys.peer_at(address):
+            entry[0].close(linger=0)
+            entry = None
+        if entry is None:
+            entry = socks[address] = client_socket(self.ctx, zmq.DEALER, address, self.keys)
+            entry[0].setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
+        return entry

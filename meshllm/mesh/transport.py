@@ -6,7 +6,7 @@ Sockets of a node listening on HOST:PORT:
                                          (TOPIC_MESH: heartbeats, gossip, plans; topic(name) for
                                          the rest, e.g. a decode replica's drafts), so a node
                                          receives only the topics it subscribed to
-    SUB     connected to every peer's PUB
+    SUB     one per peer, connected to its PUB (so each publication's sender is known)
     DEALER  one per peer address for the I/O thread's own requests (HELLO, LEAVE), and one
             per peer and calling thread for `request`/`send` from compute threads (sockets.py)
 
@@ -22,8 +22,16 @@ dropped, counted (`rejected`) and logged, at most REJECT_LOG_PER_S lines a secon
 with ERROR carrying the request id (code "bad_request" for a ProtocolError,
 "internal" with a logged traceback for anything else), so no caller waits for a
 timeout. Data-plane sends from compute threads block while the peer's queue is
-full, at most SEND_TIMEOUT_S, then raise; they are never dropped silently. With
-a `cluster_key` every socket uses CURVE (sockets.CurveKeys).
+full, at most SEND_TIMEOUT_S, then raise; they are never dropped silently.
+
+Security (keys.py). With `keys`, every socket uses CURVE with this node's own key pair:
+ROUTER and PUB admit only clients in the authorized keys (ZAP), DEALERs and SUBs pin the
+peer's key. Each received message is attributed to a node: the ZAP User-Id on the ROUTER,
+the pinned peer on a SUB or DEALER. A message whose `src` (unless empty, as from the CLI)
+or `node` field names another node is dropped and logged ("forged"): no node can speak
+for another. Per-peer rate limit (`RateLimit`, both modes): a token bucket per sender
+(its node id with CURVE, else its connection) drops what exceeds it, before decoding, with
+a rate-limited log line; the defaults sit far above what serving sends.
 
 Link shaping (emulation only): with links configured, a message from a node in
 zone A to this node in zone B is held back on arrival until
@@ -42,12 +50,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from meshllm.mesh.keys import Admission, NodeKeys, UnknownPeerKey
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, decode, encode, make
-from meshllm.mesh.sockets import CurveKeys, Requester, endpoint, make_socket, nbytes
+from meshllm.mesh.sockets import Requester, client_socket, endpoint, make_socket, nbytes
 
 log = logging.getLogger("meshllm.mesh.transport")
 
@@ -57,6 +67,9 @@ REJECT_LOG_PER_S = 5  # log lines a second per (sender, message type) for reject
 REJECT_LOG_TOTAL_PER_S = 20  # ... and in all
 REJECT_LOG_KEYS = 1024  # (sender, message type) pairs tracked at once
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: IntFlag ops are slow
+RATE_MESSAGES_PER_S = 50_000  # per-peer rate limit: sustained messages a second ...
+RATE_BURST = 100_000  # ... and the bucket (a burst taken at once)
+RATE_KEYS = 4096  # buckets kept at once (without CURVE a key is a connection, so bounded)
 Handler = Callable[[Message, Callable[[Message], None]], None]
 TOPIC_MESH = b"mesh\0"  # heartbeats, gossip, plans: every node subscribes
 
@@ -117,6 +130,40 @@ class LinkShaper:
             departed = max(now, self._busy_until.get(src_zone, 0.0)) + nbytes / bytes_per_s
             self._busy_until[src_zone] = departed
         return departed + one_way_s
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """Per-peer token bucket: `messages_per_s` sustained, `burst` at once."""
+
+    messages_per_s: float = RATE_MESSAGES_PER_S
+    burst: float = RATE_BURST
+
+
+class RateLimiter:
+    """Token buckets keyed by sender, on the I/O thread only. `allow(key, now)` takes one token."""
+
+    def __init__(self, limit: RateLimit):
+        self.limit = limit
+        self.dropped = 0  # messages over the limit
+        self._buckets: dict[Any, list[float]] = {}  # key -> [tokens, last refill]
+
+    def allow(self, key: Any, now: float) -> bool:
+        b = self._buckets.get(key)
+        if b is None:
+            if len(self._buckets) >= RATE_KEYS:
+                self._buckets = {k: v for k, v in self._buckets.items() if v[0] < self.limit.burst}  # idle ones go
+                if len(self._buckets) >= RATE_KEYS:
+                    self._buckets.clear()
+            b = self._buckets[key] = [self.limit.burst, now]
+        else:
+            b[0] = min(self.limit.burst, b[0] + (now - b[1]) * self.limit.messages_per_s)
+            b[1] = now
+        if b[0] >= 1.0:
+            b[0] -= 1.0
+            return True
+        self.dropped += 1
+        return False
 
 
 class Rejections:
@@ -331,30 +378,39 @@ class Transport:
     """Sockets + I/O thread of one node. Start with `start()`, stop with `close()`."""
 
     def __init__(self, node_id: str, zone: str, listen: str, shaper: LinkShaper | None = None,
-                 ctx: zmq.Context | None = None, curve: CurveKeys | None = None):
-        self.node_id, self.zone, self.curve = node_id, zone, curve
+                 ctx: zmq.Context | None = None, keys: NodeKeys | None = None, rate: RateLimit = RateLimit()):
+        self.node_id, self.zone, self.keys = node_id, zone, keys
         self.shaper = shaper or LinkShaper(zone)
         self.ctx = ctx or zmq.Context.instance()
         self.dropped = 0  # malformed messages dropped
+        self.forged = 0  # messages dropped for naming another node than their authenticated sender
         self.loop = IOLoop(node_id)
         self.rejections = Rejections(node_id)  # malformed frames and messages a handler refused
         self.loop.every(1.0, self.rejections.flush)
-        self.client = Requester(self.ctx, curve, self._stamp, self._decode, self.shaper)
+        self.limiter = RateLimiter(rate)
+        self.client = Requester(self.ctx, keys, self._stamp, self._decode, self.shaper)
         self._handlers: dict[MsgType, tuple[Handler, Worker | None]] = {}
         self._dealers: dict[str, zmq.Socket] = {}
-        self._subscribed: set[str] = set()
+        self._subs: dict[str, zmq.Socket] = {}  # peer address -> SUB connected to its PUB
+        self._peer_of: dict[zmq.Socket, tuple[str, str | None, bool]] = {}  # DEALER/SUB -> (address, id, is SUB)
+        self._topics: set[bytes] = {TOPIC_MESH}
         self._poller = zmq.Poller()
         self._stop = threading.Event()
         self._closed = False
-        self.router, self.pub, self.sub = (make_socket(self.ctx, k, curve) for k in (zmq.ROUTER, zmq.PUB, zmq.SUB))
+        # ZAP before any CURVE server socket exists: no handshake runs unchecked
+        self.admission = Admission(self.ctx, keys, self._refused) if keys is not None else None
+        self.router, self.pub = make_socket(self.ctx, zmq.ROUTER), make_socket(self.ctx, zmq.PUB)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, not vanishes
-        self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC_MESH)
         for sock, offset in ((self.router, 0), (self.pub, 1)):
+            if keys is not None:
+                keys.server(sock, self.admission.domain)
             try:
                 sock.bind(endpoint(listen, offset))
             except zmq.ZMQError as e:
-                for s in (self.router, self.pub, self.sub):
+                for s in (self.router, self.pub):
                     s.close(linger=0)
+                if self.admission is not None:
+                    self.admission.close()
                 self.loop.close()
                 raise OSError(f"cannot listen on {endpoint(listen, offset)} (ROUTER on PORT, PUB on PORT+1): "
                               f"{e}") from None
@@ -392,9 +448,13 @@ class Transport:
         if self._closed:
             return
         self._closed = True
-        for s in (self.router, self.pub, self.sub, *self._dealers.values()):
+        for s in (self.router, self.pub, *self._subs.values(), *self._dealers.values()):
             s.close(linger=0)
         self._dealers.clear()
+        self._subs.clear()
+        self._peer_of.clear()
+        if self.admission is not None:
+            self.admission.close()
         self.loop.close()
 
     # -- any thread -------------------------------------------------------------------------
@@ -429,12 +489,17 @@ class Transport:
         self.client.close_thread_sockets()
 
     def subscribe(self, address: str) -> None:
-        """Connect the SUB socket to a peer's PUB (what arrives is filtered by topic)."""
+        """Connect a SUB socket to a peer's PUB (what arrives is filtered by topic)."""
         self.loop.defer(lambda: self._sub(address, True))
 
     def subscribe_topic(self, topic_frame: bytes, on: bool = True) -> None:
-        opt = zmq.SUBSCRIBE if on else zmq.UNSUBSCRIBE
-        self.loop.defer(lambda: self.sub.setsockopt(opt, topic_frame))
+        self.loop.defer(lambda: self._topic(topic_frame, on))
+
+    def pin(self, node_id: str, address: str, first_hand: bool) -> bool:
+        """With CURVE: the node at `address` is `node_id` (keys.NodeKeys.pin); False if that is not
+        accepted (an id outside the authorized keys, or second-hand news against a pin). Without
+        CURVE: True."""
+        return self.keys is None or self.keys.pin(node_id, address, first_hand)
 
     def forget(self, address: str) -> None:
         """Drop the SUB connection and the control DEALER to a peer that left."""
@@ -446,6 +511,8 @@ class Transport:
 
     def _send(self, sock: zmq.Socket, msg: Message, first: bytes | None = None) -> None:
         """Send on a socket the I/O thread owns; `first` is the ROUTER identity or the PUB topic."""
+        if sock is None:
+            return  # a DEALER to a peer whose key is unknown (logged by _dealer)
         self._stamp(msg)
         frames = encode(msg)
         try:
@@ -455,25 +522,65 @@ class Transport:
         except zmq.ZMQError as e:
             log.warning("%s: cannot send %s: %s", self.node_id, msg.type.name, e)
 
-    def _dealer(self, address: str) -> zmq.Socket:
-        sock = self._dealers.get(address)
+    def _dealer(self, address: str) -> zmq.Socket | None:
+        """The I/O thread's DEALER to `address` (None, logged, if no key is pinned for it)."""
+        sock = self._fresh(self._dealers, address)
         if sock is None:
-            sock = self._dealers[address] = make_socket(self.ctx, zmq.DEALER, self.curve)
-            sock.connect(endpoint(address))
+            try:
+                sock, peer = client_socket(self.ctx, zmq.DEALER, address, self.keys)
+            except UnknownPeerKey as e:
+                log.warning("%s: not sent: %s", self.node_id, e)
+                return None
+            self._dealers[address], self._peer_of[sock] = sock, (address, peer, False)
             self._poller.register(sock, zmq.POLLIN)
         return sock
 
+    def _fresh(self, socks: dict[str, zmq.Socket], address: str) -> zmq.Socket | None:
+        """socks[address] unless its CURVE pin changed since it was made (then it is closed)."""
+        sock = socks.get(address)
+        if sock is not None and self.keys is not None:
+            try:
+                current = self.keys.peer_at(address)
+            except UnknownPeerKey:
+                current = None
+            if current != self._peer_of[sock][1]:
+                self._drop(socks, address)
+                return None
+        return sock
+
+    def _drop(self, socks: dict[str, zmq.Socket], address: str) -> None:
+        sock = socks.pop(address, None)
+        if sock is not None:
+            self._poller.unregister(sock)
+            self._peer_of.pop(sock, None)
+            sock.close(linger=0)
+
     def _sub(self, address: str, on: bool) -> None:
-        if on and address not in self._subscribed:
-            self.sub.connect(endpoint(address, 1))
-            self._subscribed.add(address)
-        elif not on and address in self._subscribed:
-            self._subscribed.discard(address)
-            self.sub.disconnect(endpoint(address, 1))
-            dealer = self._dealers.pop(address, None)
-            if dealer is not None:
-                self._poller.unregister(dealer)
-                dealer.close(linger=0)
+        if not on:
+            self._drop(self._subs, address)
+            self._drop(self._dealers, address)
+            return
+        if self._fresh(self._subs, address) is not None:
+            return
+        try:
+            sock, peer = client_socket(self.ctx, zmq.SUB, address, self.keys, offset=1)
+        except UnknownPeerKey as e:
+            log.warning("%s: not subscribed: %s", self.node_id, e)
+            return
+        for t in self._topics:
+            sock.setsockopt(zmq.SUBSCRIBE, t)
+        self._subs[address], self._peer_of[sock] = sock, (address, peer, True)
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _topic(self, topic_frame: bytes, on: bool) -> None:
+        (self._topics.add if on else self._topics.discard)(topic_frame)
+        for sock in self._subs.values():
+            sock.setsockopt(zmq.SUBSCRIBE if on else zmq.UNSUBSCRIBE, topic_frame)
+
+    def _refused(self, z85_key: bytes) -> None:
+        """ZAP refused a client key (called on the authenticator's thread)."""
+        self.rejections.reject(("?", "CURVE handshake"), ProtocolError(
+            f"public key {z85_key.decode(errors='replace')[:12]}... is not in the authorized keys"), "refused")
 
     def _decode(self, frames: list) -> Message | None:
         try:
@@ -484,8 +591,7 @@ class Transport:
             return None
 
     def _run(self) -> None:
-        for s in (self.router, self.sub):
-            self._poller.register(s, zmq.POLLIN)
+        self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self.loop.wake_fd, zmq.POLLIN)
         try:
             while not self._stop.is_set():
@@ -499,8 +605,10 @@ class Transport:
             self._close_sockets()
 
     def _receive(self, sock: zmq.Socket) -> None:
-        """Read up to RECV_BUDGET ready messages from `sock`; hold back those on an emulated link."""
-        from_router, from_sub = sock is self.router, sock is self.sub
+        """Read up to RECV_BUDGET ready messages from `sock`: attribute each to its sender, apply the
+        sender's rate limit, decode, drop forgeries; hold back those on an emulated link."""
+        from_router = sock is self.router
+        address, peer, from_sub = (None, None, False) if from_router else self._peer_of[sock]
         for _ in range(RECV_BUDGET):
             if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:  # cheaper than a recv raising Again
                 return
@@ -510,9 +618,27 @@ class Transport:
                 return
             arrived = time.monotonic()
             ident, body = (frames[0].bytes, frames[1:]) if from_router else (None, frames[1:] if from_sub else frames)
+            if not body:
+                continue
+            who = self._sender(body[0]) if from_router else peer
+            if self.keys is not None and who is None:
+                self.forged += 1
+                self.rejections.reject(("?", "a message"), ProtocolError("no authenticated sender"), "dropped")
+                continue
+            if not self.limiter.allow(who or ident or address, arrived):
+                self.rejections.reject((who or "?", "a message"), ProtocolError(
+                    f"over the rate limit of {self.limiter.limit.messages_per_s:g}/s"), "dropped")
+                continue
             msg = self._decode(body)
             if msg is None:
                 continue
+            if who is not None and (msg.src not in ("", who) or msg.fields.get("node", who) != who):
+                self.forged += 1
+                self.rejections.reject((who, msg.type.name), ProtocolError(
+                    f"claims to come from {msg.src or msg.fields.get('node')!r:.40}"), "dropped forged")
+                continue
+            if who is not None:
+                msg.src = who  # an empty src (a CLI client) is filled in with who it really is
             if self.shaper.active and self.shaper.blocked(msg.zone, arrived):
                 continue  # an emulated partition: the message is lost
             due = self.shaper.due(msg.zone, nbytes(body), arrived) if self.shaper.active else arrived
@@ -520,6 +646,15 @@ class Transport:
                 self.loop.hold(due, (msg, ident))
             else:
                 self._dispatch(msg, ident)
+
+    def _sender(self, frame: zmq.Frame) -> str | None:
+        """The node id ZAP authenticated for a ROUTER message (None without CURVE)."""
+        if self.keys is None:
+            return None
+        try:
+            return self.keys.who(frame.get("User-Id"))
+        except zmq.ZMQError:  # no User-Id: not a ZAP-checked connection
+            return None
 
     def _dispatch(self, msg: Message, ident: bytes | None) -> None:
         entry = self._handlers.get(msg.type)

@@ -15,11 +15,17 @@ benchmarks; by default the cluster's settings and the router decide). Every choi
 so clients can compare against `--reference`. Bad input is a 4xx with an OpenAI-style JSON
 error (`{"error": {"message", "type", "param", "code"}}`) and the node keeps serving. A client
 that disconnects mid-stream has its sequence released on every node that holds it.
+
+With an API token (`gateway: {api_token: FILE}` in the node file) every path but /health
+needs `Authorization: Bearer <token>` (compared in constant time); anything else is a 401
+with an OpenAI-style error (code "invalid_api_key"). /health stays open for load balancers
+and readiness probes: it tells only whether the plan's replicas are loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -313,8 +319,26 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-def build_app(gw: Gateway) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+def bearer_check(token: str | None):
+    """aiohttp middleware: a 401 for any request but /health without `Authorization: Bearer <token>`."""
+    want = f"Bearer {token}".encode() if token else b""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if want and request.path != "/health":
+            got = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(got, want):
+                resp = ApiError(401, "missing or wrong API token: send 'Authorization: Bearer <token>'", None,
+                                "invalid_api_key").response()
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return resp
+        return await handler(request)
+
+    return check
+
+
+def build_app(gw: Gateway, token: str | None = None) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[bearer_check(token)])
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await _generate(request, gw, chat=False)
@@ -363,8 +387,8 @@ def build_app(gw: Gateway) -> web.Application:
 class ApiServer:
     """Runs the app on HOST:PORT in a daemon thread with its own event loop."""
 
-    def __init__(self, gw: Gateway, listen: str):
-        self.gw, self.listen = gw, listen
+    def __init__(self, gw: Gateway, listen: str, token: str | None = None):
+        self.gw, self.listen, self.token = gw, listen, token
         self.loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._started = threading.Event()
@@ -380,7 +404,7 @@ class ApiServer:
         asyncio.set_event_loop(self.loop)
         host, _, port = self.listen.rpartition(":")
         try:
-            self._runner = web.AppRunner(build_app(self.gw), handler_cancellation=True, access_log=None)
+            self._runner = web.AppRunner(build_app(self.gw, self.token), handler_cancellation=True, access_log=None)
             self.loop.run_until_complete(self._runner.setup())
             self.loop.run_until_complete(web.TCPSite(self._runner, host.strip("[]"), int(port)).start())
         except OSError as e:

@@ -1,0 +1,503 @@
+"""Security: per-node CURVE keys with admission by ZAP, sender binding, wire confidentiality, per-peer
+rate limits, the HTTP API's bearer token, key files and the CLI. Real sockets on 127.0.0.1 (and node
+processes where the CLI is the subject); every wait is bounded and waits for an event, not a time."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+import zmq
+
+from meshllm.config import NodeConfig, load_node
+from meshllm.device import device_from_mapping
+from meshllm.errors import ConfigError
+from meshllm.mesh.keys import NodeKeys, UnknownPeerKey, generate_key, read_authorized_keys
+from meshllm.mesh.membership import PeerState
+from meshllm.mesh.node import Node, query_status
+from meshllm.mesh.protocol import MsgType, encode, make
+from meshllm.mesh.sockets import client_socket, endpoint, free_port_pair
+from meshllm.mesh.transport import TOPIC_MESH, RateLimit, RateLimiter, Transport, topic
+from tests.conftest import REPO, run_cli
+
+DEVICE = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}
+DEV = device_from_mapping("inline", DEVICE, "test")
+MARKER = "plaintext-marker-7f3a9c"
+
+
+def addr() -> str:
+    return f"127.0.0.1:{free_port_pair()}"
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+class Keyring:
+    """Key files for node ids in a directory, and authorized-keys files listing some of them."""
+
+    def __init__(self, d: Path, ids: list[str]):
+        self.d = d
+        self.public = {nid: generate_key(d / f"{nid}.key") for nid in ids}
+
+    def key(self, nid: str) -> str:
+        return str(self.d / f"{nid}.key")
+
+    def authorized(self, ids: list[str], name: str = "authorized_keys") -> str:
+        p = self.d / name
+        p.write_text("# test mesh\n" + "".join(f"{nid} {self.public[nid]}\n" for nid in ids))
+        return str(p)
+
+    def keys(self, nid: str, auth: str) -> NodeKeys:
+        return NodeKeys.load(nid, self.key(nid), auth)
+
+
+@pytest.fixture
+def ring(tmp_path: Path) -> Keyring:
+    return Keyring(tmp_path, ["a", "b", "m", "x", "admin"])
+
+
+@pytest.fixture
+def closing() -> Iterator[list]:
+    """Transports, nodes and sockets to close after the test, whatever happens."""
+    items: list = []
+    yield items
+    for it in reversed(items):
+        if isinstance(it, Node):
+            if not it.stopped.is_set():
+                it.stop(leave=False)
+        elif isinstance(it, Transport):
+            it.close_thread_sockets()
+            it.close()
+        else:
+            it.close(linger=0)
+
+
+def transport(closing: list, nid: str, keys: NodeKeys | None, **kw) -> tuple[Transport, str]:
+    a = addr()
+    t = Transport(nid, "z", a, keys=keys, **kw)
+    closing.append(t)
+    return t, a
+
+
+def node_cfg(nid: str, listen: str, ring: Keyring, auth: str, seeds: tuple[tuple[str, str], ...] = ()) -> NodeConfig:
+    return NodeConfig(source="test", id=nid, device=DEV, zone="z", listen=listen, seeds=tuple(a for a, _ in seeds),
+                      seed_ids=seeds, mdns=False, heartbeat_interval_s=0.2, failure_timeout_s=1.0, model="tiny",
+                      plan_settle_s=60.0, node_key=ring.key(nid), authorized_keys=auth)
+
+
+def alive(node: Node) -> set[str]:
+    return {p.info.id for p in node.members.peers() if p.state is PeerState.ALIVE}
+
+
+# -- admission -------------------------------------------------------------------------------
+def test_a_node_without_admission_cannot_join_and_is_never_heard(ring: Keyring, closing: list) -> None:
+    """a and b list each other; x has its own key pair and a list naming itself, but is not in a's
+    or b's list. The mesh forms without it, its handshakes are refused by ZAP (counted), nobody's
+    membership ever lists it, and its requests time out."""
+    mesh_auth = ring.authorized(["a", "b"], "mesh_keys")
+    x_auth = ring.authorized(["a", "b", "x"], "x_keys")  # x believes it belongs
+    a_addr = addr()
+    a = Node(node_cfg("a", a_addr, ring, mesh_auth)).start()
+    closing.append(a)
+    b = Node(node_cfg("b", addr(), ring, mesh_auth, ((a_addr, "a"),))).start()
+    closing.append(b)
+    x = Node(node_cfg("x", addr(), ring, x_auth, ((a_addr, "a"),))).start()
+    closing.append(x)
+    assert wait_for(lambda: alive(a) == {"b"} and alive(b) == {"a"})
+    assert wait_for(lambda: a.transport.rejected >= 1)  # x's HELLO: refused in the handshake (ZAP, logged)
+    with pytest.raises(TimeoutError):
+        x.transport.request(a_addr, make(MsgType.PING), timeout_s=0.5)
+    x.transport.close_thread_sockets()
+    assert "x" not in {p.info.id for p in a.members.peers()} | {p.info.id for p in b.members.peers()}
+    assert x.members.peers() == []  # nothing it sent got an answer
+    assert a.transport.router.mechanism == zmq.CURVE and a.transport.pub.mechanism == zmq.CURVE
+
+
+def test_an_unadmitted_subscriber_reads_no_publications(ring: Keyring, closing: list) -> None:
+    """A publishes drafts on a topic. Admitted b receives them; a raw SUB with its own key pair that
+    even knows a's public key, subscribed to everything, receives nothing."""
+    auth = ring.authorized(["a", "b"])
+    a, a_addr = transport(closing, "a", ring.keys("a", auth))
+    b, _ = transport(closing, "b", ring.keys("b", auth))
+    got: list[str] = []
+    b.on(MsgType.PING, lambda m, reply: got.append(m.src))
+    b.subscribe_topic(topic("draft/0"))
+    assert b.pin("a", a_addr, first_hand=True)
+    b.subscribe(a_addr)
+    for t in (a, b):
+        t.start()
+    spy = zmq.Context.instance().socket(zmq.SUB)
+    closing.append(spy)
+    pub, sec = zmq.curve_keypair()
+    spy.curve_publickey, spy.curve_secretkey = pub, sec
+    spy.curve_serverkey = ring.public["a"].encode()
+    spy.setsockopt(zmq.SUBSCRIBE, b"")
+    spy.connect(endpoint(a_addr, 1))
+    assert wait_for(lambda: (a.publish(make(MsgType.PING), topic("draft/0")), len(got) >= 20)[1])
+    assert got[0] == "a"
+    assert spy.poll(200) == 0  # 20+ publications later: nothing ever reached the unadmitted SUB
+    assert wait_for(lambda: a.rejected >= 1)  # its handshake was refused (and logged)
+
+
+# -- sender binding --------------------------------------------------------------------------
+def test_an_admitted_node_cannot_pose_as_another(ring: Keyring, closing: list) -> None:
+    """m is admitted. Through its own authenticated connection it tells a that b left, once with
+    src "b" and once with its own src but node "b": both are dropped as forged and b stays alive
+    at a. The same LEAVE about itself is obeyed, so the path works and only the forgery is refused.
+    A forged LEAVE on m's PUB is dropped the same way."""
+    auth = ring.authorized(["a", "b", "m"])
+    a_addr, m_addr = addr(), addr()
+    a = Node(node_cfg("a", a_addr, ring, auth)).start()
+    closing.append(a)
+    b = Node(node_cfg("b", addr(), ring, auth, ((a_addr, "a"),))).start()
+    closing.append(b)
+    m = Node(node_cfg("m", m_addr, ring, auth, ((a_addr, "a"),))).start()
+    closing.append(m)
+    assert wait_for(lambda: alive(a) == {"b", "m"})
+    inc_b = a.members.get("b").info.incarnation
+
+    keys = ring.keys("m", auth)
+    keys.pin("a", a_addr, first_hand=True)
+    dealer, peer = client_socket(zmq.Context.instance(), zmq.DEALER, a_addr, keys)
+    closing.append(dealer)
+    assert peer == "a"
+    for src, node in (("b", "b"), ("m", "b")):
+        forged = make(MsgType.LEAVE, node=node, incarnation=inc_b)
+        forged.src = src
+        dealer.send_multipart(encode(forged))
+    dealer.send_multipart(encode(make(MsgType.STATUS_REQ)))  # answered after the two LEAVEs were handled
+    assert dealer.poll(10_000)
+    assert a.transport.forged == 2
+    assert a.members.get("b").state is PeerState.ALIVE  # the victim's state is unchanged
+
+    m.transport.publish(make(MsgType.LEAVE, node="b", incarnation=inc_b))  # src is stamped "m"
+    assert wait_for(lambda: a.transport.forged >= 3)  # on its SUB to m, a knows the publisher is m
+    assert a.members.get("b").state is PeerState.ALIVE
+
+    honest = make(MsgType.LEAVE, node="m", incarnation=a.members.get("m").info.incarnation)
+    honest.src = "m"
+    dealer.send_multipart(encode(honest))
+    assert wait_for(lambda: a.members.get("m").state is PeerState.LEFT)
+    assert a.members.get("b").state is PeerState.ALIVE
+
+
+def test_a_client_pins_the_server_it_meant(ring: Keyring, closing: list) -> None:
+    """An admitted m listening at an address its client believes is b's cannot answer for b: the
+    handshake against b's key fails, so no reply from m is ever taken for b's."""
+    auth = ring.authorized(["a", "b", "m"])
+    m, m_addr = transport(closing, "m", ring.keys("m", auth))
+    m.on(MsgType.PING, lambda msg, reply: reply(make(MsgType.PONG)))
+    a, _ = transport(closing, "a", ring.keys("a", auth))
+    for t in (m, a):
+        t.start()
+    assert a.pin("m", m_addr, first_hand=True)
+    assert a.request(m_addr, make(MsgType.PING), timeout_s=10).src == "m"
+    assert a.pin("b", m_addr, first_hand=True)  # e.g. a lie that b lives at m's address
+    with pytest.raises(TimeoutError):
+        a.request(m_addr, make(MsgType.PING), timeout_s=0.5)
+    with pytest.raises(UnknownPeerKey):
+        a.request(addr(), make(MsgType.PING), timeout_s=0.5)  # no pinned key: refused before dialing
+    assert not a.pin("nobody", m_addr, first_hand=True)  # ids outside the list are never pinned
+
+
+# -- the wire --------------------------------------------------------------------------------
+class TcpTap:
+    """A TCP relay 127.0.0.1:PORT -> target that records every byte in both directions."""
+
+    def __init__(self, target: str):
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", free_port_pair()))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.captured = bytearray()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pairs: dict[socket.socket, socket.socket] = {}
+        self.listener.settimeout(0.05)
+        while not self._stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(self.target)
+                pairs[client], pairs[server] = server, client
+            except TimeoutError:
+                pass
+            if not pairs:
+                continue
+            ready, _, _ = select.select(list(pairs), [], [], 0.05)
+            for s in ready:
+                data = s.recv(65536)
+                if data:
+                    self.captured += data
+                    pairs[s].sendall(data)
+                else:
+                    other = pairs.pop(s)
+                    pairs.pop(other, None)
+                    s.close()
+                    other.close()
+        for s in pairs:
+            s.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.listener.close()
+
+
+@pytest.mark.parametrize("curve", [True, False])
+def test_traffic_on_the_wire_is_not_plaintext(ring: Keyring, closing: list, curve: bool) -> None:
+    """Requests and replies through a recording TCP relay: with CURVE the captured bytes hold neither
+    the message text nor the protocol magic; without it (the control) they hold both."""
+    auth = ring.authorized(["a", "b"])
+    b, b_addr = transport(closing, "b", ring.keys("b", auth) if curve else None)
+    b.on(MsgType.PING, lambda m, reply: reply(make(MsgType.PONG, echo=m.fields["note"])))
+    a, _ = transport(closing, "a", ring.keys("a", auth) if curve else None)
+    tap = TcpTap(b_addr)
+    try:
+        for t in (a, b):
+            t.start()
+        a.pin("b", tap.address, first_hand=True)
+        for _ in range(3):
+            r = a.request(tap.address, make(MsgType.PING, note=MARKER), timeout_s=10)
+            assert r.fields["echo"] == MARKER and r.src == "b"
+    finally:
+        tap.close()
+    assert len(tap.captured) > 3 * len(MARKER)
+    assert (MARKER.encode() in tap.captured) is not curve
+    assert (b"MLLM" in tap.captured) is not curve
+    assert (b"CURVE" in tap.captured) is curve  # the ZMTP greeting names the mechanism in clear
+    assert b.router.mechanism == (zmq.CURVE if curve else zmq.NULL)
+
+
+def test_every_socket_has_the_frame_size_limit(ring: Keyring, closing: list) -> None:
+    from meshllm.mesh.protocol import MAX_MESSAGE_BYTES
+
+    auth = ring.authorized(["a", "b"])
+    a, a_addr = transport(closing, "a", ring.keys("a", auth))
+    b, _ = transport(closing, "b", ring.keys("b", auth))
+    b.pin("a", a_addr, first_hand=True)
+    b.subscribe(a_addr)
+    b.send(a_addr, make(MsgType.PING))  # before start: queued for the I/O thread's DEALER
+    for t in (a, b):
+        t.start()
+    assert wait_for(lambda: len(b._subs) == 1 and len(b._dealers) == 1)
+    socks = [a.router, a.pub, *b._subs.values(), *b._dealers.values()]
+    assert all(s.getsockopt(zmq.MAXMSGSIZE) == MAX_MESSAGE_BYTES for s in socks)
+    assert all(s.mechanism == zmq.CURVE for s in socks)
+
+
+# -- rate limits -----------------------------------------------------------------------------
+def test_the_rate_limiter_is_a_token_bucket_per_peer() -> None:
+    rl = RateLimiter(RateLimit(messages_per_s=10, burst=5))
+    assert [rl.allow("f", 0.0) for _ in range(7)] == [True] * 5 + [False] * 2
+    assert rl.allow("g", 0.0)  # another peer has its own bucket
+    assert not rl.allow("f", 0.05)  # half a token
+    assert rl.allow("f", 0.1) and not rl.allow("f", 0.1)
+    assert [rl.allow("f", 10.0) for _ in range(6)] == [True] * 5 + [False]  # the bucket never exceeds burst
+    assert rl.dropped == 5
+
+
+def test_a_flood_from_one_peer_is_dropped_while_another_is_served(ring: Keyring, closing: list) -> None:
+    auth = ring.authorized(["a", "b", "m"])
+    a, a_addr = transport(closing, "a", ring.keys("a", auth), rate=RateLimit(messages_per_s=50, burst=50))
+    seen: dict[str, int] = {}
+
+    def ping(msg, reply) -> None:
+        seen[msg.src] = seen.get(msg.src, 0) + 1
+        reply(make(MsgType.PONG))
+
+    a.on(MsgType.PING, ping)
+    flooder, _ = transport(closing, "m", ring.keys("m", auth))
+    other, _ = transport(closing, "b", ring.keys("b", auth))
+    for t in (a, flooder, other):
+        t.start()
+        t.pin("a", a_addr, first_hand=True)
+    n = 2000
+    for _ in range(n):
+        flooder.send(a_addr, make(MsgType.PING))
+    assert wait_for(lambda: seen.get("m", 0) + a.limiter.dropped >= n)
+    assert a.limiter.dropped > 0 and seen["m"] < n
+    assert other.request(a_addr, make(MsgType.PING), timeout_s=10).type is MsgType.PONG  # b is still served
+    assert seen["b"] == 1
+
+
+# -- HTTP API token ----------------------------------------------------------------------------
+class _Gateway:
+    """What /v1/models and /health read of a gateway."""
+
+    model_name, ctx = "smollm2-135m", None
+
+    def ready(self) -> bool:
+        return False
+
+    def ready_replicas(self) -> list:
+        return []
+
+    def in_flight(self) -> int:
+        return 0
+
+
+def _get(url: str, token: str | None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token is not None else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_http_api_requires_its_bearer_token() -> None:
+    from meshllm.roles.http_api import ApiServer
+
+    token = "s3cret-token-0123456789"
+    listen = addr()
+    api = ApiServer(_Gateway(), listen, token)
+    api.start()
+    try:
+        url = f"http://{listen}"
+        for bad in (None, "wrong-token-0123456789", token + "x", ""):
+            code, body = _get(url + "/v1/models", bad)
+            assert code == 401 and body["error"]["code"] == "invalid_api_key", (bad, body)
+        code, body = _get(url + "/v1/models", token)
+        assert code == 200 and body["data"][0]["id"] == "smollm2-135m"
+        assert _get(url + "/health", None)[0] == 503  # open to probes (503: nothing loaded here)
+    finally:
+        api.close()
+
+
+# -- configuration and CLI -------------------------------------------------------------------
+def test_key_files_and_node_file_keys_are_checked(ring: Keyring, tmp_path: Path) -> None:
+    auth = ring.authorized(["a", "b"])
+    assert set(read_authorized_keys(auth, "t", "authorized_keys")) == {"a", "b"}
+    assert os.stat(ring.key("a")).st_mode & 0o077 == 0  # the secret key is private to its owner
+    base = {"id": "a", "device": DEVICE, "listen": "127.0.0.1:7700", "node_key": ring.key("a"),
+            "authorized_keys": auth, "seeds": ["b@127.0.0.1:7800"]}
+    p = tmp_path / "n.yaml"
+    p.write_text(yaml.safe_dump(base))
+    n = load_node(p)
+    assert n.seeds == ("127.0.0.1:7800",) and n.seed_ids == (("127.0.0.1:7800", "b"),)
+    garbage = tmp_path / "garbage.key"
+    garbage.write_text("not a key\n")
+    dup = tmp_path / "dup_keys"
+    dup.write_text(f"a {ring.public['a']}\na {ring.public['b']}\n")
+    short = tmp_path / "short_token"
+    short.write_text("abc\n")
+    for bad, field in [({"node_key": str(garbage)}, "node_key"), ({"node_key": ring.key("b")}, "authorized_keys"),
+                       ({"authorized_keys": str(dup)}, "authorized_keys"), ({"seeds": ["127.0.0.1:7800"]}, "seeds"),
+                       ({"seeds": ["x@127.0.0.1:7800"]}, "seeds"), ({"node_key": None}, "node_key"),
+                       ({"rate_limit": {"messages_per_s": 0}}, "rate_limit"),
+                       ({"gateway": {"listen": "127.0.0.1:8000", "api_token": str(short)}}, "gateway.api_token")]:
+        p.write_text(yaml.safe_dump({k: v for k, v in {**base, **bad}.items() if v is not None}))
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_node(p)
+    with pytest.raises(Exception, match="already exists"):
+        generate_key(ring.key("a"))  # never overwritten
+    r = run_cli("--node-config", str(p), timeout=60)  # the last bad file: exit 2, one line
+    assert r.returncode == 2 and "api_token" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_keygen_and_status_of_a_curve_mesh(tmp_path: Path) -> None:
+    """`--keygen` makes the keys; two node processes form a CURVE mesh; `--status` needs a listed
+    key and the node's id (exit 2 without the id), and answers with them."""
+    pub = {}
+    for nid in ("k0", "k1", "admin"):
+        r = run_cli("--keygen", str(tmp_path / f"{nid}.key"), "--json", timeout=60)
+        assert r.returncode == 0, r.stderr
+        pub[nid] = json.loads(r.stdout)["public_key"]
+    auth = tmp_path / "authorized_keys"
+    auth.write_text("".join(f"{nid} {pk}\n" for nid, pk in pub.items()))
+    port = free_port_pair()
+    procs = []
+    try:
+        for nid, seeds in (("k0", []), ("k1", [f"k0@127.0.0.1:{port}"])):
+            cfg = {"id": nid, "device": DEVICE, "zone": "z", "listen": f"127.0.0.1:{port if nid == 'k0' else free_port_pair()}",
+                   "seeds": seeds, "mdns": False, "model": "tiny", "node_key": str(tmp_path / f"{nid}.key"),
+                   "authorized_keys": str(auth)}
+            path = tmp_path / f"{nid}.yaml"
+            path.write_text(yaml.safe_dump(cfg))
+            procs.append(subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--node-config", str(path)],
+                                          cwd=REPO, stdout=open(tmp_path / f"{nid}.log", "w"), stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        admin = NodeKeys.load("admin", str(tmp_path / "admin.key"), str(auth))
+
+        def peers() -> list[str]:
+            try:
+                st = query_status(f"k0@127.0.0.1:{port}", timeout_s=0.5, keys=admin)
+            except TimeoutError:
+                return []
+            return [p["id"] for p in st["peers"] if p["state"] == "alive"]
+
+        assert wait_for(peers, 60.0) and peers() == ["k1"], (tmp_path / "k1.log").read_text()[-2000:]
+        with pytest.raises(TimeoutError):
+            query_status(f"127.0.0.1:{port}", timeout_s=0.5)  # no key: no answer
+        env = {"MESHLLM_NODE_KEY": str(tmp_path / "admin.key"), "MESHLLM_AUTHORIZED_KEYS": str(auth)}
+        r = run_cli("--status", f"127.0.0.1:{port}", "--json", env=env, timeout=60)
+        assert r.returncode == 2 and "ID@HOST:PORT" in r.stderr
+        r = run_cli("--status", f"k0@127.0.0.1:{port}", "--json", env=env, timeout=60)
+        assert r.returncode == 0 and json.loads(r.stdout)["node"] == "k0"
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, 9)
+            p.wait(timeout=30)
+
+
+# -- the emulator, end to end ------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_cluster_with_curve_and_an_api_token_serves_the_reference(tmp_path, smollm2, smollm2_tokenizer) -> None:
+    """`--cluster` with `security: {curve: true, api_token: true}`: per-node keys in the run
+    directory, KV and tokens over CURVE between a prefill and a decode node, the client sending
+    the token; output equals the reference."""
+    from tests.serving_util import reference, same_up_to_tie, small_device, write_cluster
+
+    dev = small_device("nuc-like", 8.0)
+    path = write_cluster(tmp_path / "c.yaml", [{"id": "p1", "device": dev, "zone": "fog", "roles": ["prefill"]},
+                                                {"id": "d1", "device": dev, "zone": "fog", "roles": ["decode"]}],
+                         workload={"prompts": ["The capital of France is"], "max_tokens": 8, "temperature": 0},
+                         security={"curve": True, "api_token": True})
+    r = run_cli("--cluster", str(path), "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    (res,) = out["results"]
+    ok, why = same_up_to_tie(res["token_ids"], reference(smollm2, smollm2_tokenizer, res["prompt"], 8))
+    assert ok, why
+    assert set(out["metrics"]["nodes"]) == {"p1", "d1"}  # the emulator's status queries went through CURVE
+
+
+def test_topics_reach_a_per_peer_sub_whenever_subscribed(ring: Keyring, closing: list) -> None:
+    """Per-peer SUB sockets: the mesh topic (set before the peer was added) and a topic subscribed
+    after it both arrive."""
+    auth = ring.authorized(["a", "b"])
+    a, a_addr = transport(closing, "a", ring.keys("a", auth))
+    b, _ = transport(closing, "b", ring.keys("b", auth))
+    got: list[str] = []
+    b.on(MsgType.PING, lambda m, reply: got.append(m.fields["topic"]))
+    b.pin("a", a_addr, first_hand=True)
+    b.subscribe(a_addr)
+    for t in (a, b):
+        t.start()
+    b.subscribe_topic(topic("late"))
+    assert wait_for(lambda: (a.publish(make(MsgType.PING, topic="mesh"), TOPIC_MESH),
+                             a.publish(make(MsgType.PING, topic="late"), topic("late")),
+                             {"mesh", "late"} <= set(got))[-1])
