@@ -12,8 +12,8 @@ Every baseline keeps the nodes' `roles:` limits (a node limited to one phase is 
   types in a replica, or serve both phases on one replica (all prefill or all decode: with a
   single replica it cannot run at all). Idle: types that cannot hold the model on their own.
 - mixed-dp (vLLM-style data parallel): the same per-type replicas, each serving both phases
-  (prefill first at each iteration boundary, pausing its decodes), no KV shipping. May not:
-  disaggregate, or mix device types in a replica.
+  with the simulator's chunked prefill (the scheduler meshllm's mixed replicas use), no KV
+  shipping. May not: disaggregate, or mix device types in a replica. Idle: as splitwise.
 - memory-ring (exo): every stage-capable device in one pipeline (file order; at most one per
   layer), layers proportional to memory, both phases on the one replica. May not: run more
   than one replica. Idle: devices beyond one per layer (the smallest).
