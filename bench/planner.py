@@ -182,19 +182,24 @@ def plot_cluster(res: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     points = sorted(res["loads"].values(), key=lambda x: x[0])
+    # a policy that saturates below the lowest rate drawn is overloaded at every point: left out
+    over = [p for p in res["sat"] if p in SWEPT and res["sat"][p] < points[0][0]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, col, label in ((axes[0], "mean_wait_ms", "mean waiting time (ms)"),
                            (axes[1], "ttft_p50_ms", "TTFT p50 (ms)")):
         for p in res["sat"]:
             xs = [(r, g[p][col]) for r, g in points if g.get(p) and g[p][col] is not None]
-            if xs:
-                ax.plot(*zip(*xs), marker="o", label=f"{p} (sat {res['sat'][p]:.2f}/s)")
+            if xs and p not in over:
+                name = f"{p} (sat {res['sat'][p]:.2f}/s)" if p in SWEPT else f"{p} (GA ablation, not swept)"
+                wide = dict(lw=5, alpha=0.45, zorder=1) if p == "meshllm" else dict(zorder=2)  # visible under a twin
+                ax.plot(*zip(*xs), marker="o", label=name, **wide)
         ax.set_yscale("log")
         ax.set_xlabel("arrival rate (req/s)")
         ax.set_ylabel(label)
         ax.axvline(res["bound"], color="grey", ls=":", lw=1)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{res['name']} ({res['devices']} devices, {res['model']}); dotted: physical bound", fontsize=9)
+    left = f"; not drawn, overloaded at every rate: {', '.join(over)}" if over else ""
+    fig.suptitle(f"{res['name']} ({res['devices']} devices, {res['model']}); dotted: physical bound{left}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / f"planner_{res['name']}.png", dpi=100)
     plt.close(fig)
@@ -228,9 +233,17 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2, help="clusters benchmarked in parallel processes")
     ap.add_argument("--seeds", type=int, default=0, help="traces each saturation is averaged over (default 3; --quick 1)")
     ap.add_argument("--times-only", action="store_true", help="only the planner's time against cluster size")
+    ap.add_argument("--replot", action="store_true", help="only redraw the plots from OUT/planner.json")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.replot:
+        saved = json.loads((out / "planner.json").read_text())
+        for res in saved["clusters"]:
+            if res["loads"]:
+                plot_cluster(res, out)
+        plot_times(saved["times"], out)
+        return 0
     names = ("meshllm", "splitwise", "mixed-dp") if a.quick else POLICIES
     sweep_n, n_req = (600, 600) if a.quick else (sweep.SWEEP_REQUESTS, 2000)
     chosen = a.clusters.split(",") if a.clusters else ([BENCH[0]] if a.quick else list(BENCH) + list(SMALL))
