@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,30 @@ def run_cli(*args: str, timeout: float = 240, env: dict | None = None) -> subpro
     e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=e)
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float = 15.0, every_s: float = 0.02) -> bool:
+    """Poll `pred` until it holds or `timeout_s` passes; its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(every_s)
+    return pred()
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    """SIGTERM every live process, then SIGKILL the process group of any that outlives `timeout_s`."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from meshllm.mesh.sockets import free_port_pair
-from tests.conftest import REPO
+from tests.conftest import REPO, stop_processes
 from tests.serving_util import reference, same_up_to_tie
 
 pytestmark = pytest.mark.slow
@@ -105,13 +105,5 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
         assert code == 200 and same_up_to_tie(res["choices"][0]["token_ids"],
                                               reference(smollm2, smollm2_tokenizer, body["prompt"], 10))[0]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_processes(procs.values())
     assert procs["n1"].returncode == 0 and procs["n2"].returncode == 0

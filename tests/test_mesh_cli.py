@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ import yaml
 from meshllm.defaults import FAILURE_TIMEOUT_S
 from meshllm.mesh.node import query_status
 from meshllm.mesh.sockets import endpoint, free_port_pair
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -82,13 +82,6 @@ class Mesh:
             proc.wait(timeout=30)
 
 
-def wait_for(pred: Callable[[], bool], timeout_s: float, every_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(every_s)
-    return pred()
 
 
 @pytest.fixture

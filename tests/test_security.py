@@ -12,10 +12,9 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,7 @@ from meshllm.mesh.node import Node, query_status
 from meshllm.mesh.protocol import MsgType, encode, make
 from meshllm.mesh.sockets import client_socket, endpoint, free_port_pair
 from meshllm.mesh.transport import TOPIC_MESH, RateLimit, RateLimiter, Transport, topic
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, wait_for
 
 DEVICE = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}
 DEV = device_from_mapping("inline", DEVICE, "test")
@@ -42,13 +41,6 @@ def addr() -> str:
     return f"127.0.0.1:{free_port_pair()}"
 
 
-def wait_for(pred: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 class Keyring:

@@ -20,6 +20,7 @@ from meshllm.mesh.node import Node, query_status
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.mesh.sockets import RemoteError, endpoint, free_port_pair
 from meshllm.mesh.transport import LinkShaper, Transport, Worker, topic
+from tests.conftest import wait_for
 
 DEV = device_from_mapping("inline", {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50,
                                      "network_mbps": 1000}, "test")
@@ -42,13 +43,6 @@ def pair() -> Iterator[tuple[Transport, Transport, str]]:
     b.close()
 
 
-def wait_for(pred, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 def test_request_reply(pair) -> None:

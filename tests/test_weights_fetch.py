@@ -33,7 +33,7 @@ from meshllm.mesh.sockets import free_port_pair
 from meshllm.mesh.transport import LinkShaper, Transport
 from meshllm.roles import weights_fetch as wf
 from meshllm.roles.weights_fetch import FlowControl, MeshWeights
-from tests.conftest import REPO, write_gguf_model
+from tests.conftest import REPO, stop_processes, write_gguf_model
 
 DEVICE = {"name": "box", "memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 60, "network_mbps": 1000}
 QTYPES = {"attn_q": "Q8_0", "attn_k": "Q4_0", "ffn_": "Q8_0", "token_embd": "Q8_0"}
@@ -392,12 +392,4 @@ def test_a_node_without_the_file_serves_its_stage_and_resumes_after_a_kill(tmp_p
         ok, why = same_up_to_tie(res["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, body["prompt"], 10))
         assert ok, why
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_processes(procs.values())
