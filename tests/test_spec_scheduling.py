@@ -68,12 +68,17 @@ def test_the_last_block_counts_only_the_drafts_the_output_reaches():
     assert leader._kept(s, [9, 9, 9, 9, 9]) == 2  # max_tokens: 2 more
     assert leader._kept(seq(2, [], 10, frozenset({4})), [9, 4, 9]) == 2  # the stop token ends it
     assert leader._kept(seq(3, [], 10), [9, 9]) == 2
+    # mid-request: every draft counts, accepted or not (2 of 4 accepted, then the target's token)
+    assert leader._block_counts(seq(4, [7], 20), 4, [9, 9, 5]) == (4, 2)
+    assert leader._block_counts(seq(5, [7], 20), 4, [5]) == (4, 0)
+    # the request ends inside the block: 4 drafts all accepted, the output reaches 2 of them
+    assert leader._block_counts(s, 4, [9, 9, 9, 9, 9]) == (2, 2)
+    # ... or ends at the target's own token after 1 accepted draft: 2 drafts reached, 1 accepted
+    assert leader._block_counts(seq(6, [7, 7], 4), 4, [9, 5]) == (2, 1)
     v = Verifier.__new__(Verifier)
     v.stats, v.verify_ms = AcceptanceStats(), None
-    # a block of 4 drafts, all accepted, of which the output reaches 2: 2 drafted, 2 accepted
     block = Block(0, 3, s.hash, [9, 9, 9, 9], None, None, 0.0)
-    kept = leader._kept(s, [9, 9, 9, 9, 9])
-    v.record(s, block, min(len(block.tokens), kept), min(4, kept), 0.01)
+    v.record(s, block, *leader._block_counts(s, len(block.tokens), [9, 9, 9, 9, 9]), 0.01)
     assert (s.spec.drafted, s.spec.accepted, s.spec.blocks) == (2, 2, 1)
     assert (v.stats.drafted, v.stats.accepted) == (2, 2)
 

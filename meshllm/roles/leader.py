@@ -240,9 +240,8 @@ class Leader:
             else:
                 tokens = tokens[:1]
             block = fl.blocks.get(s.id)
-            if block is not None:  # before the last TOKENS reports it; drafts past the end do not count
-                kept = self._kept(s, tokens)
-                self.verifier.record(s, block, min(len(block.tokens), kept), min(len(tokens) - 1, kept), took)
+            if block is not None:  # before the last TOKENS reports it
+                self.verifier.record(s, block, *self._block_counts(s, len(block.tokens), tokens), took)
             n0 = len(s.out)
             finished = self.emit(s, tokens)
             if s.drafter and self.verifier:
@@ -289,6 +288,16 @@ class Leader:
             if self._finish_reason(s, t, i + 1) is not None:
                 return i + 1
         return len(tokens)
+
+    def _block_counts(self, s: Seq, drafted: int, tokens: list[int]) -> tuple[int, int]:
+        """(drafts counted, drafts accepted) of a verified block of `drafted` drafts that committed
+        `tokens` (the accepted drafts, then the target's own token). When the request ends inside
+        the block, drafts past its last kept token are not counted: the output never reaches them."""
+        kept = self._kept(s, tokens)
+        accepted = len(tokens) - 1
+        if kept and self._finish_reason(s, tokens[kept - 1], kept) is not None:
+            return min(drafted, kept), min(accepted, kept)
+        return drafted, accepted
 
     def _tokens(self, s: Seq, tokens: list[int], finished: str | None) -> None:
         extra = {"spec": s.spec.to_json()} if finished is not None and s.spec.blocks else {}
