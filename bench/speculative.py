@@ -47,7 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from meshllm.config import parse_cluster, resolve_args  # noqa: E402
 from meshllm.device import load_device  # noqa: E402
 from meshllm.emulate import EmulatedCluster, http_json  # noqa: E402
-from meshllm.engine.speculative import choose_gamma, expected_tokens, pipelined_block_s  # noqa: E402
+from meshllm.engine.speculative import (  # noqa: E402
+    choose_gamma,
+    expected_tokens,
+    pipelined_block_s,
+    sync_block_s,
+)
 from meshllm.partition.cost import model_costs, stage_batch_s  # noqa: E402
 from meshllm.roles.drafter import MAX_OUTSTANDING  # noqa: E402
 from meshllm.workload import Job, Outcome, run_jobs  # noqa: E402
@@ -303,11 +308,19 @@ def async_epoch(alpha: float, gamma: int, t_draft: float, t_verify: float, rtt: 
 
 
 def model_async_s(alpha: float, gammas: dict[int, int], t_draft: float, t_verify: float, rtt: float,
-                  hit: float | None = None) -> float:
+                  hit: float | None = None, adaptive: bool = False) -> float:
     """Async drafting, seconds per token; `gammas`: blocks per draft length (adaptive gamma), each
-    length modelled as above and mixed by its share of the blocks; `hit`: measured h (one length)."""
+    length modelled as above and mixed by its share of the blocks; `hit`: measured h (one length).
+    `adaptive`: a length's blocks are pipelined only where the drafter's own rule says the
+    look-ahead pays (engine/speculative.py choose_drafting: it sees the verification inside its
+    measured round trip), else drafted as a synchronous session would."""
     n = sum(gammas.values())
-    per = {g: async_epoch(alpha, g, t_draft, t_verify, rtt, hit if len(gammas) == 1 else None) for g in gammas}
+    per = {}
+    for g in gammas:
+        pipe = not adaptive or (pipelined_block_s(alpha, g, t_draft, 0.0, rtt + t_verify)
+                                < sync_block_s(g, t_draft, 0.0, rtt + t_verify))
+        per[g] = (async_epoch(alpha, g, t_draft, t_verify, rtt, hit if len(gammas) == 1 else None) if pipe
+                  else (sync_block_s(g, t_draft, t_verify, rtt), expected_tokens(alpha, g)))
     return sum(gammas[g] / n * per[g][0] for g in gammas) / sum(gammas[g] / n * per[g][1] for g in gammas)
 
 
@@ -465,7 +478,7 @@ def fill_models(res: dict, pred: dict) -> None:
             else:
                 gh = {int(g): int(n) for g, n in r.spec["gamma_histogram"].items()}
                 hit = full_share(r.spec) * r.alpha if len(gh) == 1 else None
-                r.model_ms = 1000 * model_async_s(r.alpha, gh, td, r.t_verify_s, rtt, hit)
+                r.model_ms = 1000 * model_async_s(r.alpha, gh, td, r.t_verify_s, rtt, hit, mode == "async+adaptive")
 
 
 # -- (b) capacity ---------------------------------------------------------------------------------------
@@ -788,6 +801,9 @@ def main() -> None:
     ap.add_argument("--rtt-capacity", type=float, default=20.0, help="edge<->fog RTT (ms) of (b) and (c)")
     ap.add_argument("--parallel", type=int, default=3, help="(a) meshes per wave (they start, then measure, together)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--from-json", default=None, metavar="A.json[,B.json]",
+                    help="measure nothing: report (and plot) the runs saved in these files, later ones "
+                         "replacing earlier ones part by part (e.g. a full run, then a rerun of --parts a)")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     out = Path(a.out)
@@ -802,10 +818,12 @@ def main() -> None:
     star = {"modes": ("async", "sync"), "sessions": (1, 4) if a.quick else STAR_SESSIONS, "tokens": 16 if a.quick else 20}
     tenants = (1, 4) if a.quick else TENANTS
     results: dict = {}
-    if "engine" in parts:
+    if a.from_json:
+        results, parts = saved_results(a.from_json.split(","))
+    if "engine" in parts and not a.from_json:
         log("(engine) verification cost and draft acceptance, in process")
         results["engine"] = bench_engine(5 if a.quick else 15, 2 if a.quick else 8, 16 if a.quick else 64)
-    if "a" in parts or "c" in parts:
+    if ("a" in parts or "c" in parts) and not a.from_json:
         star_rtt = a.rtt_capacity if a.rtt_capacity in rtts else rtts[0]
         todo = sorted(rtts if "a" in parts else (star_rtt,), key=lambda r: (r != star_rtt, -r))
         done = {}
@@ -817,7 +835,7 @@ def main() -> None:
                                        star if ("c" in parts and r == star_rtt) else None, log, barrier) for r in wave}
                 done.update({r: f.result() for r, f in futs.items()})
         results["itl"] = [done[r] for r in sorted(done)]
-    if "b" in parts:
+    if "b" in parts and not a.from_json:
         # one block per forward takes N x tokens / E forwards: fewer tokens per tenant as N grows
         tokens = {"batched": lambda n: 12 if a.quick else 20, "plain": lambda n: 12 if a.quick else 16,
                   "one": lambda n: 12 if a.quick else {1: 20, 2: 20, 4: 16, 8: 12}.get(n, 8)}
@@ -826,7 +844,8 @@ def main() -> None:
     text = io.StringIO()
     with redirect_stdout(text):
         print(f"bench/speculative.py{' --quick' if a.quick else ''}: SmolLM2-135M, drafters {EDGE} (W4A16 g64), "
-              f"target {FOG} (fp32); wall {time.monotonic() - t_start:.0f} s on this host")
+              f"target {FOG} (fp32); " + (f"re-reported from {a.from_json}" if a.from_json
+                                          else f"wall {time.monotonic() - t_start:.0f} s on this host"))
         if "engine" in results:
             report_engine(results["engine"])
         if "itl" in results:
@@ -847,6 +866,37 @@ def main() -> None:
     print(text.getvalue(), end="")
     (out / "speculative.txt").write_text(text.getvalue())
     (out / "speculative.json").write_text(json.dumps(results, default=lambda o: o.__dict__, indent=1))
+
+
+def saved_results(paths: list[str]) -> tuple[dict, set[str]]:
+    """The results of earlier runs (their speculative.json), merged part by part: a later file's
+    engine / ITL / capacity figures replace an earlier one's; (c), measured on (a)'s RTT-20 mesh,
+    is kept from whichever file has it."""
+    results: dict = {}
+    star = None
+    def int_keys(v):  # JSON made the integer keys (gamma, N) strings
+        if isinstance(v, dict):
+            return {(int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k): int_keys(x) for k, x in v.items()}
+        return [int_keys(x) for x in v] if isinstance(v, list) else v
+
+    for path in paths:
+        got = json.loads(Path(path).read_text())
+        for key in ("engine", "capacity"):
+            if key in got:
+                got[key] = int_keys(got[key])
+        for res in got.get("itl", []):
+            res["runs"] = {mode: [ModeRun(**r) for r in runs] for mode, runs in res["runs"].items()}
+            if "starsd" in res:
+                res["starsd"] = int_keys(res["starsd"])
+                star = res
+        results.update(got)
+    if star is not None and not any("starsd" in r for r in results.get("itl", [])):
+        for res in results["itl"]:
+            if res["rtt_ms"] == star["rtt_ms"]:
+                res["starsd"] = star["starsd"]
+    parts = {"engine"} & set(results) | ({"a", "c"} if "itl" in results else set()) | (
+        {"b"} if "capacity" in results else set())
+    return results, parts
 
 
 if __name__ == "__main__":
