@@ -214,3 +214,31 @@ def test_device_slower_means_longer(demo):
     r_slow = SimReplica(0, "mixed", (Member("a", slow, "fog"),), (30,), inp)
     assert r_slow.prefill_s(100)[1] > r_fast.prefill_s(100)[1]
     assert r_slow.decode_iter_s(4, 100) > r_fast.decode_iter_s(4, 100)
+
+
+def test_judge_offers_the_baselines_own_groupings():
+    """The judge's candidates include mixed-dp's and tuned Splitwise's replicas exactly as the
+    baselines build them, so the plan can always be what the best of those operators runs."""
+    from meshllm.partition.plan import planner_evaluator
+    from meshllm.sim.judge import operator_groupings
+    from meshllm.sim.replica import from_grouping
+
+    inp = plan_inputs(load_cluster(REPO / "clusters" / "bench-edge-8b.yaml"))
+    got = [from_grouping(inp, g) for g in operator_groupings(inp, planner_evaluator(inp))]
+    want = [mixed_dp(inp).replicas, splitwise(inp).replicas]
+
+    def shape(reps):
+        return [(r.role, tuple(m.id for m in r.members), tuple(r.counts)) for r in reps]
+    assert [shape(r) for r in got] == [shape(r) for r in want]
+
+
+def test_judged_plan_sustains_at_least_the_best_baseline():
+    """On bench-edge-8b a short judge run once picked a grouping that saturated 13% below
+    mixed-dp on this trace (15.9 vs 18.3 req/s at 2000 requests); the plan's saturation on the
+    same trace and sweep as the baselines' must be at least theirs."""
+    from meshllm.sim.sweep import meshllm_policy, saturation_rate
+
+    inp = plan_inputs(load_cluster(REPO / "clusters" / "bench-edge-8b.yaml"))
+    mine = saturation_rate(meshllm_policy(inp, inp.rate_per_s, 0).replicas, inp, 0)
+    for build in (mixed_dp, splitwise):
+        assert mine >= saturation_rate(build(inp).replicas, inp, 0) * (1 - 1e-9), build.__name__

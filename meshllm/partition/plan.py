@@ -181,14 +181,15 @@ def planner_evaluator(inp: PlanInputs) -> Evaluator:
     return Evaluator(inp.mc, inp.members, inp.net, inp.mix, inp.forced, (inp.input_tokens.cs2, inp.output_tokens.cs2))
 
 
-Judge = Callable[[PlanInputs, Sequence[Grouping], float, Sequence[int]], int]
+Judge = Callable[[PlanInputs, Sequence[Grouping], float, Sequence[int]], Grouping]
 
 
 def plan_cluster(inp: PlanInputs, seed: int = 0, log: bool = True, judge: Judge | None = None) -> Plan:
     """The planner (GA + DP + roles), for the workload's rate (`inp.rate_per_s`; 0: none given).
-    `judge(inp, candidates, rate, standard) -> index` picks among the search's candidates (the
-    simulator's `sim.judge.simulated_judge` runs each through the simulator; `standard`: the
-    candidates an operator would run, whose saturation the pick must match); without one, the
+    `judge(inp, candidates, rate, standard) -> grouping` picks among the search's candidates and
+    any it adds (the simulator's `sim.judge.simulated_judge` runs each through the simulator and
+    adds the baselines' own groupings; `standard`: the candidates an operator would run, whose
+    saturation the pick must match); without one, the
     latency phase's pick stands. Raises PlanInfeasible when no replica can be formed."""
     t0 = time.perf_counter()
     ev = planner_evaluator(inp)
@@ -196,8 +197,8 @@ def plan_cluster(inp: PlanInputs, seed: int = 0, log: bool = True, judge: Judge 
     grouping = found.best
     if not grouping.groups or grouping.fitness <= 0:
         raise PlanInfeasible(f"{inp.source}: cannot serve {inp.args.name}: {infeasible_reason(inp)}")
-    if judge is not None and len(found.candidates) > 1:
-        grouping = found.candidates[judge(inp, found.candidates, found.rate, found.standard)]
+    if judge is not None:
+        grouping = judge(inp, found.candidates, found.rate, found.standard)
     return plan_from_grouping(inp, grouping, t0, ev)
 
 
