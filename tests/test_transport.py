@@ -18,7 +18,7 @@ from meshllm.device import device_from_mapping
 from meshllm.mesh.membership import PeerState
 from meshllm.mesh.node import Node, query_status
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
-from meshllm.mesh.sockets import RemoteError, endpoint, free_port_pair
+from meshllm.mesh.sockets import RemoteError, _ephemeral_start, endpoint, free_port_pair
 from meshllm.mesh.transport import LinkShaper, Transport, Worker, topic
 from tests.conftest import wait_for
 
@@ -233,3 +233,12 @@ def test_heartbeats_survive_a_busy_compute_thread() -> None:
         for n in (b, a):
             if not n.stopped.is_set():
                 n.stop()
+
+
+def test_free_port_pairs_are_distinct_and_outside_the_ephemeral_range() -> None:
+    """An emulated mesh takes one pair per node before any node binds: no two pairs may overlap,
+    and no outgoing connection (local port from the ephemeral range) may take one meanwhile."""
+    ports = [free_port_pair() for _ in range(200)]
+    taken = [p for port in ports for p in (port, port + 1)]
+    assert len(set(taken)) == len(taken)
+    assert all(p + 1 < _ephemeral_start() for p in ports)

@@ -10,6 +10,7 @@ a compute thread can make blocking requests without going through the I/O thread
 from __future__ import annotations
 
 import itertools
+import random
 import socket
 import threading
 import time
@@ -30,18 +31,46 @@ def endpoint(address: str, offset: int = 0) -> str:
     return f"tcp://{host}:{int(port) + offset}"
 
 
-def free_port_pair(host: str = "127.0.0.1", tries: int = 50) -> int:
-    """A port P such that P and P+1 are free on `host` now (ROUTER and PUB of one node)."""
+LISTEN_PORTS_FROM = 10000  # free_port_pair picks from here up to the kernel's ephemeral range
+_handed_out: set[int] = set()  # ports free_port_pair already gave out in this process
+_ports_lock = threading.Lock()
+
+
+def _ephemeral_start() -> int:
+    """The first port the kernel gives outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_pair(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A port P such that P and P+1 are free on `host` now (ROUTER and PUB of one node).
+
+    Chosen below the kernel's ephemeral range, so no outgoing connection (whose local port the
+    kernel picks from that range) can take P between now and the node binding it, and never
+    handed out twice by this process (an emulated mesh asks for one pair per node at once)."""
+    hi = _ephemeral_start() - 2
+    rng = random.SystemRandom()
     for _ in range(tries):
         with socket.socket() as a, socket.socket() as b:
-            a.bind((host, 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
             try:
+                if hi > LISTEN_PORTS_FROM + 1000:
+                    port = rng.randrange(LISTEN_PORTS_FROM, hi)
+                    a.bind((host, port))
+                else:  # no room below the ephemeral range: let the kernel choose
+                    a.bind((host, 0))
+                    port = a.getsockname()[1]
+                    if port >= 65535:
+                        continue
                 b.bind((host, port + 1))
             except OSError:
                 continue
+            with _ports_lock:
+                if {port, port + 1} & _handed_out:
+                    continue
+                _handed_out.update((port, port + 1))
             return port
     raise RuntimeError(f"no two adjacent free ports on {host} after {tries} tries")
 
