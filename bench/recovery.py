@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from meshllm.engine.generate import GenerationOptions, generate  # noqa: E402
+from meshllm.engine.sampling import same_up_to_tie  # noqa: E402
 from meshllm.engine.tokenizer import load_tokenizer  # noqa: E402
 from meshllm.engine.weights import load_transformer, resolve_model  # noqa: E402
 
@@ -35,9 +36,6 @@ MAX_TOKENS = 32
 GOAL_S = 5.0
 RUN_TIMEOUT_S = 900
 VICTIMS = {"decode stage": "fog-2", "coordinator": "edge-1", "prefill/decode node": "fog-4", "drafter": "edge-2"}
-
-
-TIE = 1e-3  # BRIEF: a first divergence where the reference's margin is below this is a numerical tie
 
 
 class Reference:
@@ -53,11 +51,7 @@ class Reference:
         if prompt not in self.cache:
             r = generate(self.model, self.tok.encode(prompt), GenerationOptions(MAX_TOKENS), self.tok.eos_ids)
             self.cache[prompt] = (r.token_ids, r.margins)
-        want, margins = self.cache[prompt]
-        for i, (a, b) in enumerate(zip(got, want)):
-            if a != b:
-                return margins[i] < TIE
-        return len(got) == len(want)
+        return same_up_to_tie(got, *self.cache[prompt])[0]
 
 
 def run(faults: list[str]) -> dict:

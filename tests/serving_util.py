@@ -15,10 +15,10 @@ from pathlib import Path
 
 import yaml
 
+from meshllm.engine import sampling
 from tests.conftest import REPO
 
 SERVE_TIMEOUT_S = 300  # node processes import torch and load layers on a 2-core machine
-TIE = 1e-3  # BRIEF: a first divergence where the reference's margin is below this is a numerical tie
 
 
 def small_device(name: str, memory_gb: float, tflops: float = 1.0, gbps: float = 60.0) -> dict:
@@ -97,13 +97,5 @@ def reference(model, tokenizer, prompt: str, max_tokens: int, chat: bool = False
 
 
 def same_up_to_tie(got: list[int], ref: dict) -> tuple[bool, str]:
-    """BRIEF's identity rule: equal token lists, or equal up to a first divergence at a numerical tie
-    (the reference's margin there < TIE), reported."""
-    want = ref["token_ids"]
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            m = ref["margins"][i]
-            return m < TIE, f"diverged at {i} (margin {m:.2e}): {a} vs {b}"
-    if len(got) != len(want):
-        return False, f"lengths differ: {len(got)} vs {len(want)}"
-    return True, "identical"
+    """BRIEF's identity rule against a `reference` result (engine/sampling.py same_up_to_tie)."""
+    return sampling.same_up_to_tie(got, ref["token_ids"], ref["margins"])
