@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from meshllm.engine.sampling import SamplingParams, margins, probs, sample, verify_greedy, verify_sampled
+from meshllm.engine.sampling import (
+    SamplingParams,
+    greedy_tokens,
+    margins,
+    probs,
+    sample,
+    verify_greedy,
+    verify_sampled,
+)
 
 
 def test_greedy_and_margins():
     lg = torch.tensor([[1.0, 3.0, 2.5], [0.0, -1.0, 4.0]])
     assert sample(lg, SamplingParams()).tolist() == [1, 2]
     torch.testing.assert_close(margins(lg), torch.tensor([0.5, 4.0]))
+
+
+def test_greedy_tokens_from_one_top2_pass_equal_argmax_and_margins():
+    g = torch.Generator().manual_seed(0)
+    lg = torch.randn(64, 49152, generator=g)
+    lg[3, 7] = lg[3, 11] = lg[3].max() + 1  # an exact tie: argmax's lowest id, margin 0
+    toks, marg = greedy_tokens(lg)
+    assert toks == lg.argmax(-1).tolist() and toks[3] == 7 and marg[3] == 0.0
+    assert marg == margins(lg).tolist()
+    bad = torch.zeros(3, 10)
+    bad[0, 4], bad[1, 2], bad[2, 5] = float("nan"), float("inf"), float("-inf")
+    _, m = greedy_tokens(bad)
+    assert not math.isfinite(m[0]) and not math.isfinite(m[1]), "NaN or +inf at the top shows in the margin"
+    assert m[2] == 0.0, "a -inf that is not at the top changes nothing"
 
 
 def test_seeded_sampling_is_deterministic_and_respects_top_k_top_p():

@@ -112,12 +112,26 @@ def verify_sampled(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs:
     return g, int(torch.multinomial(target_probs[g], 1, generator=gen))
 
 
+def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """(R, V) logits -> (argmax, margin) per row, from one top-2 pass (this sits on the critical
+    path of every decode step). Where the top two are equal (a tie) or the row is not finite, the
+    token is argmax's, so ties still go to the lowest id. A margin that is not finite means a row
+    with NaN or infinity at its top."""
+    values, ids = logits.float().topk(2, dim=-1)
+    marg = (values[:, 0] - values[:, 1]).tolist()
+    toks = ids[:, 0].tolist()
+    for r, m in enumerate(marg):
+        if not m > 0:
+            toks[r] = int(logits[r].argmax())
+    return toks, marg
+
+
 def choose_tokens(logits: torch.Tensor, p: SamplingParams, seed: int, first_index: int) -> tuple[list[int], list[float]]:
     """(R, V) logits of consecutive output positions -> (tokens, margins); row i is output token
     `first_index + i`, sampled with its own generator. The one sampling path of the reference and
     of every last stage of the mesh."""
-    marg = margins(logits).tolist()
     if p.greedy:
-        return logits.argmax(-1).tolist(), marg
+        return greedy_tokens(logits)
+    marg = margins(logits).tolist()
     toks = [int(sample(logits[i:i + 1], p, token_generator(seed, first_index + i))[0]) for i in range(logits.shape[0])]
     return toks, marg

@@ -19,13 +19,14 @@ keeps serving). Compute time is stretched by the Pacer to the device profile's p
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
 
 from meshllm.engine.model import SeqSpan, Transformer
-from meshllm.engine.sampling import SamplingParams, choose_tokens
+from meshllm.engine.sampling import SamplingParams, choose_tokens, greedy_tokens
 from meshllm.engine.speculative import verify_block
 from meshllm.mesh.protocol import (
     Message,
@@ -67,8 +68,12 @@ def results_of(logits: torch.Tensor, spans: Sequence[WireSpan], verify: dict[int
     out, r = [], 0
     for i, s in enumerate(spans):
         n = 0 if s.kind is SpanKind.PREFILL else (s.n if s.kind is SpanKind.VERIFY else 1)
-        if n and i not in skip and bool(torch.isfinite(logits[r:r + n]).all()):  # else: that sequence fails
-            params = SamplingParams(s.temperature, s.top_k, s.top_p)
+        params = SamplingParams(s.temperature, s.top_k, s.top_p)
+        if n and i not in skip and params.greedy and s.kind is not SpanKind.VERIFY:
+            toks, marg = greedy_tokens(logits[r:r + n])
+            if all(math.isfinite(m) for m in marg):  # NaN or infinity at a row's top: that sequence fails
+                out.append([s.seq, toks, [round(m, 6) for m in marg]])
+        elif n and i not in skip and bool(torch.isfinite(logits[r:r + n]).all()):  # else: that sequence fails
             if s.kind is SpanKind.VERIFY:
                 draft, q_ids, q_p = (verify or {}).get(s.seq, (None, None, None))
                 if draft is None or len(draft) != n - 1:
