@@ -19,7 +19,7 @@ from meshllm.mesh.membership import PeerState
 from meshllm.mesh.node import Node, query_status
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.mesh.sockets import RemoteError, _ephemeral_start, endpoint, free_port_pair
-from meshllm.mesh.transport import LinkShaper, Transport, Worker, topic
+from meshllm.mesh.transport import LinkShaper, RateLimit, Transport, Worker, topic
 from tests.conftest import wait_for
 
 DEV = device_from_mapping("inline", {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50,
@@ -105,6 +105,44 @@ def test_worker_handlers_run_off_the_io_thread_in_order(pair) -> None:
     assert wait_for(lambda: len(seen) == 20)
     worker.close()
     assert [i for i, _ in seen] == list(range(20)) and {t for _, t in seen} == {"compute-b"}
+
+
+def test_a_compute_thread_send_to_this_node_itself_skips_the_sockets() -> None:
+    """A leader's tokens for the gateway beside it: delivered as a decoded copy, on the handler's
+    own thread, in order, without touching a socket (the rate limit of 0 drops whatever arrives
+    through one)."""
+    me = addr()
+    t = Transport("a", "z", me, rate=RateLimit(messages_per_s=0, burst=0))
+    t.local_address = me
+    worker = Worker("compute-a").start()
+    seen: list[tuple[int, str]] = []
+    control: list[str] = []
+    got: list[Message] = []
+    t.on(MsgType.TOKENS, lambda m, reply: (got.append(m), seen.append((m["index"], threading.current_thread().name))),
+         worker)
+    t.on(MsgType.CAPACITY, lambda m, reply: control.append(threading.current_thread().name))
+    t.start()
+    sent: list[Message] = []
+
+    def compute() -> None:
+        for i in range(10):
+            sent.append(make(MsgType.TOKENS, seq=1, token_ids=[i], index=i, finished=False, finish_reason=None))
+            t.send(me, sent[-1])
+        t.send(me, make(MsgType.CAPACITY, node="a", replica=1, free_slots=3, queue=0, plan_version=1))
+
+    try:
+        th = threading.Thread(target=compute, name="leader")
+        th.start()
+        th.join()
+        assert wait_for(lambda: len(seen) == 10 and len(control) == 1)
+        assert [i for i, _ in seen] == list(range(10)) and {n for _, n in seen} == {"compute-a"}
+        assert all(g is not m and g.src == "a" for g, m in zip(got, sent)), "the handler gets its own copy"
+        assert control == ["mesh-io-a"], "a control-plane handler still runs on the I/O thread"
+        assert t.limiter.dropped == 0, "nothing went through a socket"
+    finally:
+        worker.close()
+        t.close_thread_sockets()
+        t.close()
 
 
 def test_worker_step_runs_when_the_queue_is_empty() -> None:

@@ -56,6 +56,7 @@ class Node:
         keys = NodeKeys.load(cfg.id, cfg.node_key, cfg.authorized_keys, cfg.source) if cfg.node_key else None
         self.transport = Transport(cfg.id, cfg.zone, cfg.listen, LinkShaper(cfg.zone, cfg.links, cfg.time_scale),
                                    keys=keys, rate=cfg.rate_limit)
+        self.transport.local_address = cfg.advertise_address
         for address, seed_id in cfg.seed_ids:  # CURVE: a seed's key is its id's in the authorized keys
             self.transport.pin(seed_id, address, first_hand=True)
         self.host = RoleHost(self.transport, cfg, self.members)

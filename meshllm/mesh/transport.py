@@ -380,6 +380,7 @@ class Transport:
     def __init__(self, node_id: str, zone: str, listen: str, shaper: LinkShaper | None = None,
                  ctx: zmq.Context | None = None, keys: NodeKeys | None = None, rate: RateLimit = RateLimit()):
         self.node_id, self.zone, self.keys = node_id, zone, keys
+        self.local_address: str | None = None  # the address peers reach this node at (send() to it stays local)
         self.shaper = shaper or LinkShaper(zone)
         self.ctx = ctx or zmq.Context.instance()
         self.dropped = 0  # malformed messages dropped
@@ -473,11 +474,28 @@ class Transport:
     def send(self, address: str, msg: Message) -> None:
         """Fire-and-forget to a peer's ROUTER. From the I/O thread it goes out on the control DEALER
         (replies reach this node's handlers); from any other thread on that thread's own DEALER,
-        blocking while the peer's queue is full (at most SEND_TIMEOUT_S, then TimeoutError)."""
+        blocking while the peer's queue is full (at most SEND_TIMEOUT_S, then TimeoutError). A
+        message a compute thread sends to this node itself (`local_address`, e.g. a leader's tokens
+        to the gateway beside it) skips the sockets: see `_deliver_local`."""
         if self.loop.in_loop() or not self.loop.thread.is_alive():
             self.loop.call_soon(lambda: self._send(self._dealer(address), msg))
+        elif address == self.local_address:
+            self._deliver_local(msg)
         else:
             self.client.send(address, msg)
+
+    def _deliver_local(self, msg: Message) -> None:
+        """Hand a message to this node's own handler as if it had arrived: encoded and decoded again
+        (the handler gets its own copy, checked as any message is), no socket, no I/O-thread wake-up
+        for a data-plane handler. Such sends are never answered, as with any `send`."""
+        self._stamp(msg)
+        copy = self._decode([bytes(f) for f in encode(msg)])
+        if copy is None:
+            return
+        if self._handlers.get(copy.type, (None, None))[1] is None:
+            self.loop.call_soon(lambda: self._dispatch(copy, None))  # control plane: the I/O thread
+        else:
+            self._dispatch(copy, None)  # enqueued on its worker from this thread
 
     def request(self, address: str, msg: Message, timeout_s: float) -> Message:
         """Blocking request/reply from a non-I/O thread. Raises TimeoutError, or RemoteError when
