@@ -119,6 +119,7 @@ class Leader:
         # monotonic clock: meaningful in emulation and benchmarks)
         self.handoffs: deque[tuple[float, float]] = deque(maxlen=64)
         self.verifier: Verifier | None = None  # decode and mixed replicas (roles/host.py sets it)
+        self._outbox: list[tuple[str, Message]] = []  # TOKENS for the gateways, sent by `flush`
 
     # -- admission ------------------------------------------------------------------------------
     def admit(self, s: Seq) -> None:
@@ -130,15 +131,26 @@ class Leader:
 
     # -- the scheduler --------------------------------------------------------------------------
     def step(self) -> bool:
-        """Launch the next micro-batch if the pipeline has room; True if one was launched."""
-        self._expire()
-        if len(self.in_flight) >= self.n_stages:
-            return False
-        fl, ids = self._build()
-        if not fl.spans:
-            return False
-        self._launch(fl, ids)
-        return True
+        """Launch the next micro-batch if the pipeline has room; True if one was launched. Then send
+        the tokens the last results produced (`flush`): streaming them to a gateway in this process
+        before the launch would delay the launch by the gateway's work."""
+        try:
+            self._expire()
+            if len(self.in_flight) >= self.n_stages:
+                return False
+            fl, ids = self._build()
+            if not fl.spans:
+                return False
+            self._launch(fl, ids)
+            return True
+        finally:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the TOKENS messages waiting for their gateways, in order."""
+        out, self._outbox = self._outbox, []
+        for address, m in out:
+            self._send(address, m)
 
     def next_wake_s(self) -> float | None:
         """Seconds until the scheduler must look again without any message (a drafter's deadline)."""
@@ -305,7 +317,7 @@ class Leader:
                  finished=finished is not None, finish_reason=finished, queue_ms=round(1000 * s.queued_s, 3),
                  **extra)
         s.queued_s = 0.0
-        self._send(s.gateway, m)
+        self._outbox.append((s.gateway, m))
 
     # -- ending sequences -----------------------------------------------------------------------
     def drop(self, seq: int) -> None:
@@ -324,8 +336,8 @@ class Leader:
     def fail(self, s: Seq, why: str) -> None:
         log.error("replica %d: sequence %d failed: %s", self.rid, s.id, why)
         self.stats["aborted"] += 1
-        self._send(s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=s.offset + len(s.out), finished=True,
-                                   finish_reason="error", error=why))
+        self._outbox.append((s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=s.offset + len(s.out),
+                                             finished=True, finish_reason="error", error=why)))
         self.drop(s.id)
 
     def abort(self, seq: int) -> None:
@@ -337,6 +349,7 @@ class Leader:
     def fail_all(self, why: str) -> None:
         for s in list(self.seqs.values()):
             self.fail(s, why)
+        self.flush()  # this leader may be replaced before it steps again
 
     def _expire(self) -> None:
         now = time.monotonic()
