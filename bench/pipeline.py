@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -57,11 +58,14 @@ def disagg_cluster() -> dict:
                     {"id": "dec", "device": device(8), "zone": "lab", "roles": ["decode"]}])
 
 
+CPUS = sorted(os.sched_getaffinity(0))  # (a) pins each node process to one of these, round robin
+
+
 class Mesh:
-    def __init__(self, doc: dict):
+    def __init__(self, doc: dict, cpus: list[int] | None = None):
         self.tmp = tempfile.TemporaryDirectory(prefix="meshllm-bench-")
         self.cfg = parse_cluster(doc, "bench")
-        self.em = EmulatedCluster(self.cfg)
+        self.em = EmulatedCluster(self.cfg, cpus=cpus)
 
     def __enter__(self) -> Mesh:
         self.em.__enter__()
@@ -110,6 +114,14 @@ class Reference:
     def tok_s(self, n_tokens: int) -> float:
         from meshllm.engine.generate import decode_one_token, prefill
 
+        mask = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {CPUS[0]})  # on one core, as each pipeline stage is
+        try:
+            return self._tok_s(n_tokens, decode_one_token, prefill)
+        finally:
+            os.sched_setaffinity(0, mask)
+
+    def _tok_s(self, n_tokens: int, decode_one_token, prefill) -> float:
         cache = self.model.new_cache()
         cache.allocate(0, len(self.ids) + n_tokens + 1)
         t = int(prefill(self.model, cache, 0, self.ids).argmax(-1)[0])
@@ -120,7 +132,7 @@ class Reference:
 
 
 def bench_pipeline(n: int, tokens: int, repeats: int, ref: Reference) -> dict:
-    with Mesh(pipeline_cluster(n)) as m:
+    with Mesh(pipeline_cluster(n), cpus=CPUS) as m:
         stages = [len(r["stages"]) for r in m.plan()["replicas"]]
         assert stages == [n], f"expected one {n}-stage replica, got {stages}"
         m.run([Job(COUNT_PROMPT, 8)])  # warm-up

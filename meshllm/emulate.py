@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +102,12 @@ def gateway_node(cfg: ClusterConfig) -> str:
     raise AssertionError("a cluster has at least one node")
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: own process group, and SIGKILL when the emulator dies (Linux)."""
+def _die_with_parent(cpu: int | None = None) -> None:
+    """preexec_fn: own process group, SIGKILL when the emulator dies (Linux), pinned to `cpu` if given
+    (before any thread starts, so every thread of the node inherits it)."""
     os.setsid()
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -113,8 +117,11 @@ def _die_with_parent() -> None:
 class EmulatedCluster:
     """The node processes of one cluster. Use as a context manager; `close()` is idempotent."""
 
-    def __init__(self, cfg: ClusterConfig, workdir: Path | None = None):
+    def __init__(self, cfg: ClusterConfig, workdir: Path | None = None, cpus: list[int] | None = None):
         self.cfg = cfg
+        # cpus: pin node i's process to cpus[i % len(cpus)] (benchmarks: each emulated device keeps
+        # its core, as separate devices would; unpinned, the OS moves processes between cores)
+        self.cpus = cpus
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="meshllm-cluster-"))
         self.addresses: dict[str, str] = {}
@@ -149,7 +156,7 @@ class EmulatedCluster:
         seed = self.target(self.cfg.nodes[0].id) if self.cfg.security.curve else self.addresses[self.cfg.nodes[0].id]
         secure, token_file = self._security_files()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        for spec in self.cfg.nodes:
+        for i, spec in enumerate(self.cfg.nodes):
             path = self.workdir / f"{spec.id}.yaml"
             gw = self.gateway if spec.id == self.gateway_node else None
             nf = node_file(spec, self.cfg, self.addresses[spec.id], seed, gw)
@@ -160,7 +167,8 @@ class EmulatedCluster:
             with open(self.workdir / f"{spec.id}.log", "wb") as logf:
                 self.procs[spec.id] = subprocess.Popen(
                     [sys.executable, str(LAUNCH), "--node-config", str(path)], stdin=subprocess.DEVNULL,
-                    stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=LAUNCH.parent, preexec_fn=_die_with_parent)
+                    stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=LAUNCH.parent,
+                    preexec_fn=_die_with_parent if not self.cpus else partial(_die_with_parent, self.cpus[i % len(self.cpus)]))
         log.info("started %d node processes (logs in %s)", len(self.procs), self.workdir)
 
     def _security_files(self) -> tuple[dict[str, dict], str | None]:

@@ -152,6 +152,22 @@ def test_nodes_die_with_a_killed_emulator(tmp_path: Path) -> None:
     assert gone(kids), [p for p in kids if psutil.pid_exists(p)]
 
 
+def test_node_processes_can_be_pinned_to_cores_round_robin(tmp_path: Path) -> None:
+    """Benchmarks pin each emulated device to a core (bench/pipeline.py): every thread of node i,
+    started later, stays on cpus[i % len(cpus)]."""
+    from meshllm.emulate import EmulatedCluster
+
+    cpus = sorted(os.sched_getaffinity(0))
+    cfg = parse_cluster(yaml.safe_load(cluster_yaml(tmp_path, 3).read_text()), "test")
+    with EmulatedCluster(cfg, cpus=cpus) as em:
+        em.wait_formed()
+        for i, (nid, proc) in enumerate(em.procs.items()):
+            threads = psutil.Process(proc.pid).threads()
+            assert len(threads) > 1
+            for th in threads:
+                assert os.sched_getaffinity(th.id) == {cpus[i % len(cpus)]}, (nid, th.id)
+
+
 def test_a_cluster_run_without_prompts_is_bad_input(tmp_path: Path) -> None:
     r = run_cli("--cluster", str(cluster_yaml(tmp_path, 2, workload={"max_tokens": 3})), "--json", timeout=60)
     assert r.returncode == 2 and "workload.prompts" in r.stderr and r.stdout == ""
