@@ -121,6 +121,42 @@ class Reference:
         finally:
             os.sched_setaffinity(0, mask)
 
+    def idle_slowdown(self, bounds: list[tuple[int, int]], wait_s: float, n_tokens: int) -> float:
+        """The host's share of the pipeline's loss: the same stage split run in this process, each
+        stage's forward right after the previous one vs after an idle wait of `wait_s` (what a
+        stage waits for its turn in an N-stage pipeline, (N-1)/N of a token). Returns the ratio of
+        the forward time summed over stages, waited / back to back (no messages either way)."""
+        import torch
+
+        from meshllm.engine.model import SeqSpan
+        from meshllm.engine.weights import load_transformer
+
+        stages = [load_transformer("smollm2-135m", a, b) for a, b in bounds]
+        mask = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {CPUS[0]})
+        try:
+            per = []
+            for wait in (0.0, wait_s, 0.0, wait_s):
+                caches = [m.new_cache() for m in stages]
+                x = torch.tensor(self.ids)
+                for m, c in zip(stages, caches):
+                    c.allocate(0, len(self.ids) + n_tokens + 1)
+                    x = m(x, [SeqSpan(0, 0, len(self.ids))], c)
+                t, busy = int(x[-1].argmax()), 0.0
+                for _ in range(n_tokens - 1):
+                    x = torch.tensor([t])
+                    for m, c in zip(stages, caches):
+                        if wait:
+                            time.sleep(wait)
+                        t0 = time.perf_counter()
+                        x = m(x, [SeqSpan(0, c.length(0), 1)], c)
+                        busy += time.perf_counter() - t0
+                    t = int(x.argmax(-1)[0])
+                per.append(busy)
+        finally:
+            os.sched_setaffinity(0, mask)
+        return (per[1] + per[3]) / (per[0] + per[2])
+
     def _tok_s(self, n_tokens: int, decode_one_token, prefill) -> float:
         cache = self.model.new_cache()
         cache.allocate(0, len(self.ids) + n_tokens + 1)
@@ -133,15 +169,18 @@ class Reference:
 
 def bench_pipeline(n: int, tokens: int, repeats: int, ref: Reference) -> dict:
     with Mesh(pipeline_cluster(n), cpus=CPUS) as m:
-        stages = [len(r["stages"]) for r in m.plan()["replicas"]]
-        assert stages == [n], f"expected one {n}-stage replica, got {stages}"
+        replicas = m.plan()["replicas"]
+        assert [len(r["stages"]) for r in replicas] == [n], f"expected one {n}-stage replica, got {replicas}"
         m.run([Job(COUNT_PROMPT, 8)])  # warm-up
         pairs = []
         for _ in range(repeats):
             r = ref.tok_s(tokens)
             pairs.append((r, decode_tok_s(m.run([Job(COUNT_PROMPT, tokens)])[0])))
-    return {"stages": n, "reference_tok_s": statistics.median(r for r, _ in pairs),
-            "tok_s": statistics.median(p for _, p in pairs), "ratio": statistics.median(p / r for r, p in pairs)}
+    ref_tok_s = statistics.median(r for r, _ in pairs)
+    bounds = [tuple(st["layers"]) for st in replicas[0]["stages"]]
+    return {"stages": n, "reference_tok_s": ref_tok_s, "tok_s": statistics.median(p for _, p in pairs),
+            "ratio": statistics.median(p / r for r, p in pairs),
+            "idle_slowdown": ref.idle_slowdown(bounds, (n - 1) / n / ref_tok_s, tokens)}
 
 
 def bench_batching(m: Mesh, tokens: int) -> dict:
@@ -188,8 +227,14 @@ def report(r: dict) -> None:
           "on 1 thread (alternating runs; median ratio)")
     for p in r["pipelines"]:
         ratio = p["ratio"]
-        print(f"    {p['stages']}-stage pipeline: {p['tok_s']:.1f} vs {p['reference_tok_s']:.1f} tok/s = {ratio:.2f}x  "
+        print(f"    {p['stages']}-stage pipeline: {p['tok_s']:.1f} vs {p['reference_tok_s']:.1f} tok/s = {ratio:.3f}x  "
               f"(goal >= 0.9x: {'met' if ratio >= 0.9 else 'NOT met'})")
+    for p in r["pipelines"]:
+        if "idle_slowdown" in p:
+            k = p["idle_slowdown"]
+            print(f"    host: in one process, {p['stages']} stage forwards each after the idle wait a pipeline stage "
+                  f"has ({p['stages'] - 1}/{p['stages']} of a token) take {k:.3f}x as long as back to back: no "
+                  f"{p['stages']}-stage pipeline on this host beats {1 / k:.3f}x, however cheap its hops")
     b = r["batching_tok_s"]
     print(f"(b) one decode replica, aggregate output tokens/s: 1 req {b[1]:.1f}")
     for n, goal in ((8, 4), (32, 6)):
