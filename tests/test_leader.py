@@ -63,3 +63,15 @@ def test_a_step_with_nothing_to_launch_still_sends_the_tokens() -> None:
     assert not leader.step()
     toks = [m for _, m in sent if m.type is MsgType.TOKENS]
     assert len(toks) == 1 and toks[0]["token_ids"] == [9] and toks[0]["finished"]
+
+
+def test_tokens_go_out_before_a_launch_that_carries_a_prompt() -> None:
+    """A prompt chunk makes a long step: the tokens ready before it do not wait for it."""
+    leader, sent = two_stage_leader()
+    leader.admit(seq(1))
+    leader.step()
+    leader.on_results(results(1, [[1, [9], [1.0]]]))
+    leader.admit(seq(2))  # its prompt joins the next micro-batch beside seq 1's decode row
+    assert leader.step()
+    assert [m.type for _, m in sent[1:]] == [MsgType.TOKENS, MsgType.ACTIVATIONS]
+    assert sorted(sp[0] for sp in sent[2][1]["spans"]) == [1, 2]

@@ -131,9 +131,11 @@ class Leader:
 
     # -- the scheduler --------------------------------------------------------------------------
     def step(self) -> bool:
-        """Launch the next micro-batch if the pipeline has room; True if one was launched. Then send
-        the tokens the last results produced (`flush`): streaming them to a gateway in this process
-        before the launch would delay the launch by the gateway's work."""
+        """Launch the next micro-batch if the pipeline has room; True if one was launched. The
+        tokens the last results produced (`flush`) go out after a launch of decode or verify rows
+        only (a gateway in this process would otherwise hold up that short step on the critical
+        path of every token), but before a launch that carries prompt rows (a long step: a token
+        must not wait for it)."""
         try:
             self._expire()
             if len(self.in_flight) >= self.n_stages:
@@ -141,6 +143,8 @@ class Leader:
             fl, ids = self._build()
             if not fl.spans:
                 return False
+            if any(sp.kind in (SpanKind.PREFILL, SpanKind.PREFILL_LAST) for sp in fl.spans):
+                self.flush()
             self._launch(fl, ids)
             return True
         finally:
