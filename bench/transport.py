@@ -28,9 +28,10 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshllm.config import LinkSpec  # noqa: E402
+from meshllm.mesh.ingress import LinkShaper  # noqa: E402
 from meshllm.mesh.protocol import Message, MsgType, encode, make  # noqa: E402
 from meshllm.mesh.sockets import endpoint, free_port_pair  # noqa: E402
-from meshllm.mesh.transport import LinkShaper, Transport  # noqa: E402
+from meshllm.mesh.transport import Transport  # noqa: E402
 
 SIZES = {"4 KB": 4 * 1024, "1 MB": 1024 * 1024}
 

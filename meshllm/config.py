@@ -29,8 +29,8 @@ from meshllm.defaults import (
 )
 from meshllm.device import DeviceProfile, load_device
 from meshllm.errors import ConfigError, InputError
+from meshllm.mesh.ingress import RateLimit
 from meshllm.mesh.keys import NodeKeys, read_authorized_keys
-from meshllm.mesh.transport import RateLimit
 from meshllm.partition.inputs import LengthDist, PlanInputs, PlanLink, PlanNode
 
 DISTS = ("fixed", "uniform", "lognormal")

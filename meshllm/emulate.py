@@ -18,7 +18,7 @@ in the run directory, and every node runs CURVE with its own key, seeded as ID@H
 with `api_token: true` the gateway requires a bearer token, which the emulator's client sends.
 
 Emulated links: every node's transport delays messages from another zone by
-rtt/2 + bytes/bandwidth, FIFO per link (see transport.LinkShaper). Emulated
+rtt/2 + bytes/bandwidth, FIFO per link (see ingress.LinkShaper). Emulated
 device speed: every stage's `Pacer` (roles/pacer.py) stretches each measured
 compute step to the time the device profile predicts, times the cluster's time_scale.
 """

@@ -54,16 +54,11 @@ from meshllm.engine.weights import load_transformer
 from meshllm.mesh import protocol as p
 from meshllm.mesh.agent import MeshAgent
 from meshllm.mesh.discovery import Gossip
+from meshllm.mesh.ingress import REJECT_LOG_KEYS, REJECT_LOG_PER_S, REJECT_LOG_TOTAL_PER_S, Rejections
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, decode, encode
 from meshllm.mesh.sockets import endpoint
-from meshllm.mesh.transport import (
-    REJECT_LOG_KEYS,
-    REJECT_LOG_PER_S,
-    REJECT_LOG_TOTAL_PER_S,
-    TOPIC_MESH,
-    Rejections,
-)
+from meshllm.mesh.transport import TOPIC_MESH
 from meshllm.partition.plan import Plan, Replica, Stage
 from meshllm.roles import leader as leader_mod
 from meshllm.roles.context import PlanContext

@@ -16,6 +16,8 @@ PURE = {
     "meshllm.sim.sweep": ("torch", "yaml", "zmq", "meshllm.config", "meshllm.roles"),
     "meshllm.mesh.protocol": ("torch", "yaml", "zmq"),
     "meshllm.mesh.membership": ("torch", "yaml", "zmq"),
+    "meshllm.mesh.ingress": ("torch", "yaml", "zmq"),
+    "meshllm.mesh.loop": ("torch", "yaml", "zmq"),
     "meshllm.engine.model": ("zmq", "yaml", "meshllm.mesh", "meshllm.roles"),
     "meshllm.engine.sampling": ("zmq", "yaml", "meshllm.mesh", "meshllm.roles"),
 }

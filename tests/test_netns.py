@@ -276,7 +276,8 @@ PING_PROBE = r"""
 import json, statistics, sys, time
 from meshllm.config import LinkSpec
 from meshllm.mesh.protocol import MsgType, make
-from meshllm.mesh.transport import LinkShaper, Transport
+from meshllm.mesh.ingress import LinkShaper
+from meshllm.mesh.transport import Transport
 zone, listen, target, links = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 links = tuple(LinkSpec(tuple(ln["zones"]), ln["rtt_ms"], ln["bandwidth_mbps"]) for ln in links)
 t = Transport("probe-" + zone, zone, listen, LinkShaper(zone, links))

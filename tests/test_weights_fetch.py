@@ -27,10 +27,11 @@ from meshllm.engine.sources import gguf_shard_names
 from meshllm.engine.tensor_cache import TensorCache, parse_index
 from meshllm.engine.weights import load_transformer
 from meshllm.errors import ModelFileError
+from meshllm.mesh.ingress import LinkShaper
 from meshllm.mesh.membership import Membership, PeerInfo, PeerState
 from meshllm.mesh.protocol import MsgType, make
 from meshllm.mesh.sockets import free_port_pair
-from meshllm.mesh.transport import LinkShaper, Transport
+from meshllm.mesh.transport import Transport
 from meshllm.roles import weights_fetch as wf
 from meshllm.roles.weights_fetch import FlowControl, MeshWeights
 from tests.conftest import REPO, stop_processes, write_gguf_model

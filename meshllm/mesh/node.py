@@ -24,11 +24,12 @@ from meshllm.config import NodeConfig
 from meshllm.errors import InputError
 from meshllm.mesh.agent import MeshAgent
 from meshllm.mesh.discovery import SERVICE_TYPE, Gossip, MdnsDiscovery
+from meshllm.mesh.ingress import LinkShaper
 from meshllm.mesh.keys import NodeKeys
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
 from meshllm.mesh.sockets import client_socket
-from meshllm.mesh.transport import LinkShaper, Transport
+from meshllm.mesh.transport import Transport
 from meshllm.roles.coordinator import Coordinator
 from meshllm.roles.host import RoleHost
 

@@ -24,9 +24,10 @@ from meshllm.config import NodeConfig, plan_inputs_for_nodes
 from meshllm.defaults import NODE_ROLES, Role
 from meshllm.device import device_from_mapping
 from meshllm.errors import InputError
+from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, PeerInfo, PeerState
 from meshllm.mesh.protocol import MsgType, make
-from meshllm.mesh.transport import Transport, Worker
+from meshllm.mesh.transport import Transport
 from meshllm.partition.inputs import PlanInputs, PlanNode
 from meshllm.partition.plan import Plan, plan_cluster
 

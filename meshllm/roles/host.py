@@ -22,6 +22,7 @@ from typing import Any
 
 from meshllm.config import NodeConfig
 from meshllm.defaults import Role
+from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, PeerState
 from meshllm.mesh.protocol import (
     MAX_PLAN_VERSION,
@@ -32,7 +33,7 @@ from meshllm.mesh.protocol import (
     is_address,
     make,
 )
-from meshllm.mesh.transport import Transport, Worker, topic
+from meshllm.mesh.transport import Transport, topic
 from meshllm.partition.cost import DRAFT_DTYPE
 from meshllm.partition.plan import Plan, PlanError
 from meshllm.roles.context import PlanContext

@@ -74,10 +74,11 @@ from meshllm.engine.tensor_cache import (
     safe_dir_name,
 )
 from meshllm.errors import ModelFileError
+from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, Peer, PeerState
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, TensorBuf, make
 from meshllm.mesh.sockets import RemoteError
-from meshllm.mesh.transport import Transport, Worker
+from meshllm.mesh.transport import Transport
 from meshllm.shapes import ModelArgs
 
 log = logging.getLogger("meshllm.weights")
