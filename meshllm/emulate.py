@@ -286,7 +286,9 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
     plan = plan_cluster(plan_inputs(cfg), seed=0, log=False)  # infeasible -> exit 2 before any spawn
     log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s", len(plan.replicas), len(plan.drafters),
              plan.planner_s)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT explicitly too: a shell script's background job starts with SIGINT ignored, and
+    # Python then leaves it ignored, so `kill -INT` (or the test's Ctrl-C) would not stop the mesh
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         t0 = time.monotonic()
         with EmulatedCluster(cfg) as cluster:
@@ -306,7 +308,8 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
             report["faults"] = injector.done
             return report
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclasses.dataclass(frozen=True)

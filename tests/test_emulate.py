@@ -121,10 +121,12 @@ def test_cluster_reports_the_mesh_and_leaves_no_process(tmp_path: Path) -> None:
     assert gone([n["pid"] for n in nodes])
 
 
-def spawn_cluster(path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """Start `--cluster` and return once its node processes exist (before the mesh forms)."""
+def spawn_cluster(path: Path, ignore_sigint: bool = False) -> tuple[subprocess.Popen, list[int]]:
+    """Start `--cluster` and return once its node processes exist (before the mesh forms). With
+    `ignore_sigint` it starts as a shell script's background job does: SIGINT ignored."""
     proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--cluster", str(path), "--json"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
     deadline = time.monotonic() + 60
     kids: list[int] = []
     while time.monotonic() < deadline and len(kids) < 6 and proc.poll() is None:
@@ -135,9 +137,10 @@ def spawn_cluster(path: Path) -> tuple[subprocess.Popen, list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
-def test_interrupt_tears_everything_down(tmp_path: Path, sig: int, code: int) -> None:
-    proc, kids = spawn_cluster(cluster_yaml(tmp_path, 6))
+@pytest.mark.parametrize("sig, code, ignored", [(signal.SIGINT, 130, False), (signal.SIGTERM, 130, False),
+                                               (signal.SIGINT, 130, True)])
+def test_interrupt_tears_everything_down(tmp_path: Path, sig: int, code: int, ignored: bool) -> None:
+    proc, kids = spawn_cluster(cluster_yaml(tmp_path, 6), ignore_sigint=ignored)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err  # the signal lands long before 6 interpreters have started
