@@ -248,6 +248,17 @@ def test_a_partial_tensor_resumes_where_it_stopped(mesh, model_file, small_chunk
     assert st["refetched"] == 0
 
 
+def cached_bytes(cache_dir) -> int:
+    """Bytes in the cache so far; a `.part` file may be renamed between the listing and its stat."""
+    total = 0
+    for p in cache_dir.glob("*.*"):
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
 def test_a_source_that_dies_mid_fetch_is_replaced_by_another(mesh, model_file, small_chunks, tmp_path):
     link = (LinkSpec(("fog", "edge"), 2.0, 4.0),)  # 4 Mbit/s: the range takes about a second
     mesh.add("a", str(model_file), "fog", link)
@@ -259,7 +270,7 @@ def test_a_source_that_dies_mid_fetch_is_replaced_by_another(mesh, model_file, s
     th = threading.Thread(target=lambda: out.setdefault("src", me.weights.source(0, 4)))
     th.start()
     deadline = time.monotonic() + 30
-    while sum(p.stat().st_size for p in me.weights.cache_dir.glob("*.*")) < 100_000:  # part of the way
+    while cached_bytes(me.weights.cache_dir) < 100_000:  # part of the way
         assert time.monotonic() < deadline and th.is_alive()
         time.sleep(0.01)
     mesh.kill("a")
