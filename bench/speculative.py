@@ -18,7 +18,8 @@ the per-request `meshllm` controls (speculation off/sync/async, adaptive). Print
     beside a model of each mode from the *measured* alpha, T_draft, T_verify and RTT (error <= 15%
     is the goal). Goals: async <= 0.8x sync at 100 ms; moonshot <= 0.6x.
 (b) capacity of one decode replica: aggregate output tokens/s vs tenants N in {1, 2, 4, 8, 16, 32},
-    batched verification vs one block per forward (`max_verify_batch: 1`), goal >= 4x at N = 16;
+    batched verification vs one block per forward (`max_verify_batch: 1`), both at the same draft
+    length (--gamma-capacity, 2 by default: near what adaptive gamma picks here), goal >= 4x at N = 16;
     and the clients served within an ITL bound (2x the replica's single-client ITL) with drafting
     vs without, goal >= 2x.
 (c) StarSD: one draft server, N in {1..8} sessions: its busy fraction and system tokens/s vs N,
@@ -85,7 +86,7 @@ ERROR_GOAL = 0.15
 
 
 # -- the emulated meshes -------------------------------------------------------------------------------
-def cluster_doc(k: float, rtt_ms: float, n_drafters: int, max_verify_batch: int = 0) -> dict:
+def cluster_doc(k: float, rtt_ms: float, n_drafters: int, max_verify_batch: int = 0, gamma: int = GAMMA) -> dict:
     """Edge drafters (the first also runs the gateway, so tokens stream to the edge), a fog prefill
     node and a fog decode node (the decode replica that verifies every tenant's blocks)."""
     nodes = [{"id": f"edge-{i}", "device": EDGE, "zone": "edge", "roles": ["drafter", "gateway"] if i == 1 else ["drafter"]}
@@ -94,7 +95,7 @@ def cluster_doc(k: float, rtt_ms: float, n_drafters: int, max_verify_batch: int 
               {"id": "fog-d", "device": FOG, "zone": "fog", "roles": ["decode"]}]
     return {"model": MODEL, "weights_dtype": "fp32", "time_scale": k, "nodes": nodes,
             "draft": {"quant": "w4a16", "group_size": 64},
-            "speculation": {"mode": "async", "gamma": GAMMA, "adaptive": False, "max_verify_batch": max_verify_batch},
+            "speculation": {"mode": "async", "gamma": gamma, "adaptive": False, "max_verify_batch": max_verify_batch},
             "links": [{"zones": ["edge", "fog"], "rtt_ms": rtt_ms, "bandwidth_mbps": 100},
                       {"zones": ["fog", "fog"], "rtt_ms": 1, "bandwidth_mbps": 1000}],
             "workload": {"prompts": [ITL_PROMPT], "max_tokens": 16, "input_tokens": {"mean": 16, "dist": "fixed"},
@@ -486,12 +487,13 @@ def tenant_jobs(n: int, tokens: int, ext: dict) -> list[Job]:
     return [Job(TENANT_PROMPTS[i % len(TENANT_PROMPTS)], tokens, ext=ext) for i in range(n)]
 
 
-def run_capacity(k: float, rtt_ms: float, n_drafters: int, tenants: tuple, tokens: dict, log) -> dict:
+def run_capacity(k: float, rtt_ms: float, n_drafters: int, tenants: tuple, tokens: dict, log,
+                 gamma: int = GAMMA) -> dict:
     """Batched verification (and plain decoding, for the ITL bound) on one mesh, then one block per
-    forward on a second mesh (max_verify_batch: 1) with the same tenants and prompts."""
-    out: dict = {"k": k, "rtt_ms": rtt_ms, "drafters": n_drafters, "batched": {}, "one": {}, "plain": {}}
+    forward on a second mesh (max_verify_batch: 1) with the same tenants, prompts and draft length."""
+    out: dict = {"k": k, "rtt_ms": rtt_ms, "drafters": n_drafters, "gamma": gamma, "batched": {}, "one": {}, "plain": {}}
     for label, mvb in (("batched", 0), ("one", 1)):
-        with Mesh(cluster_doc(k, rtt_ms, n_drafters, mvb)) as m:
+        with Mesh(cluster_doc(k, rtt_ms, n_drafters, mvb, gamma)) as m:
             log(f"(b) mesh up: {label}, {n_drafters} drafters, K {k:g}")
             m.run(tenant_jobs(1, 4, MODES["cloud-only"]))  # warm-up
             runs = [("plain", MODES["cloud-only"])] if label == "batched" else []
@@ -659,7 +661,7 @@ def report_itl_goals(summary: dict, rows: list[dict], k: float) -> None:
 
 def report_capacity(c: dict, pred: dict) -> dict:
     k = c["k"]
-    print(f"(b) one decode replica (Orin Nano, fp32), async drafting gamma={GAMMA} from {c['drafters']} Pi 5 drafters "
+    print(f"(b) one decode replica (Orin Nano, fp32), async drafting gamma={c.get('gamma', GAMMA)} from {c['drafters']} Pi 5 drafters "
           f"(sessions spread evenly), RTT {c['rtt_ms']} ms, K = {k:g}; pacing: verification of 32 blocks "
           f"{1000 * k * pred['verify32_s']:.0f} ms vs 1 block {1000 * k * pred['verify_s']:.0f} ms")
     print("    output tokens/s, steady window (all tenants decoding, until half have finished); ITL: per client, "
@@ -799,6 +801,9 @@ def main() -> None:
     ap.add_argument("--k-itl", type=float, default=12.0, help="time_scale of (a) and (c)")
     ap.add_argument("--k-capacity", type=float, default=25.0, help="time_scale of (b)")
     ap.add_argument("--rtt-capacity", type=float, default=20.0, help="edge<->fog RTT (ms) of (b) and (c)")
+    ap.add_argument("--gamma-capacity", type=int, default=2,
+                    help="draft length of (b), the same in both verification modes: 2, near what adaptive gamma "
+                         "settles on here (a Pi 5 draft step costs about 0.57 of an Orin Nano verification)")
     ap.add_argument("--parallel", type=int, default=3, help="(a) meshes per wave (they start, then measure, together)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--from-json", default=None, metavar="A.json[,B.json]",
@@ -839,7 +844,8 @@ def main() -> None:
         # one block per forward takes N x tokens / E forwards: fewer tokens per tenant as N grows
         tokens = {"batched": lambda n: 12 if a.quick else 20, "plain": lambda n: 12 if a.quick else 16,
                   "one": lambda n: 12 if a.quick else {1: 20, 2: 20, 4: 16, 8: 12}.get(n, 8)}
-        results["capacity"] = run_capacity(a.k_capacity, a.rtt_capacity, 2 if a.quick else 8, tenants, tokens, log)
+        results["capacity"] = run_capacity(a.k_capacity, a.rtt_capacity, 2 if a.quick else 8, tenants, tokens, log,
+                                           a.gamma_capacity)
 
     text = io.StringIO()
     with redirect_stdout(text):
