@@ -18,12 +18,14 @@ OpenAI API; times are what the client sees. Printed, in one run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -114,12 +116,14 @@ class Reference:
     def tok_s(self, n_tokens: int) -> float:
         from meshllm.engine.generate import decode_one_token, prefill
 
-        mask = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {CPUS[0]})  # on one core, as each pipeline stage is
-        try:
-            return self._tok_s(n_tokens, decode_one_token, prefill)
-        finally:
-            os.sched_setaffinity(0, mask)
+        with on_one_core():  # as each pipeline stage is
+            cache = self.model.new_cache()
+            cache.allocate(0, len(self.ids) + n_tokens + 1)
+            t = int(prefill(self.model, cache, 0, self.ids).argmax(-1)[0])
+            t0 = time.perf_counter()
+            for _ in range(n_tokens - 1):
+                t = int(decode_one_token(self.model, cache, 0, t).argmax(-1)[0])
+            return (n_tokens - 1) / (time.perf_counter() - t0)
 
     def idle_slowdown(self, bounds: list[tuple[int, int]], wait_s: float, n_tokens: int) -> float:
         """The host's share of the pipeline's loss: the same stage split run in this process, each
@@ -132,17 +136,15 @@ class Reference:
         from meshllm.engine.weights import load_transformer
 
         stages = [load_transformer("smollm2-135m", a, b) for a, b in bounds]
-        mask = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {CPUS[0]})
-        try:
-            per = []
+        busy = []
+        with on_one_core():
             for wait in (0.0, wait_s, 0.0, wait_s):
                 caches = [m.new_cache() for m in stages]
                 x = torch.tensor(self.ids)
                 for m, c in zip(stages, caches):
                     c.allocate(0, len(self.ids) + n_tokens + 1)
                     x = m(x, [SeqSpan(0, 0, len(self.ids))], c)
-                t, busy = int(x[-1].argmax()), 0.0
+                t, spent = int(x[-1].argmax()), 0.0
                 for _ in range(n_tokens - 1):
                     x = torch.tensor([t])
                     for m, c in zip(stages, caches):
@@ -150,21 +152,21 @@ class Reference:
                             time.sleep(wait)
                         t0 = time.perf_counter()
                         x = m(x, [SeqSpan(0, c.length(0), 1)], c)
-                        busy += time.perf_counter() - t0
+                        spent += time.perf_counter() - t0
                     t = int(x.argmax(-1)[0])
-                per.append(busy)
-        finally:
-            os.sched_setaffinity(0, mask)
-        return (per[1] + per[3]) / (per[0] + per[2])
+                busy.append(spent)
+        return (busy[1] + busy[3]) / (busy[0] + busy[2])
 
-    def _tok_s(self, n_tokens: int, decode_one_token, prefill) -> float:
-        cache = self.model.new_cache()
-        cache.allocate(0, len(self.ids) + n_tokens + 1)
-        t = int(prefill(self.model, cache, 0, self.ids).argmax(-1)[0])
-        t0 = time.perf_counter()
-        for _ in range(n_tokens - 1):
-            t = int(decode_one_token(self.model, cache, 0, t).argmax(-1)[0])
-        return (n_tokens - 1) / (time.perf_counter() - t0)
+
+@contextlib.contextmanager
+def on_one_core() -> Iterator[None]:
+    """Run this process on CPUS[0] only, then restore its affinity."""
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {CPUS[0]})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mask)
 
 
 def bench_pipeline(n: int, tokens: int, repeats: int, ref: Reference) -> dict:

@@ -68,22 +68,30 @@ def results_of(logits: torch.Tensor, spans: Sequence[WireSpan], verify: dict[int
     out, r = [], 0
     for i, s in enumerate(spans):
         n = 0 if s.kind is SpanKind.PREFILL else (s.n if s.kind is SpanKind.VERIFY else 1)
-        params = SamplingParams(s.temperature, s.top_k, s.top_p)
-        if n and i not in skip and params.greedy and s.kind is not SpanKind.VERIFY:
-            toks, marg = greedy_tokens(logits[r:r + n])
-            if all(math.isfinite(m) for m in marg):  # NaN or infinity at a row's top: that sequence fails
-                out.append([s.seq, toks, [round(m, 6) for m in marg]])
-        elif n and i not in skip and bool(torch.isfinite(logits[r:r + n]).all()):  # else: that sequence fails
-            if s.kind is SpanKind.VERIFY:
-                draft, q_ids, q_p = (verify or {}).get(s.seq, (None, None, None))
-                if draft is None or len(draft) != n - 1:
-                    raise ProtocolError(f"seq {s.seq}: a VERIFY span of {n} rows without its {n - 1} drafts")
-                toks, marg = verify_block(logits[r:r + n], draft, params, s.seed, s.index, q_ids, q_p)
-            else:
-                toks, marg = choose_tokens(logits[r:r + n], params, s.seed, s.index)
-            out.append([s.seq, toks, [round(m, 6) for m in marg]])
+        if n and i not in skip:
+            chosen = _choose(logits[r:r + n], s, verify)
+            if chosen is not None:  # else: non-finite logits, that sequence fails
+                out.append([s.seq, chosen[0], [round(m, 6) for m in chosen[1]]])
         r += n
     return out
+
+
+def _choose(logits: torch.Tensor, s: WireSpan, verify: dict[int, tuple] | None) -> tuple[list, list] | None:
+    """(tokens, margins) of one span's logit rows, or None if the rows are not finite. Greedy decode
+    rows take the one top-2 pass (their finiteness shows in the margins); the rest check first."""
+    params = SamplingParams(s.temperature, s.top_k, s.top_p)
+    if params.greedy and s.kind is not SpanKind.VERIFY:
+        toks, marg = greedy_tokens(logits)
+        return (toks, marg) if all(math.isfinite(m) for m in marg) else None
+    if not bool(torch.isfinite(logits).all()):
+        return None
+    if s.kind is SpanKind.VERIFY:
+        draft, q_ids, q_p = (verify or {}).get(s.seq, (None, None, None))
+        if draft is None or len(draft) != logits.shape[0] - 1:
+            raise ProtocolError(f"seq {s.seq}: a VERIFY span of {logits.shape[0]} rows without its "
+                                f"{logits.shape[0] - 1} drafts")
+        return verify_block(logits, draft, params, s.seed, s.index, q_ids, q_p)
+    return choose_tokens(logits, params, s.seed, s.index)
 
 
 def parse_verify(x: object, vocab: int) -> dict[int, tuple]:
