@@ -90,20 +90,35 @@ def async_epoch(alpha: float, gamma: int, t_draft: float, t_verify: float, rtt: 
 
 
 def model_async_s(alpha: float, gammas: dict[int, int], t_draft: float, t_verify: float, rtt: float,
-                  hit: float | None = None, adaptive: bool = False) -> float:
+                  hit: float | None = None, adaptive: bool = False, pipelined: float | None = None) -> float:
     """Async drafting, seconds per token; `gammas`: blocks per draft length (adaptive gamma), each
     length modelled as above and mixed by its share of the blocks; `hit`: measured h (one length).
     `adaptive`: a length's blocks are pipelined only where the drafter's own rule says the
     look-ahead pays (engine/speculative.py choose_drafting: it sees the verification inside its
-    measured round trip), else drafted as a synchronous session would."""
+    measured round trip), else drafted as a synchronous session would; `pipelined`, when measured
+    (the share of the session's verdicts that had a look-ahead block behind them: the rule decides
+    on running estimates, early ones included), replaces that rule: each block costs that share of
+    a pipelined block and the rest of a synchronous one."""
     n = sum(gammas.values())
     per = {}
     for g in gammas:
+        piped = async_epoch(alpha, g, t_draft, t_verify, rtt, hit if len(gammas) == 1 else None)
+        plain = (sync_block_s(g, t_draft, t_verify, rtt), expected_tokens(alpha, g))
+        if pipelined is not None:
+            per[g] = (pipelined * piped[0] + (1 - pipelined) * plain[0], plain[1])
+            continue
         pipe = not adaptive or (pipelined_block_s(alpha, g, t_draft, 0.0, rtt + t_verify)
                                 < sync_block_s(g, t_draft, 0.0, rtt + t_verify))
-        per[g] = (async_epoch(alpha, g, t_draft, t_verify, rtt, hit if len(gammas) == 1 else None) if pipe
-                  else (sync_block_s(g, t_draft, t_verify, rtt), expected_tokens(alpha, g)))
+        per[g] = piped if pipe else plain
     return sum(gammas[g] / n * per[g][0] for g in gammas) / sum(gammas[g] / n * per[g][1] for g in gammas)
+
+
+def pipelined_share(spec: dict) -> float | None:
+    """Share of a session's verdicts that had a look-ahead block behind it: look-ahead blocks that
+    stood (`ahead_blocks`) or were dropped as stale, over its verified blocks (None: not reported)."""
+    if "ahead_blocks" not in spec or not spec.get("blocks"):
+        return None
+    return min(1.0, (spec["ahead_blocks"] + spec.get("stale_blocks", 0)) / spec["blocks"])
 
 
 def fill_models(res: dict, pred: dict) -> None:
@@ -121,7 +136,9 @@ def fill_models(res: dict, pred: dict) -> None:
             else:
                 gh = {int(g): int(n) for g, n in r.spec["gamma_histogram"].items()}
                 hit = full_share(r.spec) * r.alpha if len(gh) == 1 else None
-                r.model_ms = 1000 * model_async_s(r.alpha, gh, td, r.t_verify_s, rtt, hit, mode == "async+adaptive")
+                adaptive = mode == "async+adaptive"
+                r.model_ms = 1000 * model_async_s(r.alpha, gh, td, r.t_verify_s, rtt, hit, adaptive,
+                                                  pipelined_share(r.spec) if adaptive else None)
 
 
 # -- report ---------------------------------------------------------------------------------------------

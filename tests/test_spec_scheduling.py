@@ -98,3 +98,33 @@ def test_one_block_per_forward_serves_the_oldest_block_first():
     # a stale block (drafted after other tokens) does not count
     v.pending[2][0].hash = 12345
     assert v.oldest(late) == math.inf
+
+
+def test_a_session_counts_its_look_ahead_blocks_that_stood_and_those_that_went_stale():
+    """What the ITL model of an adaptive session needs: how many verdicts had a look-ahead block
+    behind them (it stood: `ahead`, or its prefix lost: `stale`), per session and in all."""
+    from meshllm.mesh.protocol import MsgType, make
+
+    s = seq(1, [5], 10)
+    s.drafter = "edge"
+    leader = type("L", (), {"seqs": {1: s}, "rid": 0})()
+    v = Verifier(leader, lambda *a: None, lambda node: True)
+
+    def draft(no: int, start: int) -> None:
+        v.on_draft(make(MsgType.DRAFT, tensors={"q_ids": torch.zeros((0, 0), dtype=torch.int32),
+                                                "q_p": torch.zeros((0, 0), dtype=torch.float16)},
+                        tenant="edge", seq=1, block=no, start=start, after=5, hash=s.hash, tokens=[7, 7],
+                        plan_version=0), ARGS.vocab_size)
+
+    draft(0, s.context)  # drafted after the committed prefix: not ahead
+    draft(1, s.context + 3)  # drafted ahead of block 0's verdict
+    draft(2, s.context - 1)  # its prefix is already gone: stale on arrival
+    assert [v.pending[1][n].ahead for n in (0, 1)] == [False, True] and 2 not in v.pending[1]
+    v.record(s, v.pending[1][1], 2, 2, 0.01)
+    js = s.spec.to_json()
+    assert (js["ahead_blocks"], js["stale_blocks"], js["blocks"]) == (1, 1, 1)
+    assert (v.stats.ahead, v.stats.stale) == (1, 1) and v.load()["stale_blocks"] == 1
+    total = AcceptanceStats()
+    total.merge(js)
+    total.merge(js)
+    assert (total.ahead, total.stale) == (2, 2)

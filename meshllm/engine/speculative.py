@@ -154,9 +154,12 @@ class AcceptanceStats:
     per_position: Counter = field(default_factory=Counter)  # position i -> blocks accepting d_i
     offered: Counter = field(default_factory=Counter)  # position i -> blocks that drafted a d_i
     gammas: Counter = field(default_factory=Counter)
+    ahead: int = 0  # verified blocks that arrived before their prefix was committed (look-ahead that stood)
+    stale: int = 0  # blocks dropped because their prefix lost (look-ahead that did not stand)
 
-    def record(self, gamma: int, n_accepted: int) -> None:
+    def record(self, gamma: int, n_accepted: int, ahead: bool = False) -> None:
         self.blocks += 1
+        self.ahead += int(ahead)
         self.drafted += gamma
         self.accepted += n_accepted
         self.gammas[gamma] += 1
@@ -178,13 +181,16 @@ class AcceptanceStats:
         return {"drafted": self.drafted, "accepted": self.accepted, "blocks": self.blocks,
                 "per_position": {str(k): self.per_position[k] for k in sorted(self.offered)},
                 "offered": {str(k): self.offered[k] for k in sorted(self.offered)},
-                "gamma_histogram": {str(k): v for k, v in sorted(self.gammas.items())}}
+                "gamma_histogram": {str(k): v for k, v in sorted(self.gammas.items())},
+                "ahead_blocks": self.ahead, "stale_blocks": self.stale}
 
     def merge(self, other: dict) -> None:
         """Add another session's `to_json()` (integers only; bad input is ignored by the caller)."""
         self.drafted += int(other.get("drafted", 0))
         self.accepted += int(other.get("accepted", 0))
         self.blocks += int(other.get("blocks", 0))
+        self.ahead += int(other.get("ahead_blocks", 0))
+        self.stale += int(other.get("stale_blocks", 0))
         for src, dst in ((other.get("per_position", {}), self.per_position), (other.get("offered", {}), self.offered),
                          (other.get("gamma_histogram", {}), self.gammas)):
             for k, v in src.items():

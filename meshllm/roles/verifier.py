@@ -49,6 +49,7 @@ class Block:
     q_ids: torch.Tensor | None
     q_p: torch.Tensor | None
     received: float
+    ahead: bool = False  # arrived before its prefix was committed: drafted ahead of a verdict
 
 
 def draft_topic(rid: int) -> str:
@@ -66,7 +67,6 @@ class Verifier:
         self.verify_ms: float | None = None
         self.fallbacks = 0  # plain steps of sessions whose drafter was late
         self.orphaned = 0  # sessions whose drafter died (or left) mid-generation
-        self.stale = 0
 
     # -- blocks in --------------------------------------------------------------------------------
     def on_draft(self, msg: Message, vocab: int) -> None:
@@ -76,7 +76,8 @@ class Verifier:
             return  # not (or no longer) ours: stale, finished, or another tenant's id
         tokens = check_int_list(msg["tokens"], "draft tokens", 0, vocab - 1, 64)
         if not tokens or msg["start"] < s.context:
-            self.stale += 1
+            self.stats.stale += 1
+            s.spec.stale += 1
             return
         q_ids = q_p = None
         qi, qp = msg.tensors["q_ids"], msg.tensors["q_p"]
@@ -87,7 +88,8 @@ class Verifier:
             if q_ids.numel() and (q_ids.min() < 0 or q_ids.max() >= vocab or (q_p < 0).any()):
                 raise ProtocolError(f"seq {seq}: draft distribution out of range")
         blocks = self.pending.setdefault(seq, {})
-        blocks[msg["block"]] = Block(msg["block"], msg["start"], msg["hash"], tokens, q_ids, q_p, time.monotonic())
+        blocks[msg["block"]] = Block(msg["block"], msg["start"], msg["hash"], tokens, q_ids, q_p, time.monotonic(),
+                                     msg["start"] > s.context)
         while len(blocks) > MAX_PENDING:
             del blocks[min(blocks)]
 
@@ -108,7 +110,8 @@ class Verifier:
             b = blocks[no]
             if b.start < s.context:
                 del blocks[no]
-                self.stale += 1
+                self.stats.stale += 1
+                s.spec.stale += 1
             elif b.start == s.context and b.hash == s.hash:
                 del blocks[no]
                 s.waiting_since = None
@@ -142,8 +145,8 @@ class Verifier:
         """A verified block of `s`: of its `drafted` drafts that the output reaches (a request's
         last block may draft past its end), the target accepted `accepted`."""
         now = time.monotonic()
-        s.spec.record(drafted, accepted)
-        self.stats.record(drafted, accepted)
+        s.spec.record(drafted, accepted, block.ahead)
+        self.stats.record(drafted, accepted, block.ahead)
         self.verify_ms = ewma(self.verify_ms, 1000 * verify_s)
         if s.last_block_at is not None:
             s.block_interval_s = ewma(s.block_interval_s, now - s.last_block_at)
@@ -180,7 +183,7 @@ class Verifier:
     def load(self) -> dict:
         return {"acceptance_rate": self.stats.rate, "mean_acceptance_length": self.stats.mean_length,
                 "verify_ms": None if self.verify_ms is None else round(self.verify_ms, 3),
-                "fallback_steps": self.fallbacks, "orphaned_sessions": self.orphaned, "stale_blocks": self.stale,
+                "fallback_steps": self.fallbacks, "orphaned_sessions": self.orphaned,
                 **self.stats.to_json()}
 
 
