@@ -52,19 +52,9 @@ class SpeculationSpec:
     max_verify_batch: int = 0  # blocks a decode replica verifies in one forward (0: all it has)
 
 
-@dataclass(frozen=True)
-class NodeSpec:
-    id: str
-    device: DeviceProfile
-    zone: str
-    roles: tuple[Role, ...] | None = None  # None: the planner decides
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    zones: tuple[str, str]
-    rtt_ms: float
-    bandwidth_mbps: float
+# a cluster file's node and link are exactly what the planner takes (one definition, in the pure floor)
+NodeSpec = PlanNode
+LinkSpec = PlanLink
 
 
 @dataclass(frozen=True)
@@ -342,7 +332,7 @@ def resolve_args(model: str):
 
 def plan_inputs(cfg: ClusterConfig) -> PlanInputs:
     """The planner's and simulator's plain inputs for a cluster file."""
-    nodes = tuple(PlanNode(n.id, n.device, n.zone, n.roles) for n in cfg.nodes)
+    nodes = tuple(cfg.nodes)
     return _plan_inputs(cfg, nodes, cfg.source)
 
 
@@ -357,7 +347,7 @@ def _plan_inputs(cfg: ClusterConfig | NodeConfig, nodes: tuple[PlanNode, ...], s
     spec_on = cfg.speculation.mode != "off" and cfg.draft.quant != "none"
     return PlanInputs(
         source=source, args=resolve_args(cfg.model), dtype=cfg.weights_dtype, nodes=nodes,
-        links=tuple(PlanLink(ln.zones, ln.rtt_ms, ln.bandwidth_mbps) for ln in cfg.links),
+        links=tuple(cfg.links),
         input_tokens=wl.input_tokens, output_tokens=wl.output_tokens, rate_per_s=wl.arrival_rate_per_s,
         requests=wl.requests, n_prompts=len(wl.prompts), draft_quant=cfg.draft.quant if spec_on else None,
     )
