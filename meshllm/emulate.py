@@ -168,7 +168,7 @@ class EmulatedCluster:
                 self.procs[spec.id] = subprocess.Popen(
                     [sys.executable, str(LAUNCH), "--node-config", str(path)], stdin=subprocess.DEVNULL,
                     stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=LAUNCH.parent,
-                    preexec_fn=_die_with_parent if not self.cpus else partial(_die_with_parent, self.cpus[i % len(self.cpus)]))
+                    preexec_fn=partial(_die_with_parent, self.cpus[i % len(self.cpus)] if self.cpus else None))
         log.info("started %d node processes (logs in %s)", len(self.procs), self.workdir)
 
     def _security_files(self) -> tuple[dict[str, dict], str | None]:

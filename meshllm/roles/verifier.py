@@ -76,8 +76,7 @@ class Verifier:
             return  # not (or no longer) ours: stale, finished, or another tenant's id
         tokens = check_int_list(msg["tokens"], "draft tokens", 0, vocab - 1, 64)
         if not tokens or msg["start"] < s.context:
-            self.stats.stale += 1
-            s.spec.stale += 1
+            self._stale(s)
             return
         q_ids = q_p = None
         qi, qp = msg.tensors["q_ids"], msg.tensors["q_p"]
@@ -92,6 +91,11 @@ class Verifier:
                                      msg["start"] > s.context)
         while len(blocks) > MAX_PENDING:
             del blocks[min(blocks)]
+
+    def _stale(self, s) -> None:
+        """A block of `s` drafted after a prefix that lost: counted for the session and in all."""
+        self.stats.stale += 1
+        s.spec.stale += 1
 
     # -- the leader's questions ---------------------------------------------------------------------
     def oldest(self, s) -> float:
@@ -110,8 +114,7 @@ class Verifier:
             b = blocks[no]
             if b.start < s.context:
                 del blocks[no]
-                self.stats.stale += 1
-                s.spec.stale += 1
+                self._stale(s)
             elif b.start == s.context and b.hash == s.hash:
                 del blocks[no]
                 s.waiting_since = None
