@@ -390,6 +390,8 @@ def measure_mode(m: Mesh, clock: DrafterClock, mode: str, ext: dict, tokens: int
         arr = arrivals(o)
         w = clock.window(arr[0], arr[-1])  # after the drafter's prompt step
         r.t_draft_s = w[1] / w[2] if w and w[2] else None
+        d0, d1 = (x.get("edge-1", {}).get("drafter") or {} for x in (before, after))
+        r.branches = {key: d1.get(key, 0) - d0.get(key, 0) for key in ("branches", "branch_hits", "branch_misses")}
     return r
 
 
@@ -472,6 +474,8 @@ def main() -> None:
     ap.add_argument("--gamma-capacity", type=int, default=2,
                     help="draft length of (b), the same in both verification modes: 2, near what adaptive gamma "
                          "settles on here (a Pi 5 draft step costs about 0.57 of an Orin Nano verification)")
+    ap.add_argument("--rtts", default=None, help="(a)'s edge<->fog RTTs in ms, comma-separated "
+                    f"(default {','.join(map(str, RTTS_MS))})")
     ap.add_argument("--parallel", type=int, default=3, help="(a) meshes per wave (they start, then measure, together)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--from-json", default=None, metavar="A.json[,B.json]",
@@ -486,7 +490,7 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t_start:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
-    rtts = (0, 100) if a.quick else RTTS_MS
+    rtts = tuple(float(r) for r in a.rtts.split(",")) if a.rtts else (0, 100) if a.quick else RTTS_MS
     itl_tokens, repeats = (16, 1) if a.quick else (32, 1)
     star = {"modes": ("async", "sync"), "sessions": (1, 4) if a.quick else STAR_SESSIONS, "tokens": 16 if a.quick else 20}
     tenants = (1, 4) if a.quick else TENANTS

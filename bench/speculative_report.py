@@ -44,6 +44,7 @@ class ModeRun:
     t_verify_s: float | None = None
     alpha: float | None = None
     model_ms: float | None = None
+    branches: dict | None = None  # the drafter's proactive branches: forked, adopted (hits), misses
     pacer: dict = field(default_factory=dict)
 
 
@@ -82,15 +83,16 @@ def model_sync_s(alpha: float, gamma: int, t_draft: float, t_verify: float, rtt:
 
 
 def async_epoch(alpha: float, gamma: int, t_draft: float, t_verify: float, rtt: float, hit: float | None = None,
-                outstanding: int = MAX_OUTSTANDING["async"]) -> tuple[float, float]:
+                outstanding: int = MAX_OUTSTANDING["async"], rescue: float = 0.0) -> tuple[float, float]:
     """Async drafting as the drafter does it, as (seconds, tokens) per block: the runtime's own
     model (engine/speculative.py pipelined_block_s, which adaptive gamma also uses)."""
-    return (pipelined_block_s(alpha, gamma, t_draft, t_verify, rtt, outstanding, hit=hit),
+    return (pipelined_block_s(alpha, gamma, t_draft, t_verify, rtt, outstanding, hit=hit, rescue=rescue),
             expected_tokens(alpha, gamma))
 
 
 def model_async_s(alpha: float, gammas: dict[int, int], t_draft: float, t_verify: float, rtt: float,
-                  hit: float | None = None, adaptive: bool = False, pipelined: float | None = None) -> float:
+                  hit: float | None = None, adaptive: bool = False, pipelined: float | None = None,
+                  rescue: float = 0.0) -> float:
     """Async drafting, seconds per token; `gammas`: blocks per draft length (adaptive gamma), each
     length modelled as above and mixed by its share of the blocks; `hit`: measured h (one length).
     `adaptive`: a length's blocks are pipelined only where the drafter's own rule says the
@@ -98,19 +100,27 @@ def model_async_s(alpha: float, gammas: dict[int, int], t_draft: float, t_verify
     measured round trip), else drafted as a synchronous session would; `pipelined`, when measured
     (the share of the session's verdicts that had a look-ahead block behind them: the rule decides
     on running estimates, early ones included), replaces that rule: each block costs that share of
-    a pipelined block and the rest of a synchronous one."""
+    a pipelined block and the rest of a synchronous one. `rescue`: the measured share of broken
+    verdicts that a proactive branch turned into hits."""
     n = sum(gammas.values())
     per = {}
     for g in gammas:
-        piped = async_epoch(alpha, g, t_draft, t_verify, rtt, hit if len(gammas) == 1 else None)
+        piped = async_epoch(alpha, g, t_draft, t_verify, rtt, hit if len(gammas) == 1 else None, rescue=rescue)
         plain = (sync_block_s(g, t_draft, t_verify, rtt), expected_tokens(alpha, g))
         if pipelined is not None:
             per[g] = (pipelined * piped[0] + (1 - pipelined) * plain[0], plain[1])
             continue
-        pipe = not adaptive or (pipelined_block_s(alpha, g, t_draft, 0.0, rtt + t_verify)
+        pipe = not adaptive or (pipelined_block_s(alpha, g, t_draft, 0.0, rtt + t_verify, rescue=rescue)
                                 < sync_block_s(g, t_draft, 0.0, rtt + t_verify))
         per[g] = piped if pipe else plain
     return sum(gammas[g] / n * per[g][0] for g in gammas) / sum(gammas[g] / n * per[g][1] for g in gammas)
+
+
+def rescue_share(r: ModeRun) -> float:
+    """Share of the verdicts that broke an async stream whose correction a branch had drafted after."""
+    b = r.branches or {}
+    tried = b.get("branch_hits", 0) + b.get("branch_misses", 0)
+    return b.get("branch_hits", 0) / tried if tried else 0.0
 
 
 def pipelined_share(spec: dict) -> float | None:
@@ -138,7 +148,7 @@ def fill_models(res: dict, pred: dict) -> None:
                 hit = full_share(r.spec) * r.alpha if len(gh) == 1 else None
                 adaptive = mode == "async+adaptive"
                 r.model_ms = 1000 * model_async_s(r.alpha, gh, td, r.t_verify_s, rtt, hit, adaptive,
-                                                  pipelined_share(r.spec) if adaptive else None)
+                                                  pipelined_share(r.spec) if adaptive else None, rescue_share(r))
 
 
 # -- report ---------------------------------------------------------------------------------------------
@@ -185,9 +195,10 @@ def report_itl(rows: list[dict], pred: dict, k: float) -> dict:
     print("    model: from each run's alpha (the i.i.d. per-token acceptance that gives its tokens per block, E[tok]), "
           "share of fully accepted blocks (async), T_draft (the drafter's busy time / steps), T_verify (the "
           "verifier's verify_ms) and RTT x K; cloud-only: the decode replica's mean paced step; gap/blk: ms per "
-          "block (per token for cloud-only) that the model does not explain")
+          "block (per token for cloud-only) that the model does not explain; rescued: broken verdicts whose "
+          "correction a proactive branch had drafted after (async), of all broken verdicts")
     head = f"    {'RTT ms':>6} | {'mode':<15} {'ITL':>7} {'model':>7} {'err':>6} {'alpha':>5} {'E[tok]':>6} " \
-           f"{'T_d':>6} {'T_v':>6} {'gammas':<14} {'overrun':>7} {'gap/blk':>7}"
+           f"{'T_d':>6} {'T_v':>6} {'gammas':<14} {'rescued':>7} {'overrun':>7} {'gap/blk':>7}"
     print(head)
     summary: dict = {}
     for res in rows:
@@ -207,8 +218,11 @@ def report_itl(rows: list[dict], pred: dict, k: float) -> dict:
             gap = statistics.fmean((r.itl_ms - r.model_ms) * (r.tokens - 1) / (r.spec or {}).get("blocks", r.tokens - 1)
                                    for r in runs)  # ms per block (per step for cloud-only) the model does not explain
             rep = "*" if any(r.tries > 1 for r in runs) else " "
+            hits = sum((r.branches or {}).get("branch_hits", 0) for r in runs)
+            broke = hits + sum((r.branches or {}).get("branch_misses", 0) for r in runs)
+            resc = f"{hits}/{broke}" if broke else "-"
             print(f"    {res['rtt_ms']:>6} | {mode:<15} {itl:>7.1f} {mod:>7.1f} {100 * err:>+5.1f}% {alpha:>5} {etok:>6} "
-                  f"{td:>6} {tv:>6} {gh:<14} {overrun_text(p):>7}{rep}{gap:>7.1f}")
+                  f"{td:>6} {tv:>6} {gh:<14} {resc:>7} {overrun_text(p):>7}{rep}{gap:>7.1f}")
             summary.setdefault(res["rtt_ms"], {})[mode] = {"itl_ms": itl, "model_ms": mod, "err": err}
         print("    " + "-" * (len(head) - 4))
     return summary

@@ -8,10 +8,10 @@ import math
 
 import torch
 
-from meshllm.engine.model import Transformer
+from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import AcceptanceStats
-from meshllm.roles.drafter import Drafter, OutBlock, Session
+from meshllm.roles.drafter import Branch, Drafter, OutBlock, Session
 from meshllm.roles.leader import Leader, Seq
 from meshllm.roles.pacer import Pacer
 from meshllm.roles.verifier import Block, Verifier
@@ -32,20 +32,38 @@ def session(seq: int, blocks: int) -> Session:
     return s
 
 
+def rows(sessions: list[Session]) -> list[tuple[Session, None]]:
+    return [(s, None) for s in sessions]
+
+
 def test_lookahead_rows_wait_when_they_would_slow_the_committed_rows():
     d = drafter()
     first, ahead = [session(i, 0) for i in range(2)], [session(10 + i, 1) for i in range(3)]
     # nothing measured yet: every row rides (and the step times are learnt)
-    assert d._rows(first + ahead) == first + ahead
+    assert d._rows(first + ahead, []) == rows(first + ahead)
     # a compute-bound draft server: 3 rows cost 1.8x two rows; look-ahead rows are deferred
     d.step_s = {2: 0.10, 3: 0.18, 4: 0.25, 5: 0.33}
-    assert d._rows(ahead + first) == first
+    assert d._rows(ahead + first, []) == rows(first)
     assert d.stats["lookahead_deferred"] == 3
     # a weight-bound one: a few more rows are nearly free, so they ride
     d.step_s = {2: 0.10, 3: 0.102, 4: 0.105, 5: 0.2}
-    assert d._rows(first + ahead) == first + ahead[:2]
+    assert d._rows(first + ahead, []) == rows(first + ahead[:2])
     # no committed-prefix rows waiting: the look-ahead has the server to itself
-    assert d._rows(ahead) == ahead
+    assert d._rows(ahead, []) == rows(ahead)
+
+
+def test_branch_rows_ride_after_the_lookahead_most_promising_first_within_the_slack():
+    d = drafter()
+    ahead = [session(10 + i, 1) for i in range(2)]
+    low, high = (Branch(-1, [1, 2, 3, 9], 4, 3, 0.05, 4), Branch(-2, [1, 2, 3, 8], 4, 3, 0.4, 4))
+    branches = [(ahead[0], low), (ahead[1], high)]
+    d.step_s = {1: 0.10, 2: 0.10, 3: 0.104, 4: 0.18}
+    assert d._rows(ahead, branches) == rows(ahead) + [(ahead[1], high)]
+    # a lone session waiting for its verdicts: its branches use the room of a one-row step
+    d.step_s = {1: 0.10, 2: 0.101, 3: 0.2}
+    assert d._rows([], branches) == [(ahead[1], high), (ahead[0], low)]
+    d.step_s = {1: 0.10, 2: 0.2}
+    assert d._rows([], branches) == [(ahead[1], high)]
 
 
 def test_drafter_load_reports_busy_time_and_its_pacer():
@@ -128,3 +146,76 @@ def test_a_session_counts_its_look_ahead_blocks_that_stood_and_those_that_went_s
     total.merge(js)
     total.merge(js)
     assert (total.ahead, total.stale) == (2, 2)
+
+
+def test_a_forked_kv_slot_holds_a_copy_of_the_prefix_and_is_its_own():
+    cache = Transformer(ARGS).new_cache()
+    cache.allocate(0, 8)
+    k = torch.randn(ARGS.n_layers, ARGS.n_kv_heads, 6, ARGS.dim // ARGS.n_heads)
+    cache.import_seq(0, k, k + 1)
+    cache.fork(0, -1, 4, capacity=16)
+    assert cache.length(-1) == 4 and cache.length(0) == 6
+    fk, fv = cache.export(-1)
+    assert torch.equal(fk, k[:, :, :4]) and torch.equal(fv, k[:, :, :4] + 1)
+    cache.truncate(-1, 2)  # the branch moves on; the source does not
+    assert cache.length(0) == 6 and torch.equal(cache.export(0)[0], k)
+
+
+def started_drafter(mode: str = "async") -> tuple[Drafter, Session, list]:
+    """A drafter with one greedy session whose first verdict came; `sent`: the DRAFT messages."""
+    from meshllm.engine.speculative import extend_hash
+    from meshllm.mesh.protocol import MsgType, make, sampling_map
+
+    sent: list = []
+    torch.manual_seed(0)
+    d = Drafter("edge", Transformer(ARGS), lambda *a: None, lambda m, rid: sent.append(m), None)
+    d.on_session(make(MsgType.SESSION, seq=7, prompt_token_ids=[1, 2, 3], max_tokens=24,
+                      sampling=sampling_map(0.0, 0, 1.0, 0), stop_ids=[], decode_replica=1, gamma=3, adaptive=False,
+                      mode=mode, gateway="127.0.0.1:1", plan_version=1), ARGS.vocab_size, 3)
+    d.on_verdict(make(MsgType.VERDICT, tenant="edge", seq=7, block=-1, accepted=0, tokens=[4], context=4,
+                      hash=extend_hash(0, [4]), replica=1, finished=False))
+    return d, d.sessions[7], sent
+
+
+def test_an_async_session_drafts_branches_after_its_runner_up_tokens_and_adopts_the_one_that_comes_true():
+    from meshllm.engine.speculative import extend_hash
+    from meshllm.mesh.protocol import MsgType, make
+
+    d, s, sent = started_drafter()
+    for _ in range(40):  # block 0, its look-ahead, and branches from the draft's 2nd / 3rd choices
+        d.step()
+        if any(br.block is not None for br in s.branches):
+            break
+    br = next(br for br in s.branches if br.block is not None)
+    i = br.base - 1 - 4  # the stream position it branches at
+    assert br.tokens[:br.base - 1] == s.tokens[:br.base - 1] and br.tokens[br.base - 1] != s.stream[i]
+    assert br.tokens[br.base - 1] in [r for r, _ in s.runner[i][1]]
+    msg = next(m for m in sent if m["block"] == br.block.no)  # published like any block, after its own prefix
+    assert (msg["start"], msg["after"], msg["tokens"]) == (br.base, br.tokens[br.base - 1], br.tokens[br.base:])
+    assert msg["hash"] == extend_hash(0, br.tokens[3:br.base])
+    # the verdict of block 0: the first i drafts stood, then the target's token is that runner-up
+    b0 = s.blocks[0]
+    tokens = (s.stream + [0])[:i] + [br.tokens[br.base - 1]] if i <= len(b0.tokens) else None
+    assert tokens is not None
+    d.on_verdict(make(MsgType.VERDICT, tenant="edge", seq=7, block=b0.no, accepted=i, tokens=tokens,
+                      context=4 + len(tokens), hash=extend_hash(extend_hash(0, [4]), tokens), replica=1, finished=False))
+    assert d.stats["branch_hits"] == 1 and s.slot == br.slot and s.branches == []
+    assert s.tokens == br.tokens and s.blocks == [br.block]
+    assert sorted(d.cache.seq_ids()) == [s.slot]  # every other branch and the old stream's slot are freed
+    # the adopted KV is right: the next draft equals a fresh forward over the whole sequence
+    fresh = Transformer(ARGS)
+    fresh.load_state_dict(d.model.state_dict())
+    while len(s.stream) == len(br.tokens) - br.base:
+        d.step()
+    c = fresh.new_cache()
+    c.allocate(0, 64)
+    ids = br.tokens
+    want = int(fresh(torch.tensor(ids), [SeqSpan(0, 0, len(ids))], c)[-1].argmax())
+    assert s.stream[len(br.tokens) - br.base] == want
+
+
+def test_sync_sessions_draft_no_branches():
+    d, s, sent = started_drafter("sync")
+    for _ in range(12):
+        d.step()
+    assert s.blocks and not s.branches and d.stats["branches"] == 0

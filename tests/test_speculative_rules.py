@@ -148,3 +148,15 @@ def test_async_pipelines_only_when_the_lookahead_pays():
 def test_prefix_hash_is_order_sensitive():
     assert extend_hash(0, [1, 2]) != extend_hash(0, [2, 1])
     assert extend_hash(extend_hash(0, [1]), [2]) == extend_hash(0, [1, 2])
+
+
+def test_branches_that_rescue_broken_verdicts_count_as_hits_and_make_pipelining_pay():
+    alpha, g, d, v, rtt = 0.71, 4, 0.093, 0.166, 1.2
+    h = alpha ** (g + 1)
+    assert pipelined_block_s(alpha, g, d, v, rtt, rescue=0.0) == pipelined_block_s(alpha, g, d, v, rtt)
+    assert pipelined_block_s(alpha, g, d, v, rtt, rescue=0.4) == pipelined_block_s(alpha, g, d, v, rtt,
+                                                                                  hit=h + (1 - h) * 0.4)
+    assert pipelined_block_s(alpha, g, d, v, rtt, rescue=0.4) < 0.85 * pipelined_block_s(alpha, g, d, v, rtt)
+    # a round trip about one draft step long: plain pipelining does not pay, rescued verdicts make it pay
+    assert choose_drafting(alpha, 0.1, 0.0, 0.12, True)[1] is False
+    assert choose_drafting(alpha, 0.1, 0.0, 0.12, True, rescue=0.5)[1] is True

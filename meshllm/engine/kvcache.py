@@ -64,6 +64,17 @@ class KVCache:
             raise ValueError(f"sequence {seq_id}: cannot truncate {slot.length} positions to {length}")
         slot.length = length
 
+    def fork(self, src: int, dst: int, length: int, capacity: int = _MIN_CAPACITY) -> None:
+        """A new slot `dst` holding a copy of the first `length` positions of `src` (a branch)."""
+        slot = self._slot(src)
+        if not 0 <= length <= slot.length:
+            raise ValueError(f"sequence {src}: cannot fork {length} of its {slot.length} positions")
+        self.allocate(dst, max(capacity, length))
+        new = self._slots[dst]
+        new.k[:, :, :length] = slot.k[:, :, :length]
+        new.v[:, :, :length] = slot.v[:, :, :length]
+        new.length = length
+
     def nbytes(self) -> int:
         return sum(s.k.nbytes + s.v.nbytes for s in self._slots.values())
 

@@ -82,7 +82,8 @@ def sync_block_s(gamma: int, draft_s: float, verify_s: float, rtt_s: float) -> f
 
 
 def pipelined_block_s(alpha: float, gamma: int, draft_s: float, verify_s: float, rtt_s: float,
-                      outstanding: int = ASYNC_OUTSTANDING, horizon: int = 200, hit: float | None = None) -> float:
+                      outstanding: int = ASYNC_OUTSTANDING, horizon: int = 200, hit: float | None = None,
+                      rescue: float = 0.0) -> float:
     """Mean seconds per block of an asynchronous drafter that drafts ahead of its verdicts.
 
     After a verdict that breaks the pipeline (a miss) the drafter drafts block 1 from the
@@ -95,8 +96,11 @@ def pipelined_block_s(alpha: float, gamma: int, draft_s: float, verify_s: float,
         s_1 = gamma * T_d;  s_i = max(s_{i-1}, V_{i-outstanding}) + (gamma + 1) * T_d
         V_i = max(s_i + RTT + T_v, V_{i-1} + T_v)
     An epoch ends at its first miss, block J ~ Geometric(1 - h): (E[V_J] + restart) / E[J].
-    `hit`: a measured h instead of the i.i.d. one."""
-    h = min(0.999, max(0.0, min(alpha, 0.999)) ** (gamma + 1) if hit is None else hit)
+    `hit`: a measured h instead of the i.i.d. one. `rescue`: the share of the other verdicts whose
+    correction a proactive branch had drafted after (roles/drafter.py): its block is already on
+    its way, so they count as hits too, h' = h + (1 - h) * rescue."""
+    h = max(0.0, min(alpha, 0.999)) ** (gamma + 1) if hit is None else hit
+    h = min(0.999, h + (1 - h) * rescue)
     c, w = (gamma + 1) * draft_s, rtt_s + verify_s
     s: list[float] = []
     v: list[float] = []
@@ -116,20 +120,21 @@ def pipelined_block_s(alpha: float, gamma: int, draft_s: float, verify_s: float,
 
 
 def choose_drafting(alpha: float, draft_s: float, verify_s: float, rtt_s: float, asynchronous: bool,
-                    lo: int = 1, hi: int = 12) -> tuple[int, bool]:
+                    lo: int = 1, hi: int = 12, rescue: float = 0.0) -> tuple[int, bool]:
     """(draft length, pipeline?) that maximise committed tokens per second for one session.
 
     Synchronous drafting pays drafting, round trip and verification in series. An asynchronous
     session may also draft ahead of its verdicts, but a look-ahead block stands only if the block
     before it is fully accepted and its bonus guessed right, so pipelining pays only when round
-    trips are long against drafting and acceptance is high; otherwise the session drafts as a
-    synchronous one would (it stays free to pipeline again when its estimates change)."""
+    trips are long against drafting and acceptance is high (or when its branches often rescue a
+    miss: `rescue`); otherwise the session drafts as a synchronous one would (it stays free to
+    pipeline again when its estimates change)."""
     best, best_rate = (lo, False), -1.0
     for g in range(lo, hi + 1):
         e = expected_tokens(alpha, g)
         options = [(sync_block_s(g, draft_s, verify_s, rtt_s), False)]
         if asynchronous:
-            options.append((pipelined_block_s(alpha, g, draft_s, verify_s, rtt_s), True))
+            options.append((pipelined_block_s(alpha, g, draft_s, verify_s, rtt_s, rescue=rescue), True))
         for secs, pipe in options:
             rate = e / max(secs, 1e-9)
             if rate > best_rate * (1 + 1e-9):

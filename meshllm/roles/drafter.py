@@ -14,7 +14,14 @@ Modes:
 - async: a session drafts block k+1 while block k is in flight, after its own guess of block
   k's bonus token; block k's verdict keeps block k+1 only if block k was fully accepted and the
   bonus matches the guess, else the drafter rolls its KV back to the committed length and
-  drafts on from the corrected token ("no mutual waiting", seeds 000/001).
+  drafts on from the corrected token ("no mutual waiting", seeds 000/001). A greedy async session
+  also drafts proactively where a block in flight is likely to be rejected (SpecEdge): at the
+  positions the draft was least sure of, it takes its runner-up token and drafts a block after it
+  in a branch of its own (a forked KV slot), published before the verdict that would need it. The
+  verifier takes whichever block was drafted after exactly the committed prefix, so when the
+  target's correction is that runner-up, the branch's block is verified at once, no round trip,
+  and the drafter adopts the branch as its stream. Branch rows ride only in the room a draft step
+  has left (the same measured rule as look-ahead rows).
 - sync: draft gamma, send, wait for the verdict, repeat (the baseline the seeds argue against).
 
 Every block carries (session, block number, committed length and hash it was drafted after), so
@@ -60,6 +67,11 @@ DRAFT_SALT = 0xD7AF7  # the drafter's sampling generators differ from the target
 SESSION_IDLE_S = 120.0  # x time_scale: a session with no verdict this long is dropped
 PREFILL_CHUNK = 256
 LOOKAHEAD_SLACK = 1.1  # look-ahead rows may stretch a draft step by at most this factor
+MAX_BRANCHES = 6  # proactive branches per session at once
+MIN_BRANCH_SCORE = 0.01  # a branch's estimated chance of being the one that stands
+BRANCH_CHOICES = 2  # a branch starts from the draft's 2nd or 3rd choice at a position
+
+Choices = tuple[float, tuple[tuple[int, float], ...]]  # p(first choice), ((token, p) of the next ones)
 
 
 @dataclass
@@ -70,6 +82,22 @@ class OutBlock:
     tokens: list[int]
     qs: list[tuple[list[int], list[float]]]
     sent: float
+    branch: bool = False  # drafted in a proactive branch
+
+
+@dataclass
+class Branch:
+    """A proactive branch of a session: the draft's runner-up at one position of its stream, then
+    a block drafted after it. `tokens` is the whole sequence (prompt, output, the path to the
+    runner-up, then the drafts); the runner-up sits at `base - 1` and the block starts at `base`."""
+    slot: int  # its own draft KV slot (forked from the session's)
+    tokens: list[int]
+    base: int
+    fed: int
+    score: float
+    gamma: int
+    runner: list[Choices] = field(default_factory=list)  # per drafted token
+    block: OutBlock | None = None  # published
 
 
 @dataclass
@@ -98,6 +126,11 @@ class Session:
     rtt_s: float | None = None
     draft_s: float | None = None
     pipeline: bool = True  # async: draft ahead of verdicts (adaptive sessions decide per estimate)
+    slot: int = -1  # its draft KV slot (a branch's, once it adopted one)
+    runner: list[Choices] = field(default_factory=list)  # per stream token: the draft's choices
+    branches: list[Branch] = field(default_factory=list)
+    tried: set[tuple[int, int]] = field(default_factory=set)  # (position, token) branched to
+    rescue: float | None = None  # share of missed verdicts that a branch turned into a hit
 
     @property
     def tokens(self) -> list[int]:
@@ -107,6 +140,9 @@ class Session:
         """Stream index where the block being drafted starts (after each earlier block and its
         guessed bonus)."""
         return sum(len(b.tokens) + 1 for b in self.blocks)
+
+    def branching(self) -> bool:
+        return self.mode == "async" and self.params.greedy and self.started
 
     def can_draft(self) -> bool:
         limit = MAX_OUTSTANDING[self.mode] if self.pipeline else 1
@@ -126,7 +162,12 @@ class Drafter:
         self.busy_s = 0.0
         self.since: float | None = None  # first session's arrival: the busy fraction's window
         self.stats = {"steps": 0, "blocks": 0, "resent": 0, "resyncs": 0, "lookahead_deferred": 0}
+        self.stats.update(branches=0, branch_hits=0, branch_misses=0)
         self.step_s: dict[int, float] = {}  # rows (one token each) -> measured step seconds
+        self._next_slot = -1  # branch slots count down (sequence ids are >= 0)
+
+    def _capacity(self, s: Session) -> int:
+        return min(len(s.prompt) + s.max_tokens + 2 * s.gamma + 2, self.model.args.max_seq_len)
 
     # -- messages ---------------------------------------------------------------------------------
     def on_session(self, msg: Message, vocab: int, default_gamma: int) -> None:
@@ -140,10 +181,10 @@ class Drafter:
         check_address(msg["gateway"], "gateway")
         if msg["max_tokens"] < 1:
             raise ProtocolError(f"seq {seq}: max_tokens must be positive")
-        self.sessions[seq] = Session(seq, prompt, msg["max_tokens"], SamplingParams(t, k, p), seed,
-                                     msg["decode_replica"], gamma, bool(msg["adaptive"]), msg["mode"],
-                                     str(msg["gateway"]))
-        self.cache.allocate(seq, min(len(prompt) + msg["max_tokens"] + 2 * gamma + 2, self.model.args.max_seq_len))
+        s = Session(seq, prompt, msg["max_tokens"], SamplingParams(t, k, p), seed, msg["decode_replica"], gamma,
+                    bool(msg["adaptive"]), msg["mode"], str(msg["gateway"]), slot=seq)
+        self.sessions[seq] = s
+        self.cache.allocate(seq, self._capacity(s))
         self.since = self.since or time.monotonic()
 
     def on_verdict(self, msg: Message) -> None:
@@ -173,11 +214,20 @@ class Drafter:
         kept = done is not None and s.stream[:len(tokens)] == tokens  # the bonus guess came true
         s.committed += tokens
         s.hash = extend_hash(s.hash, tokens)
+        branch = None if kept else self._branch_for(s)
+        if done is not None and not kept and s.branching():  # a verdict that broke the stream
+            s.rescue = ewma(s.rescue, float(branch is not None))
+            self.stats["branch_misses"] += branch is None
         if kept:  # later blocks were drafted after exactly this: they stand
-            s.stream, s.qs = s.stream[len(tokens):], s.qs[len(tokens):]
+            s.stream, s.qs, s.runner = s.stream[len(tokens):], s.qs[len(tokens):], s.runner[len(tokens):]
             s.blocks = [b for b in s.blocks if b.no != done.no]
+            done_len = len(s.prompt) + len(s.committed)
+            self._drop_branches(s, lambda br: br.base <= done_len)  # they left the committed path
+        elif branch is not None:  # a runner-up came true: the branch drafted after it is the stream now
+            self._adopt(s, branch)
         else:
             self._rollback(s, len(s.prompt) + len(s.committed) - 1)
+        s.tried = {t for t in s.tried if t[0] >= len(s.prompt) + len(s.committed)} if kept else set()
 
     def _resync(self, s: Session, out: list[int]) -> None:
         """Adopt the verifier's whole output; keep the KV of the longest common prefix."""
@@ -188,18 +238,77 @@ class Drafter:
         self._rollback(s, min(common, len(new) - 1))
 
     def _rollback(self, s: Session, keep: int) -> None:
-        """Drop the speculative stream and its blocks; the draft KV keeps `keep` positions at most."""
-        s.stream, s.qs, s.blocks = [], [], []
+        """Drop the speculative stream, its blocks and branches; the draft KV keeps `keep` positions at most."""
+        s.stream, s.qs, s.runner, s.blocks = [], [], [], []
+        self._drop_branches(s)
         s.fed = min(s.fed, keep)
-        self.cache.truncate(s.seq, min(self.cache.length(s.seq), s.fed))
+        self.cache.truncate(s.slot, min(self.cache.length(s.slot), s.fed))
+
+    # -- proactive branches ---------------------------------------------------------------------
+    def _branch_for(self, s: Session) -> Branch | None:
+        """The branch drafted after exactly the committed output, if any."""
+        done = s.prompt + s.committed
+        return next((br for br in s.branches if br.base == len(done) and br.tokens[:br.base] == done), None)
+
+    def _adopt(self, s: Session, br: Branch) -> None:
+        s.branches.remove(br)
+        self._drop_branches(s)
+        self.cache.free(s.slot)
+        s.slot, s.fed = br.slot, br.fed
+        s.stream, s.runner = br.tokens[br.base:], list(br.runner)
+        s.qs = [([], [])] * len(s.stream)
+        s.blocks = [br.block] if br.block is not None else []
+        self.stats["branch_hits"] += 1
+
+    def _drop_branches(self, s: Session, which: Callable[[Branch], bool] = lambda br: True) -> None:
+        for br in [br for br in s.branches if which(br)]:
+            s.branches.remove(br)
+            self.cache.free(br.slot)
+
+    def _grow_branches(self, s: Session) -> None:
+        """Fork the most promising untried branch while the session has room for one: at stream
+        position i (a draft in a block, in flight or being drafted, or a guessed bonus token) the
+        draft's 2nd or 3rd choice r, scored P(every earlier stream token stands) x p(r) from the draft's
+        own probabilities."""
+        if not s.branching() or len(s.branches) >= MAX_BRANCHES:
+            return
+        best, chain, cap = None, 1.0, self._capacity(s)
+        done = len(s.prompt) + len(s.committed)
+        for i, (p1, others) in enumerate(s.runner):
+            if done + i + 1 + s.gamma > cap:
+                break
+            for r, p in others:
+                if (done + i, r) not in s.tried and chain * p >= MIN_BRANCH_SCORE and (best is None or chain * p > best[0]):
+                    best = (chain * p, i, r)
+            chain *= p1
+        if best is None:
+            return
+        score, i, r = best
+        s.tried.add((done + i, r))
+        slot, self._next_slot = self._next_slot, self._next_slot - 1
+        self.cache.fork(s.slot, slot, done + i, cap)
+        s.branches.append(Branch(slot, s.tokens[:done + i] + [r], done + i + 1, done + i, score, s.gamma))
+        self.stats["branches"] += 1
+
+    def _extend_branch(self, s: Session, br: Branch, logits: torch.Tensor) -> None:
+        br.tokens.append(int(logits.argmax(-1)[0]))
+        br.runner.append(choices(logits))
+        if len(br.tokens) - br.base == br.gamma:
+            br.block = OutBlock(s.next_no, br.base, extend_hash(0, br.tokens[len(s.prompt):br.base]),
+                                br.tokens[br.base:], [([], [])] * br.gamma, time.monotonic(), branch=True)
+            s.next_no += 1
+            self.stats["blocks"] += 1
+            self.publish(self._message(s, br.block, br.tokens), s.rid)
 
     def _learn(self, s: Session, b: OutBlock, accepted: int, now: float) -> None:
         """Acceptance and round-trip estimates for adaptive gamma."""
         rejected = 1 if accepted < len(b.tokens) else 0
         s.alpha = ewma(s.alpha, accepted / max(1, accepted + rejected))
-        s.rtt_s = ewma(s.rtt_s, now - b.sent)
+        if not b.branch:  # a branch's block waited for the verdict before it: no round trip
+            s.rtt_s = ewma(s.rtt_s, now - b.sent)
         if s.adaptive and s.draft_s:
-            s.gamma, pipe = choose_drafting(min(s.alpha, 0.98), s.draft_s, 0.0, s.rtt_s, s.mode == "async")
+            s.gamma, pipe = choose_drafting(min(s.alpha, 0.98), s.draft_s, 0.0, s.rtt_s, s.mode == "async",
+                                            rescue=s.rescue or 0.0)
             s.pipeline = s.mode == "async" and pipe
 
     def replan(self, unchanged: Callable[[int], bool]) -> None:
@@ -209,22 +318,31 @@ class Drafter:
                 self.end(s.seq)
 
     def end(self, seq: int) -> None:
-        if self.sessions.pop(seq, None) is not None:
-            self.cache.free(seq)
+        s = self.sessions.pop(seq, None)
+        if s is not None:
+            self._drop_branches(s)
+            self.cache.free(s.slot)
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> bool:
         """One batched draft forward over every session that may draft; True if any did."""
         now = time.monotonic()
         self._resend(now)
+        for s in self.sessions.values():
+            self._grow_branches(s)
         ready = self._rows([s for s in self.sessions.values()
-                            if s.can_draft() and len(s.tokens) < self.model.args.max_seq_len])
+                            if s.can_draft() and len(s.tokens) < self.model.args.max_seq_len],
+                           [(s, br) for s in self.sessions.values() for br in s.branches if br.block is None])
         if not ready:
             return False
         spans, ids = [], []
-        for s in ready:
-            feed = s.tokens[s.fed:s.fed + PREFILL_CHUNK]
-            spans.append(SeqSpan(s.seq, s.fed, len(feed)))
+        for s, br in ready:
+            if br is None:
+                feed = s.tokens[s.fed:s.fed + PREFILL_CHUNK]
+                spans.append(SeqSpan(s.slot, s.fed, len(feed)))
+            else:
+                feed = br.tokens[br.fed:br.fed + 1]
+                spans.append(SeqSpan(br.slot, br.fed, 1))
             ids.extend(feed)
         t0 = time.perf_counter()
         rows = torch.tensor([sum(sp.n_tokens for sp in spans[:i + 1]) - 1 for i in range(len(spans))])
@@ -238,31 +356,39 @@ class Drafter:
         self.stats["steps"] += 1
         if len(ids) == len(spans):
             self.step_s[len(spans)] = ewma(self.step_s.get(len(spans)), took)
-        for i, (s, sp) in enumerate(zip(ready, spans)):
+        for i, ((s, br), sp) in enumerate(zip(ready, spans)):
+            if br is not None:
+                br.fed += 1
+                self._extend_branch(s, br, logits[i:i + 1])
+                continue
             s.fed += sp.n_tokens
             if s.started and s.fed == len(s.tokens):  # caught up: this row's logits draft a token
                 s.draft_s = ewma(s.draft_s, took)
                 self._extend(s, logits[i:i + 1])
         return True
 
-    def _rows(self, ready: list[Session]) -> list[Session]:
-        """The sessions this step drafts for. Look-ahead rows (a session drafting past a block that
-        awaits its verdict, mostly thrown away) ride along only while they leave the step's
-        measured time within LOOKAHEAD_SLACK of the committed-prefix rows' alone: on a shared,
-        compute-bound draft server they must not slow the sessions whose drafts will stand."""
-        first = [s for s in ready if not s.blocks]
-        ahead = [s for s in ready if s.blocks]
-        if not first or not ahead:
-            return ready
-        base = self.step_s.get(len(first))
-        n = len(first)
-        while n < len(ready):
+    def _rows(self, mains: list[Session], branches: list[tuple[Session, Branch]]) -> list[tuple[Session, Branch | None]]:
+        """The rows this step drafts: (session, None) for a session's stream, (session, branch) for
+        a branch. Speculative rows (a stream drafting past a block that awaits its verdict, then
+        branches, most promising first: mostly thrown away) ride along only while they leave the
+        step's measured time within LOOKAHEAD_SLACK of the committed-prefix rows' alone: on a
+        shared, compute-bound draft server they must not slow the sessions whose drafts will
+        stand. With no committed-prefix rows the look-ahead rows are the ones that go, and
+        branches ride within the slack of those (of one row when there are none either)."""
+        first = [(s, None) for s in mains if not s.blocks]
+        ahead = [(s, None) for s in mains if s.blocks]
+        must = first or ahead
+        optional = (ahead if first else []) + sorted(branches, key=lambda sb: -sb[1].score)
+        base = self.step_s.get(max(1, len(must)))
+        n = len(must)
+        for _ in optional:
             cost = self.step_s.get(n + 1)
-            if base is not None and cost is not None and cost > LOOKAHEAD_SLACK * base:
+            if n and base is not None and cost is not None and cost > LOOKAHEAD_SLACK * base:
                 break
             n += 1
-        self.stats["lookahead_deferred"] += len(ready) - n
-        return first + ahead[:n - len(first)]
+        taken = optional[:n - len(must)]
+        self.stats["lookahead_deferred"] += sum(1 for _, br in optional[len(taken):] if br is None)
+        return must + taken
 
     def _extend(self, s: Session, logits: torch.Tensor) -> None:
         """Append one drafted token; publish the block when it is complete."""
@@ -277,6 +403,7 @@ class Drafter:
             tok, q = int(top.indices[pick]), (top.indices.tolist(), qp.tolist())
         s.stream.append(tok)
         s.qs.append(q)
+        s.runner.append(choices(logits) if s.params.greedy else (1.0, ()))
         start = s.block_start()
         if len(s.stream) - start == s.gamma:
             self._publish(s, start)
@@ -290,11 +417,11 @@ class Drafter:
         self.stats["blocks"] += 1
         self.publish(self._message(s, b), s.rid)
 
-    def _message(self, s: Session, b: OutBlock) -> Message:
+    def _message(self, s: Session, b: OutBlock, tokens: list[int] | None = None) -> Message:
         greedy = s.params.greedy
         q_ids = torch.zeros((0, 0), dtype=torch.int32) if greedy else torch.tensor([q[0] for q in b.qs], dtype=torch.int32)
         q_p = torch.zeros((0, 0), dtype=torch.float16) if greedy else torch.tensor([q[1] for q in b.qs]).half()
-        after = (s.prompt + s.committed + s.stream)[b.start - 1]
+        after = (tokens or s.tokens)[b.start - 1]
         return make(MsgType.DRAFT, tensors={"q_ids": q_ids, "q_p": q_p}, tenant=self.me, seq=s.seq, block=b.no,
                     start=b.start, after=after, hash=b.hash, tokens=b.tokens, plan_version=0)
 
@@ -324,3 +451,11 @@ class Drafter:
         if self.pacer is not None:
             out["pacer"] = self.pacer.summary()
         return out
+
+
+def choices(logits: torch.Tensor) -> Choices:
+    """The probability of the draft's first choice for one row, and its next BRANCH_CHOICES choices
+    with theirs."""
+    top = torch.softmax(logits[0].float(), -1).topk(1 + BRANCH_CHOICES)
+    p, ids = top.values.tolist(), top.indices.tolist()
+    return p[0], tuple(zip(ids[1:], p[1:]))

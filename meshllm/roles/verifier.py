@@ -36,7 +36,7 @@ log = logging.getLogger("meshllm.verifier")
 
 FALLBACK_MIN_S = 1.0  # x time_scale: the least a ready sequence waits for its drafter's block
 FALLBACK_INTERVALS = 4.0  # ... or this many of its recent block intervals, whichever is longer
-MAX_PENDING = 8  # blocks kept per tenant (newest win): a runaway drafter cannot fill the memory
+MAX_PENDING = 16  # blocks kept per tenant (newest win): a runaway drafter cannot fill the memory
 WAIT = object()  # take(): no block yet, keep waiting
 
 
