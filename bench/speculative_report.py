@@ -253,6 +253,13 @@ def report_itl_goals(summary: dict, rows: list[dict], k: float) -> None:
             print(f"    model at alpha {alpha:.2f}: the best plain-pipelined async (gamma={best_g}) is "
                   f"{best_async / sync:.2f}x sync; 0.6x would need most blocks' verdicts to be hits "
                   f"(h = alpha^(gamma+1) = {alpha ** (GAMMA + 1):.2f} here)")
+            rho = statistics.fmean(rescue_share(r) for r in res["runs"]["async"])
+            with_branches = model_async_s(alpha, {GAMMA: 1}, td, tv, rtt, rescue=rho)
+            need = next((x / 100 for x in range(0, 101) if model_async_s(alpha, {GAMMA: 1}, td, tv, rtt, rescue=x / 100)
+                         <= 0.6 * sync), None)
+            print(f"    proactive branches rescued {100 * rho:.0f}% of the broken verdicts (async): the model gives "
+                  f"{with_branches / sync:.2f}x sync at gamma={GAMMA}; 0.6x needs "
+                  + (f"{100 * need:.0f}% rescued" if need is not None else "more than rescues can give"))
             g = choose_gamma(min(alpha, 0.98), td, 0.0, rtt + tv, True)
             crude = (max(g * td, rtt + tv) + td) / expected_tokens(alpha, g)
             print(f"    adaptive gamma: choose_gamma (engine/speculative.py) picks gamma={g} from these figures, "
