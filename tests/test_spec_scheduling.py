@@ -219,3 +219,13 @@ def test_sync_sessions_draft_no_branches():
     for _ in range(12):
         d.step()
     assert s.blocks and not s.branches and d.stats["branches"] == 0
+
+
+def test_a_draft_length_that_shrinks_mid_block_still_publishes_every_complete_block():
+    d, s, sent = started_drafter("sync")
+    d.step()
+    d.step()  # two drafts of a gamma-3 block
+    assert not s.blocks and len(s.stream) == 2
+    s.gamma = 1  # adaptive gamma shrank meanwhile
+    d.step()
+    assert [b.tokens for b in s.blocks] == [s.stream[0:1], s.stream[2:3]]  # each after its guessed bonus

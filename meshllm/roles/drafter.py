@@ -259,6 +259,7 @@ class Drafter:
         s.qs = [([], [])] * len(s.stream)
         s.blocks = [br.block] if br.block is not None else []
         self.stats["branch_hits"] += 1
+        self._publish_ready(s)
 
     def _drop_branches(self, s: Session, which: Callable[[Branch], bool] = lambda br: True) -> None:
         for br in [br for br in s.branches if which(br)]:
@@ -404,9 +405,13 @@ class Drafter:
         s.stream.append(tok)
         s.qs.append(q)
         s.runner.append(choices(logits) if s.params.greedy else (1.0, ()))
-        start = s.block_start()
-        if len(s.stream) - start == s.gamma:
-            self._publish(s, start)
+        self._publish_ready(s)
+
+    def _publish_ready(self, s: Session) -> None:
+        """Publish every complete block of the stream: after each earlier block and its guessed
+        bonus, gamma drafts (a gamma that shrank, or an adopted branch, can leave several)."""
+        while len(s.stream) - s.block_start() >= s.gamma:
+            self._publish(s, s.block_start())
 
     def _publish(self, s: Session, start: int) -> None:
         tokens, qs = s.stream[start:start + s.gamma], s.qs[start:start + s.gamma]
