@@ -229,3 +229,13 @@ def test_a_draft_length_that_shrinks_mid_block_still_publishes_every_complete_bl
     s.gamma = 1  # adaptive gamma shrank meanwhile
     d.step()
     assert [b.tokens for b in s.blocks] == [s.stream[0:1], s.stream[2:3]]  # each after its guessed bonus
+
+
+def test_branch_choices_never_repeat_the_drafted_token_even_in_a_tie():
+    from meshllm.roles.drafter import BRANCH_CHOICES, choices
+
+    logits = torch.full((1, 50), -10.0)
+    logits[0, 7] = logits[0, 3] = 2.0  # a tie: argmax drafts 3, topk may list 7 first
+    logits[0, 9], logits[0, 11] = 1.0, 0.5
+    p1, others = choices(logits, 3)
+    assert [t for t, _ in others] == [7, 9][:BRANCH_CHOICES] and abs(p1 - others[0][1]) < 1e-6

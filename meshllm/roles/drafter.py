@@ -293,7 +293,7 @@ class Drafter:
 
     def _extend_branch(self, s: Session, br: Branch, logits: torch.Tensor) -> None:
         br.tokens.append(int(logits.argmax(-1)[0]))
-        br.runner.append(choices(logits))
+        br.runner.append(choices(logits, br.tokens[-1]))
         if len(br.tokens) - br.base == br.gamma:
             br.block = OutBlock(s.next_no, br.base, extend_hash(0, br.tokens[len(s.prompt):br.base]),
                                 br.tokens[br.base:], [([], [])] * br.gamma, time.monotonic(), branch=True)
@@ -404,7 +404,7 @@ class Drafter:
             tok, q = int(top.indices[pick]), (top.indices.tolist(), qp.tolist())
         s.stream.append(tok)
         s.qs.append(q)
-        s.runner.append(choices(logits) if s.params.greedy else (1.0, ()))
+        s.runner.append(choices(logits, tok) if s.params.greedy else (1.0, ()))
         self._publish_ready(s)
 
     def _publish_ready(self, s: Session) -> None:
@@ -458,9 +458,10 @@ class Drafter:
         return out
 
 
-def choices(logits: torch.Tensor) -> Choices:
-    """The probability of the draft's first choice for one row, and its next BRANCH_CHOICES choices
-    with theirs."""
-    top = torch.softmax(logits[0].float(), -1).topk(1 + BRANCH_CHOICES)
-    p, ids = top.values.tolist(), top.indices.tolist()
-    return p[0], tuple(zip(ids[1:], p[1:]))
+def choices(logits: torch.Tensor, drafted: int) -> Choices:
+    """The probability of the token drafted from one row, and the draft's next BRANCH_CHOICES
+    choices with theirs (never the drafted token itself, whatever order a tie puts it in)."""
+    probs = torch.softmax(logits[0].float(), -1)
+    top = probs.topk(2 + BRANCH_CHOICES)
+    others = [(t, p) for t, p in zip(top.indices.tolist(), top.values.tolist()) if t != drafted]
+    return float(probs[drafted]), tuple(others[:BRANCH_CHOICES])
