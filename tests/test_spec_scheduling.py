@@ -232,7 +232,7 @@ def test_a_draft_length_that_shrinks_mid_block_still_publishes_every_complete_bl
 
 
 def test_branch_choices_never_repeat_the_drafted_token_even_in_a_tie():
-    from meshllm.roles.drafter import BRANCH_CHOICES, choices
+    from meshllm.engine.speculative import BRANCH_CHOICES, choices
 
     logits = torch.full((1, 50), -10.0)
     logits[0, 7] = logits[0, 3] = 2.0  # a tie: argmax drafts 3, topk may list 7 first

@@ -160,3 +160,14 @@ def test_branches_that_rescue_broken_verdicts_count_as_hits_and_make_pipelining_
     # a round trip about one draft step long: plain pipelining does not pay, rescued verdicts make it pay
     assert choose_drafting(alpha, 0.1, 0.0, 0.12, True)[1] is False
     assert choose_drafting(alpha, 0.1, 0.0, 0.12, True, rescue=0.5)[1] is True
+
+
+def test_the_best_branch_point_weighs_a_choice_by_the_chance_that_the_stream_reaches_it():
+    from meshllm.engine.speculative import best_branch
+
+    stream = [(0.9, ((5, 0.05),)), (0.5, ((6, 0.4), (7, 0.1))), (0.6, ((8, 0.35),))]
+    assert best_branch(stream, lambda i, r: False, 10) == (0.9 * 0.4, 1, 6)
+    assert best_branch(stream, lambda i, r: (i, r) == (1, 6), 10) == (0.9 * 0.5 * 0.35, 2, 8)
+    assert best_branch(stream, lambda i, r: False, 0) == (0.05, 0, 5)  # no room past index 0
+    assert best_branch(stream, lambda i, r: False, -1) is None
+    assert best_branch([(1.0, ((3, 0.001),))], lambda i, r: False, 5) is None  # below MIN_BRANCH_SCORE

@@ -202,5 +202,34 @@ class AcceptanceStats:
                 dst[int(k)] += int(v)
 
 
+# -- proactive branches (roles/drafter.py) ----------------------------------------------------------
+MIN_BRANCH_SCORE = 0.01  # a branch's estimated chance of being the one that stands
+BRANCH_CHOICES = 2  # a branch starts from the draft's 2nd or 3rd choice at a position
+Choices = tuple[float, tuple[tuple[int, float], ...]]  # p(drafted token), ((token, p) of the next choices)
+
+
+def choices(logits: torch.Tensor, drafted: int) -> Choices:
+    """The probability of the token drafted from one row, and the draft's next BRANCH_CHOICES
+    choices with theirs (never the drafted token itself, whatever order a tie puts it in)."""
+    probs = torch.softmax(logits[0].float(), -1)
+    top = probs.topk(2 + BRANCH_CHOICES)
+    others = [(t, p) for t, p in zip(top.indices.tolist(), top.values.tolist()) if t != drafted]
+    return float(probs[drafted]), tuple(others[:BRANCH_CHOICES])
+
+
+def best_branch(stream: list[Choices], tried, last: int) -> tuple[float, int, int] | None:
+    """The most promising branch point of a drafted stream: (score, stream index i, token r) with
+    r one of the draft's next choices at i, scored P(every earlier stream token stands) x p(r) from
+    the draft's own probabilities; `tried(i, r)` excludes branches already made, `last` is the
+    last index with room for a branch's block; None below MIN_BRANCH_SCORE."""
+    best, chain = None, 1.0
+    for i, (p1, others) in enumerate(stream[:max(0, last + 1)]):
+        for r, p in others:
+            if chain * p >= MIN_BRANCH_SCORE and (best is None or chain * p > best[0]) and not tried(i, r):
+                best = (chain * p, i, r)
+        chain *= p1
+    return best
+
+
 def ewma(old: float | None, new: float, weight: float = 0.2) -> float:
     return new if old is None or math.isnan(old) else (1 - weight) * old + weight * new

@@ -45,7 +45,15 @@ import torch
 
 from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.sampling import SamplingParams, probs, token_generator
-from meshllm.engine.speculative import ASYNC_OUTSTANDING, choose_drafting, ewma, extend_hash
+from meshllm.engine.speculative import (
+    ASYNC_OUTSTANDING,
+    Choices,
+    best_branch,
+    choices,
+    choose_drafting,
+    ewma,
+    extend_hash,
+)
 from meshllm.mesh.protocol import (
     Message,
     MsgType,
@@ -68,10 +76,6 @@ SESSION_IDLE_S = 120.0  # x time_scale: a session with no verdict this long is d
 PREFILL_CHUNK = 256
 LOOKAHEAD_SLACK = 1.1  # look-ahead rows may stretch a draft step by at most this factor
 MAX_BRANCHES = 6  # proactive branches per session at once
-MIN_BRANCH_SCORE = 0.01  # a branch's estimated chance of being the one that stands
-BRANCH_CHOICES = 2  # a branch starts from the draft's 2nd or 3rd choice at a position
-
-Choices = tuple[float, tuple[tuple[int, float], ...]]  # p(first choice), ((token, p) of the next ones)
 
 
 @dataclass
@@ -273,15 +277,8 @@ class Drafter:
         own probabilities."""
         if not s.branching() or len(s.branches) >= MAX_BRANCHES:
             return
-        best, chain, cap = None, 1.0, self._capacity(s)
-        done = len(s.prompt) + len(s.committed)
-        for i, (p1, others) in enumerate(s.runner):
-            if done + i + 1 + s.gamma > cap:
-                break
-            for r, p in others:
-                if (done + i, r) not in s.tried and chain * p >= MIN_BRANCH_SCORE and (best is None or chain * p > best[0]):
-                    best = (chain * p, i, r)
-            chain *= p1
+        cap, done = self._capacity(s), len(s.prompt) + len(s.committed)
+        best = best_branch(s.runner, lambda i, r: (done + i, r) in s.tried, cap - done - 1 - s.gamma)
         if best is None:
             return
         score, i, r = best
@@ -457,11 +454,3 @@ class Drafter:
             out["pacer"] = self.pacer.summary()
         return out
 
-
-def choices(logits: torch.Tensor, drafted: int) -> Choices:
-    """The probability of the token drafted from one row, and the draft's next BRANCH_CHOICES
-    choices with theirs (never the drafted token itself, whatever order a tie puts it in)."""
-    probs = torch.softmax(logits[0].float(), -1)
-    top = probs.topk(2 + BRANCH_CHOICES)
-    others = [(t, p) for t, p in zip(top.indices.tolist(), top.values.tolist()) if t != drafted]
-    return float(probs[drafted]), tuple(others[:BRANCH_CHOICES])
