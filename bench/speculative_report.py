@@ -117,10 +117,12 @@ def model_async_s(alpha: float, gammas: dict[int, int], t_draft: float, t_verify
 
 
 def rescue_share(r: ModeRun) -> float:
-    """Share of the verdicts that broke an async stream whose correction a branch had drafted after."""
+    """Share of the verdicts that broke an async stream whose correction a branch had drafted a
+    whole block after, already published (the model's hit; a branch still drafting when its
+    verdict came saves only part of a block's drafting, and is not counted)."""
     b = r.branches or {}
     tried = b.get("branch_hits", 0) + b.get("branch_misses", 0)
-    return b.get("branch_hits", 0) / tried if tried else 0.0
+    return b.get("branch_hits_ready", b.get("branch_hits", 0)) / tried if tried else 0.0
 
 
 def pipelined_share(spec: dict) -> float | None:
@@ -196,7 +198,8 @@ def report_itl(rows: list[dict], pred: dict, k: float) -> dict:
           "share of fully accepted blocks (async), T_draft (the drafter's busy time / steps), T_verify (the "
           "verifier's verify_ms) and RTT x K; cloud-only: the decode replica's mean paced step; gap/blk: ms per "
           "block (per token for cloud-only) that the model does not explain; rescued: broken verdicts whose "
-          "correction a proactive branch had drafted after (async), of all broken verdicts")
+          "correction a proactive branch had drafted after (async): its block already out + still drafting, of "
+          "all broken verdicts (the model counts the first as hits)")
     head = f"    {'RTT ms':>6} | {'mode':<15} {'ITL':>7} {'model':>7} {'err':>6} {'alpha':>5} {'E[tok]':>6} " \
            f"{'T_d':>6} {'T_v':>6} {'gammas':<14} {'rescued':>7} {'overrun':>7} {'gap/blk':>7}"
     print(head)
@@ -220,7 +223,8 @@ def report_itl(rows: list[dict], pred: dict, k: float) -> dict:
             rep = "*" if any(r.tries > 1 for r in runs) else " "
             hits = sum((r.branches or {}).get("branch_hits", 0) for r in runs)
             broke = hits + sum((r.branches or {}).get("branch_misses", 0) for r in runs)
-            resc = f"{hits}/{broke}" if broke else "-"
+            ready = sum((r.branches or {}).get("branch_hits_ready", 0) for r in runs)
+            resc = f"{ready}+{hits - ready}/{broke}" if broke else "-"
             print(f"    {res['rtt_ms']:>6} | {mode:<15} {itl:>7.1f} {mod:>7.1f} {100 * err:>+5.1f}% {alpha:>5} {etok:>6} "
                   f"{td:>6} {tv:>6} {gh:<14} {resc:>7} {overrun_text(p):>7}{rep}{gap:>7.1f}")
             summary.setdefault(res["rtt_ms"], {})[mode] = {"itl_ms": itl, "model_ms": mod, "err": err}
@@ -257,7 +261,7 @@ def report_itl_goals(summary: dict, rows: list[dict], k: float) -> None:
             with_branches = model_async_s(alpha, {GAMMA: 1}, td, tv, rtt, rescue=rho)
             need = next((x / 100 for x in range(0, 101) if model_async_s(alpha, {GAMMA: 1}, td, tv, rtt, rescue=x / 100)
                          <= 0.6 * sync), None)
-            print(f"    proactive branches rescued {100 * rho:.0f}% of the broken verdicts (async): the model gives "
+            print(f"    proactive branches rescued {100 * rho:.0f}% of the broken verdicts with a whole block (async): the model gives "
                   f"{with_branches / sync:.2f}x sync at gamma={GAMMA}; 0.6x needs "
                   + (f"{100 * need:.0f}% rescued" if need is not None else "more than rescues can give"))
             g = choose_gamma(min(alpha, 0.98), td, 0.0, rtt + tv, True)

@@ -239,3 +239,14 @@ def test_branch_choices_never_repeat_the_drafted_token_even_in_a_tie():
     logits[0, 9], logits[0, 11] = 1.0, 0.5
     p1, others = choices(logits, 3)
     assert [t for t, _ in others] == [7, 9][:BRANCH_CHOICES] and abs(p1 - others[0][1]) < 1e-6
+
+
+def test_a_session_forks_no_more_branches_than_it_drafts_at_once():
+    from meshllm.roles.drafter import BRANCHES_DRAFTING
+
+    d, s, sent = started_drafter()
+    d._rows = lambda mains, branches: [(m, None) for m in mains]  # a server with no room for branch rows
+    for _ in range(12):
+        d.step()
+    assert s.blocks and len(s.branches) == BRANCHES_DRAFTING and all(br.block is None for br in s.branches)
+    assert sorted(d.cache.seq_ids()) == sorted([s.slot] + [br.slot for br in s.branches])

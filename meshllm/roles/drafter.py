@@ -76,6 +76,7 @@ SESSION_IDLE_S = 120.0  # x time_scale: a session with no verdict this long is d
 PREFILL_CHUNK = 256
 LOOKAHEAD_SLACK = 1.1  # look-ahead rows may stretch a draft step by at most this factor
 MAX_BRANCHES = 6  # proactive branches per session at once
+BRANCHES_DRAFTING = 2  # ... of which still drafting (a fork copies the session's KV: only for rows that come)
 
 
 @dataclass
@@ -166,7 +167,7 @@ class Drafter:
         self.busy_s = 0.0
         self.since: float | None = None  # first session's arrival: the busy fraction's window
         self.stats = {"steps": 0, "blocks": 0, "resent": 0, "resyncs": 0, "lookahead_deferred": 0}
-        self.stats.update(branches=0, branch_hits=0, branch_misses=0)
+        self.stats.update(branches=0, branch_hits=0, branch_hits_ready=0, branch_misses=0)
         self.step_s: dict[int, float] = {}  # rows (one token each) -> measured step seconds
         self._next_slot = -1  # branch slots count down (sequence ids are >= 0)
 
@@ -220,7 +221,7 @@ class Drafter:
         s.hash = extend_hash(s.hash, tokens)
         branch = None if kept else self._branch_for(s)
         if done is not None and not kept and s.branching():  # a verdict that broke the stream
-            s.rescue = ewma(s.rescue, float(branch is not None))
+            s.rescue = ewma(s.rescue, float(branch is not None and branch.block is not None))  # a hit in full
             self.stats["branch_misses"] += branch is None
         if kept:  # later blocks were drafted after exactly this: they stand
             s.stream, s.qs, s.runner = s.stream[len(tokens):], s.qs[len(tokens):], s.runner[len(tokens):]
@@ -263,6 +264,7 @@ class Drafter:
         s.qs = [([], [])] * len(s.stream)
         s.blocks = [br.block] if br.block is not None else []
         self.stats["branch_hits"] += 1
+        self.stats["branch_hits_ready"] += br.block is not None  # its block already out: no redrafting at all
         self._publish_ready(s)
 
     def _drop_branches(self, s: Session, which: Callable[[Branch], bool] = lambda br: True) -> None:
@@ -271,11 +273,13 @@ class Drafter:
             self.cache.free(br.slot)
 
     def _grow_branches(self, s: Session) -> None:
-        """Fork the most promising untried branch while the session has room for one: at stream
-        position i (a draft in a block, in flight or being drafted, or a guessed bonus token) the
-        draft's 2nd or 3rd choice r, scored P(every earlier stream token stands) x p(r) from the draft's
-        own probabilities."""
-        if not s.branching() or len(s.branches) >= MAX_BRANCHES:
+        """Fork the most promising untried branch (engine/speculative.py best_branch: at a stream
+        position, a draft in a block in flight or being drafted, or a guessed bonus token, one of
+        the draft's next choices) while the session has room for one: at most MAX_BRANCHES, of
+        which BRANCHES_DRAFTING still drafting, so that a busy draft server, whose steps leave no
+        room for branch rows, does not copy KV for branches that would never be drafted."""
+        if (not s.branching() or len(s.branches) >= MAX_BRANCHES
+                or sum(1 for br in s.branches if br.block is None) >= BRANCHES_DRAFTING):
             return
         cap, done = self._capacity(s), len(s.prompt) + len(s.committed)
         best = best_branch(s.runner, lambda i, r: (done + i, r) in s.tried, cap - done - 1 - s.gamma)
