@@ -11,7 +11,8 @@ import torch
 from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import AcceptanceStats
-from meshllm.roles.drafter import Branch, Drafter, OutBlock, Session
+from meshllm.roles.branches import Branch
+from meshllm.roles.drafter import Drafter, OutBlock, Session
 from meshllm.roles.leader import Leader, Seq
 from meshllm.roles.pacer import Pacer
 from meshllm.roles.verifier import Block, Verifier
@@ -242,7 +243,7 @@ def test_branch_choices_never_repeat_the_drafted_token_even_in_a_tie():
 
 
 def test_a_session_forks_no_more_branches_than_it_drafts_at_once():
-    from meshllm.roles.drafter import BRANCHES_DRAFTING
+    from meshllm.roles.branches import BRANCHES_DRAFTING
 
     d, s, sent = started_drafter()
     d._rows = lambda mains, branches: [(m, None) for m in mains]  # a server with no room for branch rows

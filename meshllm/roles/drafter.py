@@ -20,8 +20,8 @@ Modes:
   in a branch of its own (a forked KV slot), published before the verdict that would need it. The
   verifier takes whichever block was drafted after exactly the committed prefix, so when the
   target's correction is that runner-up, the branch's block is verified at once, no round trip,
-  and the drafter adopts the branch as its stream. Branch rows ride only in the room a draft step
-  has left (the same measured rule as look-ahead rows).
+  and the drafter adopts the branch as its stream (roles/branches.py). Branch rows ride only in
+  the room a draft step has left (the same measured rule as look-ahead rows).
 - sync: draft gamma, send, wait for the verdict, repeat (the baseline the seeds argue against).
 
 Every block carries (session, block number, committed length and hash it was drafted after), so
@@ -48,7 +48,6 @@ from meshllm.engine.sampling import SamplingParams, probs, token_generator
 from meshllm.engine.speculative import (
     ASYNC_OUTSTANDING,
     Choices,
-    best_branch,
     choices,
     choose_drafting,
     ewma,
@@ -64,6 +63,7 @@ from meshllm.mesh.protocol import (
     check_seq,
     make,
 )
+from meshllm.roles.branches import Branch, Branches
 from meshllm.roles.pacer import Pacer
 
 log = logging.getLogger("meshllm.drafter")
@@ -75,8 +75,6 @@ DRAFT_SALT = 0xD7AF7  # the drafter's sampling generators differ from the target
 SESSION_IDLE_S = 120.0  # x time_scale: a session with no verdict this long is dropped
 PREFILL_CHUNK = 256
 LOOKAHEAD_SLACK = 1.1  # look-ahead rows may stretch a draft step by at most this factor
-MAX_BRANCHES = 6  # proactive branches per session at once
-BRANCHES_DRAFTING = 2  # ... of which still drafting (a fork copies the session's KV: only for rows that come)
 
 
 @dataclass
@@ -88,21 +86,6 @@ class OutBlock:
     qs: list[tuple[list[int], list[float]]]
     sent: float
     branch: bool = False  # drafted in a proactive branch
-
-
-@dataclass
-class Branch:
-    """A proactive branch of a session: the draft's runner-up at one position of its stream, then
-    a block drafted after it. `tokens` is the whole sequence (prompt, output, the path to the
-    runner-up, then the drafts); the runner-up sits at `base - 1` and the block starts at `base`."""
-    slot: int  # its own draft KV slot (forked from the session's)
-    tokens: list[int]
-    base: int
-    fed: int
-    score: float
-    gamma: int
-    runner: list[Choices] = field(default_factory=list)  # per drafted token
-    block: OutBlock | None = None  # published
 
 
 @dataclass
@@ -125,7 +108,6 @@ class Session:
     fed: int = 0  # tokens of prompt + committed + stream in the draft KV
     blocks: list[OutBlock] = field(default_factory=list)  # published, no verdict yet
     next_no: int = 0
-    block_end: int = 0  # stream index where the block being drafted ends
     heard: float = field(default_factory=time.monotonic)  # last SESSION / VERDICT for it
     alpha: float | None = None  # per-token acceptance estimate
     rtt_s: float | None = None
@@ -167,9 +149,8 @@ class Drafter:
         self.busy_s = 0.0
         self.since: float | None = None  # first session's arrival: the busy fraction's window
         self.stats = {"steps": 0, "blocks": 0, "resent": 0, "resyncs": 0, "lookahead_deferred": 0}
-        self.stats.update(branches=0, branch_hits=0, branch_hits_ready=0, branch_misses=0)
         self.step_s: dict[int, float] = {}  # rows (one token each) -> measured step seconds
-        self._next_slot = -1  # branch slots count down (sequence ids are >= 0)
+        self.branches = Branches(self.cache, self.stats, self._capacity)
 
     def _capacity(self, s: Session) -> int:
         return min(len(s.prompt) + s.max_tokens + 2 * s.gamma + 2, self.model.args.max_seq_len)
@@ -219,17 +200,13 @@ class Drafter:
         kept = done is not None and s.stream[:len(tokens)] == tokens  # the bonus guess came true
         s.committed += tokens
         s.hash = extend_hash(s.hash, tokens)
-        branch = None if kept else self._branch_for(s)
-        if done is not None and not kept and s.branching():  # a verdict that broke the stream
-            s.rescue = ewma(s.rescue, float(branch is not None and branch.block is not None))  # a hit in full
-            self.stats["branch_misses"] += branch is None
+        branch = self.branches.after_verdict(s, kept, done is not None)
         if kept:  # later blocks were drafted after exactly this: they stand
             s.stream, s.qs, s.runner = s.stream[len(tokens):], s.qs[len(tokens):], s.runner[len(tokens):]
             s.blocks = [b for b in s.blocks if b.no != done.no]
-            done_len = len(s.prompt) + len(s.committed)
-            self._drop_branches(s, lambda br: br.base <= done_len)  # they left the committed path
-        elif branch is not None:  # a runner-up came true: the branch drafted after it is the stream now
-            self._adopt(s, branch)
+        elif branch is not None:  # a choice it branched to came true: that branch is the stream now
+            self.branches.adopt(s, branch)
+            self._publish_ready(s)
         else:
             self._rollback(s, len(s.prompt) + len(s.committed) - 1)
         s.tried = {t for t in s.tried if t[0] >= len(s.prompt) + len(s.committed)} if kept else set()
@@ -245,52 +222,9 @@ class Drafter:
     def _rollback(self, s: Session, keep: int) -> None:
         """Drop the speculative stream, its blocks and branches; the draft KV keeps `keep` positions at most."""
         s.stream, s.qs, s.runner, s.blocks = [], [], [], []
-        self._drop_branches(s)
+        self.branches.drop(s)
         s.fed = min(s.fed, keep)
         self.cache.truncate(s.slot, min(self.cache.length(s.slot), s.fed))
-
-    # -- proactive branches ---------------------------------------------------------------------
-    def _branch_for(self, s: Session) -> Branch | None:
-        """The branch drafted after exactly the committed output, if any."""
-        done = s.prompt + s.committed
-        return next((br for br in s.branches if br.base == len(done) and br.tokens[:br.base] == done), None)
-
-    def _adopt(self, s: Session, br: Branch) -> None:
-        s.branches.remove(br)
-        self._drop_branches(s)
-        self.cache.free(s.slot)
-        s.slot, s.fed = br.slot, br.fed
-        s.stream, s.runner = br.tokens[br.base:], list(br.runner)
-        s.qs = [([], [])] * len(s.stream)
-        s.blocks = [br.block] if br.block is not None else []
-        self.stats["branch_hits"] += 1
-        self.stats["branch_hits_ready"] += br.block is not None  # its block already out: no redrafting at all
-        self._publish_ready(s)
-
-    def _drop_branches(self, s: Session, which: Callable[[Branch], bool] = lambda br: True) -> None:
-        for br in [br for br in s.branches if which(br)]:
-            s.branches.remove(br)
-            self.cache.free(br.slot)
-
-    def _grow_branches(self, s: Session) -> None:
-        """Fork the most promising untried branch (engine/speculative.py best_branch: at a stream
-        position, a draft in a block in flight or being drafted, or a guessed bonus token, one of
-        the draft's next choices) while the session has room for one: at most MAX_BRANCHES, of
-        which BRANCHES_DRAFTING still drafting, so that a busy draft server, whose steps leave no
-        room for branch rows, does not copy KV for branches that would never be drafted."""
-        if (not s.branching() or len(s.branches) >= MAX_BRANCHES
-                or sum(1 for br in s.branches if br.block is None) >= BRANCHES_DRAFTING):
-            return
-        cap, done = self._capacity(s), len(s.prompt) + len(s.committed)
-        best = best_branch(s.runner, lambda i, r: (done + i, r) in s.tried, cap - done - 1 - s.gamma)
-        if best is None:
-            return
-        score, i, r = best
-        s.tried.add((done + i, r))
-        slot, self._next_slot = self._next_slot, self._next_slot - 1
-        self.cache.fork(s.slot, slot, done + i, cap)
-        s.branches.append(Branch(slot, s.tokens[:done + i] + [r], done + i + 1, done + i, score, s.gamma))
-        self.stats["branches"] += 1
 
     def _extend_branch(self, s: Session, br: Branch, logits: torch.Tensor) -> None:
         br.tokens.append(int(logits.argmax(-1)[0]))
@@ -322,7 +256,7 @@ class Drafter:
     def end(self, seq: int) -> None:
         s = self.sessions.pop(seq, None)
         if s is not None:
-            self._drop_branches(s)
+            self.branches.drop(s)
             self.cache.free(s.slot)
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -331,7 +265,7 @@ class Drafter:
         now = time.monotonic()
         self._resend(now)
         for s in self.sessions.values():
-            self._grow_branches(s)
+            self.branches.grow(s)
         ready = self._rows([s for s in self.sessions.values()
                             if s.can_draft() and len(s.tokens) < self.model.args.max_seq_len],
                            [(s, br) for s in self.sessions.values() for br in s.branches if br.block is None])
