@@ -129,16 +129,20 @@ def test_a_session_counts_its_look_ahead_blocks_that_stood_and_those_that_went_s
     leader = type("L", (), {"seqs": {1: s}, "rid": 0})()
     v = Verifier(leader, lambda *a: None, lambda node: True)
 
-    def draft(no: int, start: int) -> None:
+    def draft(no: int, start: int, branch: bool = False) -> None:
         v.on_draft(make(MsgType.DRAFT, tensors={"q_ids": torch.zeros((0, 0), dtype=torch.int32),
                                                 "q_p": torch.zeros((0, 0), dtype=torch.float16)},
                         tenant="edge", seq=1, block=no, start=start, after=5, hash=s.hash, tokens=[7, 7],
-                        plan_version=0), ARGS.vocab_size)
+                        plan_version=0, branch=branch), ARGS.vocab_size)
 
     draft(0, s.context)  # drafted after the committed prefix: not ahead
     draft(1, s.context + 3)  # drafted ahead of block 0's verdict
     draft(2, s.context - 1)  # its prefix is already gone: stale on arrival
     assert [v.pending[1][n].ahead for n in (0, 1)] == [False, True] and 2 not in v.pending[1]
+    draft(3, s.context - 1, branch=True)  # a proactive branch that lost: dropped, not stale look-ahead
+    draft(4, s.context + 1, branch=True)
+    assert 3 not in v.pending[1] and v.pending[1][4].branch and v.stats.stale == 1
+    del v.pending[1][4]
     v.record(s, v.pending[1][1], 2, 2, 0.01)
     js = s.spec.to_json()
     assert (js["ahead_blocks"], js["stale_blocks"], js["blocks"]) == (1, 1, 1)
@@ -193,6 +197,7 @@ def test_an_async_session_drafts_branches_after_its_runner_up_tokens_and_adopts_
     assert br.tokens[br.base - 1] in [r for r, _ in s.runner[i][1]]
     msg = next(m for m in sent if m["block"] == br.block.no)  # published like any block, after its own prefix
     assert (msg["start"], msg["after"], msg["tokens"]) == (br.base, br.tokens[br.base - 1], br.tokens[br.base:])
+    assert msg.fields.get("branch") is True
     assert msg["hash"] == extend_hash(0, br.tokens[3:br.base])
     # the verdict of block 0: the first i drafts stood, then the target's token is that runner-up
     b0 = s.blocks[0]

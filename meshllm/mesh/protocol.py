@@ -117,7 +117,8 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
                            "plan_version": _INT}, ("k", "v")),
     # a block of drafts for `seq`, drafted after the committed prefix of length `start` whose hash is
     # `hash` and whose last token is `after`; q_ids, q_p: (gamma, K) the draft's truncated
-    # distribution of each drafted token (shape (0, 0) for greedy blocks)
+    # distribution of each drafted token (shape (0, 0) for greedy blocks); optional `branch`: true when
+    # drafted in a proactive branch (after one of the draft's other choices, roles/branches.py)
     MsgType.DRAFT: ({"tenant": _STR, "seq": _INT, "block": _INT, "start": _INT, "after": _INT, "hash": _INT,
                      "tokens": _LIST, "plan_version": _INT}, ("q_ids", "q_p")),
     # the outcome of block `block` (-1: a step without a draft): `tokens` were committed, the

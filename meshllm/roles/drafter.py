@@ -363,7 +363,7 @@ class Drafter:
         q_p = torch.zeros((0, 0), dtype=torch.float16) if greedy else torch.tensor([q[1] for q in b.qs]).half()
         after = (tokens or s.tokens)[b.start - 1]
         return make(MsgType.DRAFT, tensors={"q_ids": q_ids, "q_p": q_p}, tenant=self.me, seq=s.seq, block=b.no,
-                    start=b.start, after=after, hash=b.hash, tokens=b.tokens, plan_version=0)
+                    start=b.start, after=after, hash=b.hash, tokens=b.tokens, plan_version=0, branch=b.branch)
 
     def _resend(self, now: float) -> None:
         for s in [s for s in self.sessions.values() if now - s.heard > self.idle_s]:

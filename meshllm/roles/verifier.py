@@ -8,7 +8,9 @@ tenants' blocks in one ragged forward (Orca-style iteration batching). The last 
 the acceptance rule (engine/speculative.py) and the leader commits the result; the verifier then
 answers the drafter (VERDICT) and records acceptance. Blocks drafted after a prefix that is no
 longer the committed one (an asynchronous drafter's guess that lost) are stale and dropped;
-duplicates (a resent block) are harmless for the same reason.
+duplicates (a resent block) are harmless for the same reason. A drafter's proactive branches
+(roles/branches.py) are blocks like any other, drafted after a prefix a verdict may commit; the
+ones that lose are dropped the same way but not counted as stale look-ahead.
 
 Fallback: a sequence whose drafter is gone (dead or left) is decoded autoregressively at once; one
 whose drafter is alive but late waits at most `fallback_s` per step, then takes a plain step (the
@@ -36,7 +38,7 @@ log = logging.getLogger("meshllm.verifier")
 
 FALLBACK_MIN_S = 1.0  # x time_scale: the least a ready sequence waits for its drafter's block
 FALLBACK_INTERVALS = 4.0  # ... or this many of its recent block intervals, whichever is longer
-MAX_PENDING = 16  # blocks kept per tenant (newest win): a runaway drafter cannot fill the memory
+MAX_PENDING = 16  # blocks kept per tenant, branches included (newest win): a runaway drafter cannot fill the memory
 WAIT = object()  # take(): no block yet, keep waiting
 
 
@@ -50,6 +52,7 @@ class Block:
     q_p: torch.Tensor | None
     received: float
     ahead: bool = False  # arrived before its prefix was committed: drafted ahead of a verdict
+    branch: bool = False  # drafted in a proactive branch (after one of the draft's other choices)
 
 
 def draft_topic(rid: int) -> str:
@@ -75,8 +78,9 @@ class Verifier:
         if s is None or s.drafter != msg["tenant"]:
             return  # not (or no longer) ours: stale, finished, or another tenant's id
         tokens = check_int_list(msg["tokens"], "draft tokens", 0, vocab - 1, 64)
+        branch = msg.fields.get("branch") is True
         if not tokens or msg["start"] < s.context:
-            self._stale(s)
+            self._stale(s, branch)
             return
         q_ids = q_p = None
         qi, qp = msg.tensors["q_ids"], msg.tensors["q_p"]
@@ -88,14 +92,16 @@ class Verifier:
                 raise ProtocolError(f"seq {seq}: draft distribution out of range")
         blocks = self.pending.setdefault(seq, {})
         blocks[msg["block"]] = Block(msg["block"], msg["start"], msg["hash"], tokens, q_ids, q_p, time.monotonic(),
-                                     msg["start"] > s.context)
+                                     msg["start"] > s.context, branch)
         while len(blocks) > MAX_PENDING:
             del blocks[min(blocks)]
 
-    def _stale(self, s) -> None:
-        """A block of `s` drafted after a prefix that lost: counted for the session and in all."""
-        self.stats.stale += 1
-        s.spec.stale += 1
+    def _stale(self, s, branch: bool = False) -> None:
+        """A block of `s` drafted after a prefix that lost: counted for the session and in all (a
+        branch's is not look-ahead: not counted)."""
+        if not branch:
+            self.stats.stale += 1
+            s.spec.stale += 1
 
     # -- the leader's questions ---------------------------------------------------------------------
     def oldest(self, s) -> float:
@@ -114,7 +120,7 @@ class Verifier:
             b = blocks[no]
             if b.start < s.context:
                 del blocks[no]
-                self._stale(s)
+                self._stale(s, b.branch)
             elif b.start == s.context and b.hash == s.hash:
                 del blocks[no]
                 s.waiting_since = None
