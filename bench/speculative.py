@@ -391,7 +391,8 @@ def measure_mode(m: Mesh, clock: DrafterClock, mode: str, ext: dict, tokens: int
         w = clock.window(arr[0], arr[-1])  # after the drafter's prompt step
         r.t_draft_s = w[1] / w[2] if w and w[2] else None
         d0, d1 = (x.get("edge-1", {}).get("drafter") or {} for x in (before, after))
-        r.branches = {key: d1.get(key, 0) - d0.get(key, 0) for key in ("branches", "branch_hits", "branch_hits_ready", "branch_misses")}
+        r.branches = {key: d1.get(key, 0) - d0.get(key, 0) for key in ("branches", "branch_hits", "branch_hits_ready", "branch_misses",
+                                                                "verdicts", "pipelined_verdicts")}
     return r
 
 

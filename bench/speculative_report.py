@@ -101,12 +101,15 @@ def model_async_s(alpha: float, gammas: dict[int, int], t_draft: float, t_verify
     (the share of the session's verdicts that had a look-ahead block behind them: the rule decides
     on running estimates, early ones included), replaces that rule: each block costs that share of
     a pipelined block and the rest of a synchronous one. `rescue`: the measured share of broken
-    verdicts that a proactive branch turned into hits."""
+    verdicts that a proactive branch turned into hits. An async session branches whether or not
+    it pipelines, and without look-ahead every verdict breaks its stream: a rescued one is
+    followed by a block already at the verifier (one verification), the rest by a synchronous
+    block."""
     n = sum(gammas.values())
     per = {}
     for g in gammas:
         piped = async_epoch(alpha, g, t_draft, t_verify, rtt, hit if len(gammas) == 1 else None, rescue=rescue)
-        plain = (sync_block_s(g, t_draft, t_verify, rtt), expected_tokens(alpha, g))
+        plain = ((1 - rescue) * sync_block_s(g, t_draft, t_verify, rtt) + rescue * t_verify, expected_tokens(alpha, g))
         if pipelined is not None:
             per[g] = (pipelined * piped[0] + (1 - pipelined) * plain[0], plain[1])
             continue
@@ -125,9 +128,14 @@ def rescue_share(r: ModeRun) -> float:
     return b.get("branch_hits_ready", b.get("branch_hits", 0)) / tried if tried else 0.0
 
 
-def pipelined_share(spec: dict) -> float | None:
-    """Share of a session's verdicts that had a look-ahead block behind it: look-ahead blocks that
-    stood (`ahead_blocks`) or were dropped as stale, over its verified blocks (None: not reported)."""
+def pipelined_share(r: ModeRun) -> float | None:
+    """Share of a session's verdicts that came while it drafted ahead (the drafter counts them:
+    `pipelined_verdicts` / `verdicts`); from runs saved before it did, look-ahead blocks that stood
+    (`ahead_blocks`) or were dropped as stale, over its verified blocks (None: not reported)."""
+    b = r.branches or {}
+    if b.get("verdicts"):
+        return b["pipelined_verdicts"] / b["verdicts"]
+    spec = r.spec or {}
     if "ahead_blocks" not in spec or not spec.get("blocks"):
         return None
     return min(1.0, (spec["ahead_blocks"] + spec.get("stale_blocks", 0)) / spec["blocks"])
@@ -150,7 +158,7 @@ def fill_models(res: dict, pred: dict) -> None:
                 hit = full_share(r.spec) * r.alpha if len(gh) == 1 else None
                 adaptive = mode == "async+adaptive"
                 r.model_ms = 1000 * model_async_s(r.alpha, gh, td, r.t_verify_s, rtt, hit, adaptive,
-                                                  pipelined_share(r.spec) if adaptive else None, rescue_share(r))
+                                                  pipelined_share(r) if adaptive else None, rescue_share(r))
 
 
 # -- report ---------------------------------------------------------------------------------------------

@@ -148,7 +148,8 @@ class Drafter:
         self.idle_s = SESSION_IDLE_S * time_scale
         self.busy_s = 0.0
         self.since: float | None = None  # first session's arrival: the busy fraction's window
-        self.stats = {"steps": 0, "blocks": 0, "resent": 0, "resyncs": 0, "lookahead_deferred": 0}
+        self.stats = {"steps": 0, "blocks": 0, "resent": 0, "resyncs": 0, "lookahead_deferred": 0, "verdicts": 0,
+                      "pipelined_verdicts": 0}
         self.step_s: dict[int, float] = {}  # rows (one token each) -> measured step seconds
         self.branches = Branches(self.cache, self.stats, self._capacity)
 
@@ -196,6 +197,8 @@ class Drafter:
         """Block `msg["block"]` committed `tokens` (accepted drafts + the target's token)."""
         done = next((b for b in s.blocks if b.no == msg["block"]), None)
         if done is not None:
+            self.stats["verdicts"] += 1
+            self.stats["pipelined_verdicts"] += s.mode == "async" and s.pipeline  # drafting ahead of it
             self._learn(s, done, msg["accepted"], time.monotonic())
         kept = done is not None and s.stream[:len(tokens)] == tokens  # the bonus guess came true
         s.committed += tokens
