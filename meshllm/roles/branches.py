@@ -76,7 +76,9 @@ class Branches:
         done = s.prompt + s.committed
         if kept:
             self.drop(s, lambda br: br.base <= len(done))
+            s.tried = {t for t in s.tried if t[0] >= len(done)}
             return None
+        s.tried = set()  # the stream is replaced (a branch's or none): its positions start over
         branch = next((br for br in s.branches if br.base == len(done) and br.tokens[:br.base] == done), None)
         if verified and s.branching():  # a verdict that broke the stream
             s.rescue = ewma(s.rescue, float(branch is not None and branch.block is not None))  # a hit in full

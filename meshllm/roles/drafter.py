@@ -212,7 +212,6 @@ class Drafter:
             self._publish_ready(s)
         else:
             self._rollback(s, len(s.prompt) + len(s.committed) - 1)
-        s.tried = {t for t in s.tried if t[0] >= len(s.prompt) + len(s.committed)} if kept else set()
 
     def _resync(self, s: Session, out: list[int]) -> None:
         """Adopt the verifier's whole output; keep the KV of the longest common prefix."""
@@ -233,11 +232,8 @@ class Drafter:
         br.tokens.append(int(logits.argmax(-1)[0]))
         br.runner.append(choices(logits, br.tokens[-1]))
         if len(br.tokens) - br.base == br.gamma:
-            br.block = OutBlock(s.next_no, br.base, extend_hash(0, br.tokens[len(s.prompt):br.base]),
-                                br.tokens[br.base:], [([], [])] * br.gamma, time.monotonic(), branch=True)
-            s.next_no += 1
-            self.stats["blocks"] += 1
-            self.publish(self._message(s, br.block, br.tokens), s.rid)
+            br.block = self._send_block(s, br.base, extend_hash(0, br.tokens[len(s.prompt):br.base]),
+                                        br.tokens[br.base:], [([], [])] * br.gamma, br.tokens)
 
     def _learn(self, s: Session, b: OutBlock, accepted: int, now: float) -> None:
         """Acceptance and round-trip estimates for adaptive gamma."""
@@ -352,13 +348,19 @@ class Drafter:
             self._publish(s, s.block_start())
 
     def _publish(self, s: Session, start: int) -> None:
-        tokens, qs = s.stream[start:start + s.gamma], s.qs[start:start + s.gamma]
-        b = OutBlock(s.next_no, len(s.prompt) + len(s.committed) + start,
-                     extend_hash(s.hash, s.stream[:start]), tokens, qs, time.monotonic())
+        s.blocks.append(self._send_block(s, len(s.prompt) + len(s.committed) + start,
+                                         extend_hash(s.hash, s.stream[:start]), s.stream[start:start + s.gamma],
+                                         s.qs[start:start + s.gamma]))
+
+    def _send_block(self, s: Session, start: int, h: int, tokens: list[int], qs: list,
+                    branch_tokens: list[int] | None = None) -> OutBlock:
+        """Number and publish a block of `s` drafted after its first `start` tokens (hash `h` of
+        their output part): of its stream, or of a branch whose whole sequence is `branch_tokens`."""
+        b = OutBlock(s.next_no, start, h, tokens, qs, time.monotonic(), branch=branch_tokens is not None)
         s.next_no += 1
-        s.blocks.append(b)
         self.stats["blocks"] += 1
-        self.publish(self._message(s, b), s.rid)
+        self.publish(self._message(s, b, branch_tokens), s.rid)
+        return b
 
     def _message(self, s: Session, b: OutBlock, tokens: list[int] | None = None) -> Message:
         greedy = s.params.greedy
