@@ -119,6 +119,25 @@ def test_mixed_replica_chunks_prompts_into_decode_steps(demo):
     assert free >= 16 and ring.decode_iter_s(6, 80, free, 50) <= ring.decode_iter_s(6, 80) * 1.02
 
 
+def test_a_sequence_joins_the_next_micro_batch_not_the_next_iteration(demo):
+    """A 3-stage decode replica running 3 sequences launches a micro-batch every third of a step
+    (roles/leader.py): a request whose KV lands mid-step waits at most that long for a slot, and
+    the cut run costs the running sequences no tokens."""
+    _, inp = demo
+    pre = replica(inp, 0, "prefill", ["fog-4"], (30,))
+    dec = replica(inp, 1, "decode", ["fog-1", "fog-2", "fog-3"], (10, 10, 10))
+    step = dec.decode_iter_s(3, 140)
+    waits = []
+    for k in range(12):  # the newcomer's KV lands at 12 phases of the running iteration
+        reqs = [Request(i, 0.001 * i, 100, 400) for i in range(3)] + [Request(3, 2.0 + k * step / 12, 100, 5)]
+        out = Simulator([pre, dec], reqs).run()
+        waits.append(out[3].slot_wait_s)
+        assert all(sum(n for _, n in r.gaps) == r.n_out - 1 for r in out)  # every token once
+        assert all(r.done >= r.last_token >= r.first_token for r in out)
+    assert max(waits) <= step / 3 * 1.05
+    assert max(waits) > step / 6  # it does wait for a launch (the phases cover the step)
+
+
 def test_mixed_replica_never_ships_kv(demo):
     _, inp = demo
     reps = [replica(inp, 0, "mixed", ["fog-1"], (30,)), replica(inp, 1, "mixed", ["fog-2"], (30,))]

@@ -11,9 +11,13 @@
   overflow its memory.
 - KV shipping: every prefill stage sends the KV of its layers to the decode stages holding
   them, started together; done when the last one is.
-- Decode replicas batch at iteration level (Orca): sequences join at iteration boundaries up
-  to the memory-limited batch; an iteration costs `decode_iter_s(batch, mean context)`.
-  Runs of iterations are one event, cut short when a request could join. Their activations
+- Decode replicas batch at iteration level (Orca): up to the memory-limited batch; an
+  iteration costs `decode_iter_s(batch, mean context)`, in min(stages, batch) micro-batches
+  that follow each other through the pipeline, and (as roles/leader.py does) a sequence joins
+  the next micro-batch launched, not the next whole iteration: a run can be cut at every
+  1/micro of a step. A sequence keeps its progress towards its next token (a fraction of a
+  step), so a cut run costs nobody any work. Runs of iterations are one event, cut short when
+  a request could join. Their activations
   are booked on the ports when the run ends (work-conserving: they delay KV arriving later).
 - Mixed replicas never ship KV; they prefill in chunks that ride along their decode steps
   (chunked prefill, as vLLM and Sarathi-Serve do): one prompt at a time, as many of its
@@ -66,7 +70,7 @@ class RepState:
     kv_cap: float
     queue: deque = field(default_factory=deque)  # prompts waiting for prefill
     waiting: deque = field(default_factory=deque)  # KV arrived, waiting for a decode slot
-    active: list = field(default_factory=list)  # [request, tokens left]
+    active: list = field(default_factory=list)  # [request, tokens left, progress towards the next one]
     pending_kv: float = 0.0  # tokens of prefilled KV not yet shipped
     busy: bool = False
     chunk: tuple = ()  # (start, step, iterations, prompt tokens per step, step without them) in flight
@@ -177,7 +181,7 @@ class Simulator:
             req.slot_wait_s += self.now - req.kv_ready
             req.decode_start = self.now
             st.load.waiting -= 1
-            st.active.append([req, req.n_out - 1])
+            st.active.append([req, req.n_out - 1, 0.0])
         if st.rep.role == "mixed":
             self.start_prompts(st)
         st.load.active = len(st.active)
@@ -205,61 +209,66 @@ class Simulator:
     def run_steps(self, st: RepState) -> None:
         """Start a run of identical steps: until a sequence finishes or the prompts are prefilled."""
         b = len(st.active)
-        ctx = sum(r.n_in + r.n_out - left for r, left in st.active) / b if b else 0.0
+        ctx = sum(r.n_in + r.n_out - left for r, left, _ in st.active) / b if b else 0.0
         base = st.rep.decode_iter_s(b, ctx) if b else 0.0
-        iters = min((left for _, left in st.active), default=math.inf)
+        iters = min((left - part for _, left, part in st.active), default=math.inf)
         chunk, pos, prompts = 0, 0.0, 0
+        micro = max(1, min(len(st.rep.members), b))  # micro-batches of a step (replica.fused_step_s)
         if len(st.prefilling) > 1 or (st.prefilling and st.load.prefill_queued >= b):  # whole prompts
             lefts = [r.n_in - done for r, done in st.prefilling]
-            chunk, iters, prompts = sum(lefts), 1, len(lefts)
+            chunk, iters, prompts, micro = sum(lefts), 1, len(lefts), 1  # a whole prompt's step is not cut
             pos = chunk / 2 + sum(x * x for x in lefts) / (2 * chunk)  # attention of separate prompts
         elif st.prefilling:
             req, done = st.prefilling[0]
             chunk = min(req.n_in - done, st.rep.chunk_tokens(b, ctx, req.n_in, st.load.prefill_queued_tokens))
             iters, pos = min(iters, math.ceil((req.n_in - done) / chunk)), done + chunk
         if chunk and not b and len(st.prefilling) == 1 and st.prefilling[0][1] == 0:
-            step = st.rep.prefill_s(chunk)[1]  # a whole prompt alone
+            step, micro = st.rep.prefill_s(chunk)[1], 1  # a whole prompt alone
         else:
             step = st.rep.decode_iter_s(b, ctx, chunk, pos, prompts)
-        st.load.tokens_left = sum(left for _, left in st.active) / b if b else 0.0
-        st.busy, st.chunk = True, (self.now, step, iters, chunk, base)
+        st.load.tokens_left = sum(left for _, left, _ in st.active) / b if b else 0.0
+        st.busy, st.chunk = True, (self.now, step, iters, chunk, base, micro)
         self.push(self.now + step * iters, self.on_chunk, st, st.version)
 
     def cut_chunk(self, st: RepState) -> None:
-        """A request could join: end the run at the next step boundary."""
+        """A request could join: end the run at the next micro-batch launch (1/micro of a step)."""
         if not st.chunk:
             return
-        start, step, iters, chunk, base = st.chunk
-        done = max(1, math.ceil((self.now - start) / step - 1e-9))
-        if done < iters:
+        start, step, iters, chunk, base, micro = st.chunk
+        done = max(1, math.ceil((self.now - start) / step * micro - 1e-9)) / micro
+        if done < iters - 1e-9:
             st.version += 1
-            st.chunk = (start, step, done, chunk, base)
+            st.chunk = (start, step, done, chunk, base, micro)
             self.push(start + step * done, self.on_chunk, st, st.version)
 
     def on_chunk(self, st: RepState, version: int) -> None:
         if version != st.version:
             return
-        start, step, iters, chunk, base = st.chunk
+        start, step, iters, chunk, base, _ = st.chunk
         st.busy, st.chunk = False, ()
         keep = []
         for item in st.active:
-            req = item[0]
-            req.gaps.append((start + step - req.last_token, 1))
-            if iters > 1:
-                req.gaps.append((step, iters - 1))
+            req, _, part = item
+            tokens = math.floor(part + iters + 1e-9)  # whole tokens this run completed
+            if tokens:
+                first = start + step * (1.0 - part)
+                req.gaps.append((first - req.last_token, 1))
+                if tokens > 1:
+                    req.gaps.append((step, tokens - 1))
+                req.last_token = first + step * (tokens - 1)
             if chunk:  # the prompt riding along made these steps longer
                 req.wait_s += iters * (step - base)
                 req.paused_s += iters * (step - base)
-            req.last_token = self.now
-            item[1] -= iters
+            item[1] -= tokens
+            item[2] = max(0.0, part + iters - tokens) if item[1] > 0 else 0.0
             if item[1] <= 0:
-                req.done = self.now
+                req.done = req.last_token
             else:
                 keep.append(item)
         self.book_activations(st, start, len(st.active) * iters)
         st.active = keep
         if chunk:
-            self.advance_prompt(st, iters * chunk)
+            self.advance_prompt(st, math.floor(iters * chunk + 1e-9))
         self.try_iterate(st)
 
     def advance_prompt(self, st: RepState, tokens: int) -> None:
@@ -280,7 +289,7 @@ class Simulator:
             if req.n_out <= 1:
                 req.done = self.now
             else:
-                st.active.append([req, req.n_out - 1])
+                st.active.append([req, req.n_out - 1, 0.0])
         st.prefilling = keep
 
     def book_activations(self, st: RepState, start: float, tokens: int) -> None:
