@@ -465,7 +465,7 @@ def run_starsd(m: Mesh, clock: DrafterClock, cfg: dict, log) -> dict:
 
 
 # -- main -----------------------------------------------------------------------------------------------
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer RTTs, tenants and tokens (~5 min)")
     ap.add_argument("--parts", default="engine,a,b,c")
@@ -482,7 +482,11 @@ def main() -> None:
     ap.add_argument("--from-json", default=None, metavar="A.json[,B.json]",
                     help="measure nothing: report (and plot) the runs saved in these files, later ones "
                          "replacing earlier ones part by part (e.g. a full run, then a rerun of --parts a)")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     parts = set(a.parts.split(","))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -491,17 +495,27 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t_start:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
+    if a.from_json:
+        results, parts = saved_results(a.from_json.split(","))
+    else:
+        results = measure(a, parts, log)
+    text = report(a, results, parts, out, time.monotonic() - t_start)
+    print(text, end="")
+    (out / "speculative.txt").write_text(text)
+    (out / "speculative.json").write_text(json.dumps(results, default=lambda o: o.__dict__, indent=1))
+
+
+def measure(a: argparse.Namespace, parts: set[str], log) -> dict:
+    """Run the parts asked for (engine, a, b, c) and return their raw results."""
     rtts = tuple(float(r) for r in a.rtts.split(",")) if a.rtts else (0, 100) if a.quick else RTTS_MS
     itl_tokens, repeats = (16, 1) if a.quick else (32, 1)
     star = {"modes": ("async", "sync"), "sessions": (1, 4) if a.quick else STAR_SESSIONS, "tokens": 16 if a.quick else 20}
     tenants = (1, 4) if a.quick else TENANTS
     results: dict = {}
-    if a.from_json:
-        results, parts = saved_results(a.from_json.split(","))
-    if "engine" in parts and not a.from_json:
+    if "engine" in parts:
         log("(engine) verification cost and draft acceptance, in process")
         results["engine"] = bench_engine(5 if a.quick else 15, 2 if a.quick else 8, 16 if a.quick else 64)
-    if ("a" in parts or "c" in parts) and not a.from_json:
+    if "a" in parts or "c" in parts:
         star_rtt = a.rtt_capacity if a.rtt_capacity in rtts else rtts[0]
         todo = sorted(rtts if "a" in parts else (star_rtt,), key=lambda r: (r != star_rtt, -r))
         done = {}
@@ -513,18 +527,22 @@ def main() -> None:
                                        star if ("c" in parts and r == star_rtt) else None, log, barrier) for r in wave}
                 done.update({r: f.result() for r, f in futs.items()})
         results["itl"] = [done[r] for r in sorted(done)]
-    if "b" in parts and not a.from_json:
+    if "b" in parts:
         # one block per forward takes N x tokens / E forwards: fewer tokens per tenant as N grows
         tokens = {"batched": lambda n: 12 if a.quick else 20, "plain": lambda n: 12 if a.quick else 16,
                   "one": lambda n: 12 if a.quick else {1: 20, 2: 20, 4: 16, 8: 12}.get(n, 8)}
         results["capacity"] = run_capacity(a.k_capacity, a.rtt_capacity, 2 if a.quick else 8, tenants, tokens, log,
                                            a.gamma_capacity)
+    return results
 
+
+def report(a: argparse.Namespace, results: dict, parts: set[str], out: Path, wall_s: float) -> str:
+    """The printed report of `results` (plots written to `out`)."""
     text = io.StringIO()
     with redirect_stdout(text):
         print(f"bench/speculative.py{' --quick' if a.quick else ''}: SmolLM2-135M, drafters {EDGE} (W4A16 g64), "
               f"target {FOG} (fp32); " + (f"re-reported from {a.from_json}" if a.from_json
-                                          else f"wall {time.monotonic() - t_start:.0f} s on this host"))
+                                          else f"wall {wall_s:.0f} s on this host"))
         if "engine" in results:
             report_engine(results["engine"])
         if "itl" in results:
@@ -542,9 +560,7 @@ def main() -> None:
         if star_res is not None:
             report_starsd(star_res["starsd"], a.k_itl, star_res["rtt_ms"], predicted(1.0))
             plot_starsd(star_res["starsd"], out / "speculative_starsd.png", a.k_itl)
-    print(text.getvalue(), end="")
-    (out / "speculative.txt").write_text(text.getvalue())
-    (out / "speculative.json").write_text(json.dumps(results, default=lambda o: o.__dict__, indent=1))
+    return text.getvalue()
 
 
 def saved_results(paths: list[str]) -> tuple[dict, set[str]]:
