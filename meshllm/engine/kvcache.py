@@ -78,6 +78,11 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(s.k.nbytes + s.v.nbytes for s in self._slots.values())
 
+    def slot_bytes(self, capacity: int) -> int:
+        """Bytes of K and V of a slot of `capacity` positions."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * (self.end - self.start) * self.n_kv_heads * max(capacity, 1) * self.head_dim * element
+
     # -- used by the forward pass -----------------------------------------------------
     def write(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor,
               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 MAX_BRANCHES = 6  # proactive branches per session at once
 BRANCHES_DRAFTING = 2  # ... of which still drafting (a fork copies the session's KV: only for rows that come)
+BRANCH_KV_SHARE = 0.1  # of the device's memory, what all sessions' branch KV slots may hold together
 
 
 @dataclass
@@ -44,10 +45,17 @@ class Branch:
 
 
 class Branches:
-    def __init__(self, cache: KVCache, stats: dict[str, int], capacity: Callable[[Session], int]):
-        self.cache, self.stats, self.capacity = cache, stats, capacity
-        self.stats.update(branches=0, branch_hits=0, branch_hits_ready=0, branch_misses=0)
+    def __init__(self, cache: KVCache, stats: dict[str, int], capacity: Callable[[Session], int],
+                 budget_bytes: float | None = None):
+        """`budget_bytes`: what the branch KV slots of all sessions may hold together (None: no
+        limit); a fork that would go over it is not made (`branches_over_budget`)."""
+        self.cache, self.stats, self.capacity, self.budget = cache, stats, capacity, budget_bytes
+        self.stats.update(branches=0, branch_hits=0, branch_hits_ready=0, branch_misses=0, branches_over_budget=0)
         self._next_slot = -1  # branch slots count down (sequence ids are >= 0)
+        self.held: dict[int, int] = {}  # branch slot -> its KV bytes
+
+    def held_bytes(self) -> int:
+        return sum(self.held.values())
 
     def grow(self, s: Session) -> None:
         """Fork the most promising untried branch (engine/speculative.py best_branch: at a stream
@@ -63,9 +71,14 @@ class Branches:
         if best is None:
             return
         score, i, r = best
+        need = self.cache.slot_bytes(max(cap, done + i))
+        if self.budget is not None and self.held_bytes() + need > self.budget:
+            self.stats["branches_over_budget"] += 1
+            return
         s.tried.add((done + i, r))
         slot, self._next_slot = self._next_slot, self._next_slot - 1
         self.cache.fork(s.slot, slot, done + i, cap)
+        self.held[slot] = need
         s.branches.append(Branch(slot, s.tokens[:done + i] + [r], done + i + 1, done + i, score, s.gamma))
         self.stats["branches"] += 1
 
@@ -88,6 +101,7 @@ class Branches:
     def adopt(self, s: Session, br: Branch) -> None:
         """The branch came true: its KV slot, drafts and block are the session's stream now."""
         s.branches.remove(br)
+        self.held.pop(br.slot, None)  # the session's own slot now
         self.drop(s)
         self.cache.free(s.slot)
         s.slot, s.fed = br.slot, br.fed
@@ -101,3 +115,4 @@ class Branches:
         for br in [br for br in s.branches if which(br)]:
             s.branches.remove(br)
             self.cache.free(br.slot)
+            self.held.pop(br.slot, None)

@@ -140,7 +140,8 @@ class Session:
 
 class Drafter:
     def __init__(self, me: str, model: Transformer, send: Callable[[str, Message], None],
-                 publish: Callable[[Message, int], None], pacer: Pacer | None, time_scale: float = 1.0):
+                 publish: Callable[[Message, int], None], pacer: Pacer | None, time_scale: float = 1.0,
+                 branch_kv_bytes: float | None = None):
         self.me, self.model, self._send, self.publish, self.pacer = me, model, send, publish, pacer
         self.cache = model.new_cache()
         self.sessions: dict[int, Session] = {}
@@ -151,7 +152,7 @@ class Drafter:
         self.stats = {"steps": 0, "blocks": 0, "resent": 0, "resyncs": 0, "lookahead_deferred": 0, "verdicts": 0,
                       "pipelined_verdicts": 0}
         self.step_s: dict[int, float] = {}  # rows (one token each) -> measured step seconds
-        self.branches = Branches(self.cache, self.stats, self._capacity)
+        self.branches = Branches(self.cache, self.stats, self._capacity, branch_kv_bytes)  # None: no limit
 
     def _capacity(self, s: Session) -> int:
         return min(len(s.prompt) + s.max_tokens + 2 * s.gamma + 2, self.model.args.max_seq_len)

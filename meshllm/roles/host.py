@@ -192,6 +192,7 @@ class RoleHost:
         """Hold the W4A16 (or W8A16) draft, quantized from the target at the cluster's group size."""
         from meshllm.engine.quant import quantize_model
         from meshllm.engine.weights import release_freed_memory
+        from meshllm.roles.branches import BRANCH_KV_SHARE
         from meshllm.roles.drafter import Drafter
 
         if self._shard_key != ("draft", self.cfg.draft):
@@ -210,7 +211,8 @@ class RoleHost:
                      self.cfg.draft.group_size, time.perf_counter() - t0, rss_mb())
         pacer = self.pacer_factory((0, self._model.args.n_layers), DRAFT_DTYPE[self.cfg.draft.quant]) \
             if self.pacer_factory else None
-        self.drafter = Drafter(self.me, self._model, self.send, self._publish_draft, pacer, self.cfg.time_scale)
+        self.drafter = Drafter(self.me, self._model, self.send, self._publish_draft, pacer, self.cfg.time_scale,
+                               BRANCH_KV_SHARE * self.cfg.device.memory_bytes)
 
     def _publish_draft(self, msg: Message, rid: int) -> None:
         msg.fields["plan_version"] = self.ctx.version if self.ctx else 0
