@@ -125,6 +125,32 @@ def test_a_node_without_admission_cannot_join_and_is_never_heard(ring: Keyring, 
     assert a.transport.router.mechanism == zmq.CURVE and a.transport.pub.mechanism == zmq.CURVE
 
 
+def test_a_running_mesh_reloads_its_authorized_keys(ring: Keyring, closing: list) -> None:
+    """The operator adds x to the mesh's authorized-keys file: x joins without anyone restarting.
+    A broken file is ignored (the list in force stays). Then x is removed: a and b drop it (its
+    messages are refused, its connections closed) and declare it dead."""
+    mesh = ring.authorized(["a", "b"], "mesh_keys")
+    a_addr = addr()
+    a = Node(node_cfg("a", a_addr, ring, mesh)).start()
+    closing.append(a)
+    b = Node(node_cfg("b", addr(), ring, mesh, ((a_addr, "a"),))).start()
+    closing.append(b)
+    x = Node(node_cfg("x", addr(), ring, ring.authorized(["a", "b", "x"], "x_keys"), ((a_addr, "a"),))).start()
+    closing.append(x)
+    assert wait_for(lambda: alive(a) == {"b"} and a.transport.rejected >= 1)  # x is refused
+    ring.authorized(["a", "b", "x"], "mesh_keys")
+    assert wait_for(lambda: alive(a) == {"b", "x"} and alive(b) == {"a", "x"} and alive(x) == {"a", "b"})
+    Path(mesh).write_text("a not-a-key\n")  # a typo: logged, ignored
+    assert wait_for(lambda: a.transport.keys._seen == (os.stat(mesh).st_mtime_ns, os.stat(mesh).st_size,
+                                                       os.stat(mesh).st_ino), timeout_s=10)
+    assert a.transport.keys.admits("x") and alive(a) == {"b", "x"}
+    ring.authorized(["a", "b"], "mesh_keys")
+    assert wait_for(lambda: "x" not in alive(a) and "x" not in alive(b) and alive(a) == {"b"})
+    assert not a.transport.keys.admits("x") and not b.transport.keys.admits("x")
+    with pytest.raises(UnknownPeerKey):
+        a.transport.keys.peer_at(x.cfg.listen)
+
+
 def test_an_unadmitted_subscriber_reads_no_publications(ring: Keyring, closing: list) -> None:
     """A publishes drafts on a topic. Admitted b receives them; a raw SUB with its own key pair that
     even knows a's public key, subscribed to everything, receives nothing."""

@@ -17,6 +17,12 @@ whose `src` (or `node` field) names anyone else. Clients (DEALER, SUB) pin the s
 public key: the node id at that address (`pin`, from seeds `ID@HOST:PORT`, gossip, mDNS)
 is looked up in the authorized keys, so a reply or a publication on that connection can only
 come from that node.
+
+A running node re-reads its authorized-keys file when it changes (`NodeKeys.refresh`, every
+AUTH_RELOAD_S on the node's I/O thread): a node added to the file can join without restarting
+anyone; a node removed (or re-keyed) loses its pins and connections, its messages are dropped
+from then on, and membership declares it dead. A file that no longer parses, or that drops this
+node's own key, is logged and ignored: the list in force stays.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ log = logging.getLogger("meshllm.mesh.keys")
 
 KEY_FILE_HEADER = "# meshllm CURVE secret key (z85). Keep it private: whoever holds it is this node."
 Z85_KEY_CHARS = 40  # a 32-byte CURVE key in z85
+AUTH_RELOAD_S = 2.0  # a node checks its authorized-keys file for changes this often
 _domains = itertools.count(1)
 
 
@@ -127,15 +134,19 @@ class NodeKeys:
         self._ids = {k: nid for nid, k in authorized.items()}
         self._pins: dict[str, tuple[str, bool]] = {}  # address -> (node id, first-hand)
         self._lock = threading.Lock()
+        self.path: str | None = None  # the authorized-keys file `refresh` re-reads
+        self._seen: tuple | None = None  # its (mtime, size, inode) when last read
 
     @staticmethod
     def load(node_id: str, key_file: str, authorized_keys: str, src: str = "node file") -> NodeKeys:
         secret = read_secret_key(key_file, src, "node_key")
         authorized = read_authorized_keys(authorized_keys, src, "authorized_keys")
         try:
-            return NodeKeys(node_id, secret, authorized)
+            keys = NodeKeys(node_id, secret, authorized)
         except ValueError as e:
             raise ConfigError(src, "authorized_keys", f"{authorized_keys}: {e}") from None
+        keys.path, keys._seen = authorized_keys, _file_stamp(authorized_keys)
+        return keys
 
     @staticmethod
     def from_env(node_id: str = "") -> NodeKeys | None:
@@ -153,6 +164,43 @@ class NodeKeys:
         if not mine:
             raise InputError(f"{auth}: lists no key matching {key} (add `ID {public.decode()}`)")
         return NodeKeys(node_id if node_id in mine else mine[0], secret, authorized)
+
+    # -- the authorized keys, live ----------------------------------------------------------
+    def reload(self, authorized: dict[str, bytes]) -> tuple[set[str], set[str], list[str]]:
+        """Put a new authorized-keys list in force: (ids added or re-keyed, ids removed or re-keyed,
+        addresses whose pin named one of the latter: their pins are dropped, so no connection to
+        them is made or kept). ValueError if the list lacks this node's own key."""
+        if authorized.get(self.node_id) != self.public:
+            raise ValueError(f"the authorized keys list no key for {self.node_id!r} matching its key file")
+        old = self.authorized
+        gone = {nid for nid, k in old.items() if authorized.get(nid) != k}
+        added = {nid for nid, k in authorized.items() if old.get(nid) != k}
+        with self._lock:
+            self.authorized, self._ids = dict(authorized), {k: nid for nid, k in authorized.items()}
+            dropped = [a for a, (nid, _) in self._pins.items() if nid in gone]
+            for a in dropped:
+                del self._pins[a]
+        return added, gone, dropped
+
+    def refresh(self) -> tuple[set[str], set[str], list[str]] | None:
+        """Re-read the authorized-keys file if it changed since it was last read, and `reload` it;
+        None if it did not change, or if the new file is bad (logged; the list in force stays)."""
+        if self.path is None:
+            return None
+        stamp = _file_stamp(self.path)
+        if stamp == self._seen:
+            return None
+        self._seen = stamp
+        try:
+            changes = self.reload(read_authorized_keys(self.path, self.node_id, "authorized_keys"))
+        except (ConfigError, ValueError) as e:
+            log.error("%s: authorized keys not reloaded, the previous list stays in force: %s", self.node_id, e)
+            return None
+        added, gone, _ = changes
+        log.info("%s: authorized keys reloaded from %s: %d listed%s%s", self.node_id, self.path,
+                 len(self.authorized), f", added {sorted(added)}" if added else "",
+                 f", removed {sorted(gone)}" if gone else "")
+        return changes
 
     # -- identities ------------------------------------------------------------------------
     def who(self, z85_public: str | bytes | None) -> str | None:
@@ -205,6 +253,14 @@ class NodeKeys:
         sock.curve_secretkey, sock.curve_publickey = self.secret, self.public
         sock.curve_serverkey = self.authorized[peer]
         return peer
+
+
+def _file_stamp(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
 
 
 class _Provider:

@@ -25,7 +25,7 @@ from meshllm.errors import InputError
 from meshllm.mesh.agent import MeshAgent
 from meshllm.mesh.discovery import SERVICE_TYPE, Gossip, MdnsDiscovery
 from meshllm.mesh.ingress import LinkShaper
-from meshllm.mesh.keys import NodeKeys
+from meshllm.mesh.keys import AUTH_RELOAD_S, NodeKeys
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
 from meshllm.mesh.sockets import client_socket
@@ -58,8 +58,9 @@ class Node:
         self.transport = Transport(cfg.id, cfg.zone, cfg.listen, LinkShaper(cfg.zone, cfg.links, cfg.time_scale),
                                    keys=keys, rate=cfg.rate_limit)
         self.transport.local_address = cfg.advertise_address
-        for address, seed_id in cfg.seed_ids:  # CURVE: a seed's key is its id's in the authorized keys
-            self.transport.pin(seed_id, address, first_hand=True)
+        self._pin_seeds()
+        if keys is not None:
+            self.transport.every(AUTH_RELOAD_S, self._reload_keys)
         self.host = RoleHost(self.transport, cfg, self.members)
         self.mesh = MeshAgent(self.transport, self.members, self.me, self.host.status)
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
@@ -105,6 +106,20 @@ class Node:
         if self.mdns is not None:
             self.mdns.close()
         self.stopped.set()
+
+    def _pin_seeds(self) -> None:
+        for address, seed_id in self.cfg.seed_ids:  # CURVE: a seed's key is its id's in the authorized keys
+            self.transport.pin(seed_id, address, first_hand=True)
+
+    def _reload_keys(self) -> None:
+        """A changed authorized-keys file (keys.py): close what leads to removed nodes; a seed
+        re-keyed in the file is pinned again."""
+        changes = self.transport.keys.refresh()
+        if changes is None:
+            return
+        for address in changes[2]:
+            self.transport.forget(address)
+        self._pin_seeds()
 
     def _refuse(self, why: str) -> None:
         log.error("%s: %s; this node will not join", self.me.id, why)

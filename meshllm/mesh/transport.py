@@ -228,6 +228,9 @@ class Transport:
             sock.send_multipart(([first] if first is not None else []) + frames, _NOBLOCK, copy=False)
         except zmq.Again:
             log.warning("%s: send queue full, dropped control message %s", self.node_id, msg.type.name)
+            if sock in self._peer_of:  # a DEALER with no connection: libzmq gives up on a peer whose
+                self._sub(self._peer_of[sock][0], False)  # CURVE handshake refused us; the next send or
+                # subscription connects afresh (the peer may have admitted this node since)
         except zmq.ZMQError as e:
             log.warning("%s: cannot send %s: %s", self.node_id, msg.type.name, e)
 
