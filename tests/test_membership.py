@@ -112,3 +112,17 @@ def test_peer_info_from_wire_rejects_malformed_entries() -> None:
                                                                       "device": []}]:
         with pytest.raises(ValueError):
             PeerInfo.from_wire(bad)
+
+
+def test_mdns_binds_the_advertised_address_interface_only():
+    """A node on a LAN and a VPN announces itself on the LAN alone: zeroconf binds the advertised
+    address's interface when it is one of this host's; an address that is not (a NAT's) falls
+    back to every interface."""
+    from meshllm.mesh.discovery import local_ipv4, mdns_interfaces
+
+    local = local_ipv4()
+    assert "127.0.0.1" in local
+    assert mdns_interfaces("127.0.0.1", local) == ["127.0.0.1"]
+    lan = {"127.0.0.1", "192.168.1.10", "10.8.0.2"}  # a LAN and a VPN address
+    assert mdns_interfaces("192.168.1.10", lan) == ["192.168.1.10"]
+    assert mdns_interfaces("203.0.113.7", lan) is None

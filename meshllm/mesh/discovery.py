@@ -17,7 +17,9 @@ holder younger than us is ignored. zeroconf's own name probe is a third check.
 mDNS. With `mdns: true` a node registers `<id>._meshllm._tcp.local.` (address,
 port, and a TXT record with id/zone) with zeroconf and browses the same type;
 each service found is greeted with a HELLO, so the seed path above does the rest.
-It binds the advertise address's interface (127.0.0.1 in local emulation).
+It binds the advertise address's interface only (127.0.0.1 in local emulation), so a node on a
+LAN and a VPN is announced on the LAN alone; if that address is none of this host's (behind a
+NAT), zeroconf uses every interface, with a warning (`mdns_interfaces`).
 
 With CURVE (keys.py) every peer learned is pinned to its node id's public key before any
 socket dials it: a seed is `ID@HOST:PORT`, a HELLO or a PEERS entry about its own sender is
@@ -189,7 +191,10 @@ class MdnsDiscovery:
 
         host, _, port = self.me.address.rpartition(":")
         ip = socket.gethostbyname(host)
-        ifaces = [ip] if ip.startswith("127.") else None
+        ifaces = mdns_interfaces(ip, local_ipv4())
+        if ifaces is None:
+            log.warning("%s: the advertised address %s is none of this host's; mDNS announces on every interface",
+                        self.me.id, ip)
         self._zc = Zeroconf(interfaces=ifaces, ip_version=IPVersion.V4Only) if ifaces else Zeroconf()
         self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._on_service])
         info = ServiceInfo(SERVICE_TYPE, self._my_name, addresses=[socket.inet_aton(ip)], port=int(port),
@@ -236,3 +241,16 @@ class MdnsDiscovery:
             if self._info is not None:
                 self._zc.unregister_service(self._info)
             self._zc.close()
+
+
+def local_ipv4() -> set[str]:
+    """This host's IPv4 addresses, loopback included."""
+    import psutil
+
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+
+
+def mdns_interfaces(ip: str, local: set[str]) -> list[str] | None:
+    """The interfaces mDNS binds: the advertised address's own if it is one of this host's (`local`),
+    else None (every interface: the advertised address is a NAT's, say)."""
+    return [ip] if ip in local else None
