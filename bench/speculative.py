@@ -541,7 +541,8 @@ def report(a: argparse.Namespace, results: dict, parts: set[str], out: Path, wal
     text = io.StringIO()
     with redirect_stdout(text):
         print(f"bench/speculative.py{' --quick' if a.quick else ''}: SmolLM2-135M, drafters {EDGE} (W4A16 g64), "
-              f"target {FOG} (fp32); " + (f"re-reported from {a.from_json}" if a.from_json
+              f"target {FOG} (fp32); " + (f"re-reported from {', '.join(shown_path(p) for p in a.from_json.split(','))}"
+                                          if a.from_json
                                           else f"wall {wall_s:.0f} s on this host"))
         if "engine" in results:
             report_engine(results["engine"])
@@ -561,6 +562,13 @@ def report(a: argparse.Namespace, results: dict, parts: set[str], out: Path, wal
             report_starsd(star_res["starsd"], a.k_itl, star_res["rtt_ms"], predicted(1.0))
             plot_starsd(star_res["starsd"], out / "speculative_starsd.png", a.k_itl)
     return text.getvalue()
+
+
+def shown_path(path: str) -> str:
+    """`path` relative to the repository if it lies inside it (a report names no scratch folder)."""
+    p = Path(path).resolve()
+    repo = Path(__file__).resolve().parent.parent
+    return str(p.relative_to(repo)) if p.is_relative_to(repo) else p.name
 
 
 def saved_results(paths: list[str]) -> tuple[dict, set[str]]:
