@@ -45,6 +45,22 @@ def test_assign_roles_max_min_with_mixed():
     assert assign_roles([(3.0, 4.0, 2.0)], [None]) == (2.0, ["mixed"])  # a lone replica is mixed
 
 
+def test_a_prefill_pool_can_feed_mixed_replicas():
+    """A prompt prefilled elsewhere costs a mixed replica 1/decode of its time instead of 1/mixed:
+    a small prefill pool feeding two mixed replicas (5 + 2 + 2 - 5 x 2/10 = 8) beats the same pool
+    feeding one decode replica beside a mixed one (2 + min(5, 10) = 7)."""
+    from meshllm.partition.replica import capacity
+
+    rates = [(5.0, 1.0, 0.5), (2.0, 10.0, 2.0), (2.0, 10.0, 2.0)]
+    assert capacity(rates, ["prefill", "decode", "mixed"])[0] == pytest.approx(7.0)
+    cap, crossing, ship = capacity(rates, ["prefill", "mixed", "mixed"])
+    assert cap == pytest.approx(8.0) and crossing == pytest.approx(5.0) and ship == {1: 5.0}
+    fit, roles = assign_roles(rates, [None] * 3)
+    assert roles == ["prefill", "mixed", "mixed"] and fit == pytest.approx(8.0)
+    # a mixed replica whose own rate is its decode rate gains nothing by decoding others' prompts
+    assert capacity([(5.0, 1.0, 0.5), (2.0, 10.0, 10.0)], ["prefill", "mixed"])[0] == pytest.approx(10.0)
+
+
 @pytest.mark.parametrize("case", range(5))
 def test_ga_within_3_percent_of_exhaustive(case):
     rng = random.Random(100 + case)

@@ -296,3 +296,32 @@ def test_a_mixed_replica_prefills_its_own_prompts_and_ships_no_kv(tmp_path, smol
         assert loads["solo"]["stage"]["kv_bytes_sent"] == 0 and loads["solo"]["stage"]["kv_bytes_received"] == 0
     finally:
         assert s.stop() == 0
+
+
+def test_a_prefill_replica_feeds_a_mixed_replica(tmp_path, smollm2, smollm2_tokenizer):
+    """A prefill-only node beside a node that may do both: the plan makes the second a mixed replica
+    that also decodes what the prefill replica ships it (partition/replica.py `absorbed`). Under a
+    burst the router sends prompts both ways; KV crosses from one to the other, and every output
+    equals the reference."""
+    dev = small_device("box", 8.0)
+    nodes = [{"id": "p1", "device": dev, "zone": "fog", "roles": ["prefill"]},
+             {"id": "m1", "device": dev, "zone": "fog"}]
+    s = Served(write_cluster(tmp_path / "feed.yaml", nodes), tmp_path / "serve.log")
+    try:
+        plan = plan_of(s)
+        roles = {r["stages"][0]["node"]: r["role"] for r in plan["replicas"]}
+        assert roles == {"p1": "prefill", "m1": "mixed"}, plan
+        client = openai_client(s)
+        prompts = [(LONG.replace("river", w), i % 2 == 1) for i, w in enumerate(("lake", "sea", "bay", "delta",
+                                                                                 "creek", "fjord", "canal", "pond"))]
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            futs = [pool.submit(ask, client, p, chat, stream=i % 2 == 0) for i, (p, chat) in enumerate(prompts)]
+            got = [f.result(timeout=300) for f in futs]
+        for (p, chat), ids in zip(prompts, got):
+            ok, why = same_up_to_tie(ids, reference(smollm2, smollm2_tokenizer, p, MAX_TOKENS, chat))
+            assert ok, f"{p[:40]!r} (chat={chat}): {why}"
+        loads = mesh_loads(s, lambda ls: ls["m1"]["stage"]["kv_bytes_received"] > 0)
+        assert loads["p1"]["stage"]["kv_bytes_sent"] > 0 and loads["m1"]["stage"]["kv_bytes_received"] > 0
+        assert loads["m1"]["stage"]["kv_bytes_sent"] == 0  # a mixed replica never ships KV
+    finally:
+        assert s.stop() == 0

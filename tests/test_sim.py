@@ -138,6 +138,19 @@ def test_a_sequence_joins_the_next_micro_batch_not_the_next_iteration(demo):
     assert max(waits) > step / 6  # it does wait for a launch (the phases cover the step)
 
 
+def test_a_prefill_replica_ships_kv_to_a_mixed_replica(demo):
+    """When the mixed replica is busy with prompts, the router prefills elsewhere and ships the KV to
+    it; the mixed replica decodes those sequences beside its own."""
+    _, inp = demo
+    pre = replica(inp, 0, "prefill", ["fog-3"], (30,))
+    mix = replica(inp, 1, "mixed", ["fog-4"], (30,))
+    reqs = Simulator([pre, mix], [Request(i, 0.01 * i, 400, 20) for i in range(12)]).run()
+    shipped = [r for r in reqs if r.kv_ready == r.kv_ready and r.kv_ready > 0]  # kv_ready is NaN unless shipped
+    assert shipped and len(shipped) < len(reqs)  # both ways
+    assert all(r.done > r.kv_ready >= r.first_token for r in shipped)
+    assert all(sum(n for _, n in r.gaps) == r.n_out - 1 for r in reqs)
+
+
 def test_mixed_replica_never_ships_kv(demo):
     _, inp = demo
     reps = [replica(inp, 0, "mixed", ["fog-1"], (30,)), replica(inp, 1, "mixed", ["fog-2"], (30,))]

@@ -4,14 +4,18 @@ A grouping is a chromosome (genetic.py): one gene per stage-capable device, the 
 replica or NONE. `Evaluator.decode` turns it into replicas (DP split and per-role rates from
 replica.py, cached by the multiset of interchangeable devices) and gives them roles:
 
-Roles (`assign_roles`): a grouping's capacity is what its mixed replicas serve plus
-min(prefill pool, decode pool) of the others. Replicas are ranked by prefill-rate /
-decode-rate; for each cut of that ranking into a prefill and a decode pool, the replicas of
-the larger pool that it does not need (its surplus) are turned mixed, the ones that give the
-most mixed capacity per unit of pool capacity first, and then any whose mixed rate exceeds
-what the pools lose. The best cut wins (tried: the best cut without mixed replicas and
-CUT_NEIGHBOURS cuts either side of it); so does "all mixed" when that is better (slow ports
-make shipping KV cost more than it saves). A lone replica is mixed. A replica holding a node
+Roles (`assign_roles`): a grouping's capacity (`capacity`) is what its mixed replicas serve
+plus min(prefill pool, decode pool) of the others, plus what mixed replicas gain by decoding
+the prefill pool's excess: a prompt prefilled elsewhere and shipped to a mixed replica costs
+it 1/decode-rate of its time instead of 1/mixed-rate (`absorbed`, the best trades first).
+Replicas are ranked by prefill-rate / decode-rate; for each cut of that ranking into a
+prefill and a decode pool, the replicas of the larger pool that it does not need (its
+surplus) are turned mixed, the ones that give the most mixed capacity per unit of pool
+capacity first, and then any whose mixed rate exceeds what the pools lose; the same cut with
+every replica after it mixed (a prefill pool feeding mixed replicas) is tried too. The best
+wins (tried: the best cut without mixed replicas and CUT_NEIGHBOURS cuts either side of it);
+so does "all mixed" when that is better (slow ports make shipping KV cost more than it
+saves). A lone replica is mixed. A replica holding a node
 whose `roles:` allow only prefill (or decode) keeps that role.
 
 Shared zone links cap a grouping's capacity (links.py). `Evaluator.latency` predicts the
@@ -30,7 +34,7 @@ from meshllm.partition.dp import Member, Net, Splitter
 from meshllm.partition.latency import Prediction, predict
 from meshllm.partition.links import LinkLoad
 from meshllm.partition.queueing import md1_wait
-from meshllm.partition.replica import Mix, ReplicaEval, evaluate_replica, with_free_tokens
+from meshllm.partition.replica import Mix, ReplicaEval, capacity, evaluate_replica, with_free_tokens
 
 NONE = -1
 CUT_NEIGHBOURS = 2  # cuts either side of the best pure prefill/decode cut whose surplus is turned mixed
@@ -70,8 +74,8 @@ def assign_roles(rates: Sequence[tuple[float, float, float]],
     fixed_d = sum(r[1] for r, f in zip(rates, forced, strict=True) if f == "decode")
     free = sorted((i for i in range(n) if forced[i] is None), key=lambda i: (-rates[i][0] / max(rates[i][1], 1e-12), i))
     base = [f or "decode" for f in forced]
-    best = (sum(rates[i][2] for i in free) + min(fixed_p, fixed_d), [r if forced[i] else "mixed"
-                                                                     for i, r in enumerate(base)])
+    every_mixed = [r if forced[i] else "mixed" for i, r in enumerate(base)]
+    best = (capacity(rates, every_mixed)[0], every_mixed)
     pre_sum = [0.0]
     for i in free:
         pre_sum.append(pre_sum[-1] + rates[i][0])
@@ -87,9 +91,14 @@ def assign_roles(rates: Sequence[tuple[float, float, float]],
         roles = list(base)
         for i in free[:m]:
             roles[i] = "prefill"
-        cap = _convert_surplus(rates, roles, p, d, free[:m] if p > d else free[m:])
-        if cap > best[0] * (1 + 1e-12):
-            best = (cap, roles)
+        feeding = list(roles)  # the same prefill pool feeding mixed replicas instead of a decode pool
+        for i in free[m:]:
+            feeding[i] = "mixed"
+        _convert_surplus(rates, roles, p, d, free[:m] if p > d else free[m:])
+        for option in (roles, feeding):
+            cap = capacity(rates, option)[0]
+            if cap > best[0] * (1 + 1e-12):
+                best = (cap, option)
     return best
 
 
@@ -148,11 +157,8 @@ class Evaluator:
         """`g` with its capacity capped by the shared zone links (a no-op without such links)."""
         if not self.links.active or not g.groups:
             return g
-        p = sum(e.prefill_req_s for e, r in zip(g.evals, g.roles) if r == "prefill")
-        d = sum(e.decode_req_s for e, r in zip(g.evals, g.roles) if r == "decode")
-        cap_pd = min(p, d) if p > 0 and d > 0 else 0.0
-        cap = cap_pd + sum(e.mixed_req_s for e, r in zip(g.evals, g.roles) if r == "mixed")
-        bound = self.links.bound(g.evals, g.roles, cap_pd, cap)
+        cap, cap_pd, ship = capacity([(e.prefill_req_s, e.decode_req_s, e.mixed_req_s) for e in g.evals], g.roles)
+        bound = self.links.bound(g.evals, g.roles, cap_pd, cap, ship)
         return Grouping(g.groups, g.roles, g.evals, min(g.fitness, bound), g.prediction, bound)
 
     def fitness(self, genes: Sequence[int]) -> float:

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshllm.partition.queueing import md1_wait, mg1_wait, mgc_wait_approx
-from meshllm.partition.replica import Mix, ReplicaEval, RoleFit
+from meshllm.partition.replica import Mix, ReplicaEval, RoleFit, capacity
 
 INF = math.inf
 WAIT_WEIGHT = 100.0  # planner and judge: cost = e2e + this x wait (waiting first, e2e breaks ties)
@@ -132,9 +132,18 @@ def predict(evals: Sequence[ReplicaEval], roles: Sequence[str], lam: float, mix:
     load, and every class serves at most UTIL_MAX of its capacity."""
     pre = [e.prefill for e, r in zip(evals, roles) if r == "prefill" and e.prefill]
     dec = [e.decode for e, r in zip(evals, roles) if r == "decode" and e.decode]
-    mixes = [e.mixed for e, r in zip(evals, roles) if r == "mixed" and e.mixed]
-    pd_cap = min(sum(f.req_s for f in pre), sum(f.req_s for f in dec)) if pre and dec else 0.0
-    cap = pd_cap + sum(f.req_s for f in mixes)
+    cap, pd_cap, ship = capacity([(e.prefill_req_s, e.decode_req_s, e.mixed_req_s) for e in evals], roles)
+    mixes = []  # a mixed replica decoding prompts of the prefill pool: that share joins the decode pool
+    for i, (e, r) in enumerate(zip(evals, roles)):
+        if r != "mixed" or not e.mixed:
+            continue
+        s = ship.get(i, 0.0)
+        if s > 0 and e.decode:
+            dec.append(replace(e.decode, req_s=s, batch=max(1, round(e.decode.batch * s / e.decode.req_s))))
+        own = e.mixed.req_s * (1.0 - s / e.decode_req_s) if s > 0 else e.mixed.req_s
+        if own > 0:
+            mixes.append(replace(e.mixed, req_s=own))
+    pd_cap = pd_cap if pre and dec else 0.0
     if lam >= cap or cap <= 0:
         return Prediction(INF, INF, INF, cap, lam)
     classes = [(f.req_s, lambda x, f=f: mixed(f, x, mix, cs2_in)) for f in mixes]

@@ -13,7 +13,7 @@ capacity is the lower of that and its roles' capacity (grouping.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -64,12 +64,14 @@ class LinkLoad:
         return out
 
     def per_request(self, evals: Sequence[ReplicaEval], roles: Sequence[str], cap_pd: float,
-                    cap: float) -> np.ndarray:
-        """(zones, zones) bytes per request over the grouping, at its capacity split."""
+                    cap: float, ship: Mapping[int, float] | None = None) -> np.ndarray:
+        """(zones, zones) bytes per request over the grouping, at its capacity split; `ship`: the
+        requests/s that mixed replicas decode for the prefill pool (grouping.capacity)."""
         z = len(self.zones)
         load = np.zeros((z, z))
         pre = [(e, e.prefill, e.prefill_req_s) for e, r in zip(evals, roles) if r == "prefill"]
         dec = [(e, e.decode, e.decode_req_s) for e, r in zip(evals, roles) if r == "decode"]
+        dec += [(evals[i], evals[i].decode, s) for i, s in (ship or {}).items() if s > 0 and evals[i].decode]
         for e, r in zip(evals, roles):
             if r == "mixed" and e.mixed is not None:
                 self.add_hops(load, e, e.mixed, e.mixed_req_s / cap, self.mix.mean_in + self.mix.mean_out)
@@ -88,10 +90,11 @@ class LinkLoad:
         np.fill_diagonal(load, 0.0)
         return load
 
-    def bound(self, evals: Sequence[ReplicaEval], roles: Sequence[str], cap_pd: float, cap: float) -> float:
+    def bound(self, evals: Sequence[ReplicaEval], roles: Sequence[str], cap_pd: float, cap: float,
+              ship: Mapping[int, float] | None = None) -> float:
         """Requests/s the shared links let through (inf if no traffic crosses one)."""
         if cap <= 0:
             return 0.0
-        load = self.per_request(evals, roles, cap_pd, cap)
+        load = self.per_request(evals, roles, cap_pd, cap, ship)
         rates = [bw / load[ab] for ab, bw in self.bytes_per_s.items() if load[ab] > 0]
         return min(rates, default=float("inf"))

@@ -336,3 +336,29 @@ def evaluate_replica(mc: ModelCosts, members: Sequence[Member], net: Net, mix: M
 def mixed_req_s(ev: ReplicaEval) -> float:
     """A replica doing both phases itself (no KV shipping)."""
     return ev.mixed_req_s
+
+
+def absorbed(rates: Sequence[tuple[float, float, float]], mixed: Sequence[int], excess: float) -> dict[int, float]:
+    """Requests/s of prefilled prompts that each mixed replica decodes of `excess`: one costs it
+    1/decode of its time, in which it would serve mixed/decode of its own prompts, so the best
+    trades (lowest mixed/decode) go first, each up to its decode rate; none that gains nothing."""
+    out: dict[int, float] = {}
+    for i in sorted(mixed, key=lambda i: (rates[i][2] / max(rates[i][1], 1e-12), i)):
+        d, h = rates[i][1], rates[i][2]
+        if excess <= 0 or d <= h:
+            break
+        out[i] = min(excess, d)
+        excess -= out[i]
+    return out
+
+
+def capacity(rates: Sequence[tuple[float, float, float]], roles: Sequence[str]) -> tuple[float, float, dict[int, float]]:
+    """(requests/s, of which prefilled on one replica and decoded on another, what each mixed
+    replica decodes of them) for (prefill, decode, mixed req/s) per replica with these roles."""
+    p = sum(r[0] for r, role in zip(rates, roles) if role == "prefill")
+    d = sum(r[1] for r, role in zip(rates, roles) if role == "decode")
+    mixed = [i for i, role in enumerate(roles) if role == "mixed"]
+    pd = min(p, d)
+    ship = absorbed(rates, mixed, p - pd)
+    gain = sum(s * (1.0 - rates[i][2] / rates[i][1]) for i, s in ship.items())
+    return sum(rates[i][2] for i in mixed) + pd + gain, pd + sum(ship.values()), ship

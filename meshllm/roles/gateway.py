@@ -186,8 +186,8 @@ class Gateway:
                 return pin, pin
             if pin is not None:  # a pinned decode replica takes its prompts from a prefill replica
                 reps = [r for r in reps if r.role != "mixed"]
-            if not any(r.role == "decode" for r in reps):
-                reps = [r for r in reps if r.role == "mixed"]  # a prefill replica needs a decode one
+            if not any(r.role in ("decode", "mixed") for r in reps):
+                reps = []  # a prefill replica needs a decode (or mixed) one to ship to
             if not any(r.role in ("prefill", "mixed") for r in reps):
                 raise RequestError("no replica is ready (the mesh is still planning or loading)")
             router = Router(reps, PortBook(reps[0].inp.net))
@@ -205,6 +205,8 @@ class Gateway:
             if phase == "prefill" and pre is not None and s.prefill_rid in self.reps:
                 occupancy = self.reps[s.prefill_rid].prefill_s(s.n_in)[0]
                 pre.prefill_queued_s = max(0.0, pre.prefill_queued_s + sign * occupancy)
+                pre.prefill_queued = max(0, pre.prefill_queued + sign)  # a mixed replica's score needs these
+                pre.prefill_queued_tokens = max(0, pre.prefill_queued_tokens + sign * s.n_in)
             elif phase == "decode" and dec is not None:
                 self._decoding[s.decode_rid] = self._decoding.get(s.decode_rid, 0) + sign
                 n = self._decoding[s.decode_rid]

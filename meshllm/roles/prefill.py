@@ -42,8 +42,8 @@ def seq_from_generate(msg: Message, ctx: PlanContext, my_rid: int, vocab: int, m
     stop = frozenset(check_int_list(msg["stop_ids"], "stop_ids", 0, vocab - 1, 64))
     check_address(msg["gateway"], "gateway")
     rid = msg["decode_replica"]
-    if rid != my_rid and not (ctx.has_replica(rid) and ctx.replica(rid).role.value == "decode"):
-        raise ProtocolError(f"seq {seq}: decode replica {rid} is not a decode replica of plan v{ctx.version}")
+    if rid != my_rid and not (ctx.has_replica(rid) and ctx.replica(rid).role.value in ("decode", "mixed")):
+        raise ProtocolError(f"seq {seq}: decode replica {rid} is not a decode or mixed replica of plan v{ctx.version}")
     offset = msg.fields.get("offset", 0)
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
         raise ProtocolError(f"seq {seq}: offset must be a non-negative integer")

@@ -217,8 +217,9 @@ class Stage:
             raise ProtocolError("ACTIVATIONS for a replica's first stage (its leader runs that stage)")
         spans = [WireSpan.from_wire(x) for x in msg["spans"]]
         ship = parse_ship(msg["ship"])
-        if any(not (self.ctx.has_replica(r) and self.ctx.replica(r).role == "decode") for r in ship.values()):
-            raise ProtocolError(f"ship {sorted(set(ship.values()))}: not decode replicas of plan v{self.ctx.version}")
+        if any(not (self.ctx.has_replica(r) and self.ctx.replica(r).role in ("decode", "mixed")) for r in ship.values()):
+            raise ProtocolError(f"ship {sorted(set(ship.values()))}: not decode or mixed replicas of plan "
+                                f"v{self.ctx.version}")
         verify = parse_verify(msg["verify"], self.model.args.vocab_size)
         check_verify(spans, verify)
         hidden = msg.tensors["hidden"]

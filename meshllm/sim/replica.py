@@ -117,10 +117,16 @@ def from_plan(inp: PlanInputs, plan: Plan) -> list[SimReplica]:
 
 
 def mixed_if_alone(reps: list[SimReplica]) -> list[SimReplica]:
-    """Prefill replicas without a decode replica (or the reverse) serve both phases themselves."""
+    """Prefill replicas with no decode or mixed replica to ship to, and decode replicas with no
+    prefill replica to feed them, serve both phases themselves."""
     roles = {r.role for r in reps}
-    if ("prefill" in roles) != ("decode" in roles):
-        for r in reps:
+    alone = set()
+    if "prefill" in roles and not roles & {"decode", "mixed"}:
+        alone.add("prefill")
+    if "decode" in roles and "prefill" not in roles:
+        alone.add("decode")
+    for r in reps:
+        if r.role in alone:
             r.role = "mixed"
     return reps
 

@@ -7,7 +7,7 @@ API (what a gateway calls with its live view of the replicas):
     router = Router(reps, PortBook(inp.net))           # ports: sim/ports.py (empty = estimates)
     loads  = {r.id: ReplicaLoad(max_batch=r.max_batch()) for r in reps}   # kept up to date by the caller
     rid = router.pick_prefill(loads, n_in, n_out, now)          # a prefill or mixed replica
-    did = router.pick_decode(src_id, loads, n_in, n_out, now)   # a decode replica, after the prefill
+    did = router.pick_decode(src_id, loads, n_in, n_out, now)   # a decode or mixed replica, after the prefill
 
 `n_in` is the prompt's length; `n_out` the expected output length (the router does not know
 the future: the simulator passes the workload's mean). `now` is seconds on any clock that the
@@ -19,7 +19,8 @@ Score of a candidate = estimated finish of the request + ROUTE_WAIT_WEIGHT x its
 its prefill imposes on the sequences decoding there, when it goes whole). Every candidate is scored to the end of
 the request, so a prefill replica (prefill, then KV shipping, then the best decode replica's
 queue and decode) and a mixed replica (prefill, then its own decode) compare like with like.
-Ties go to the lower replica id.
+A prefill replica's KV goes to a decode replica or to a mixed one (which decodes it beside its own
+prompts), whichever finishes the request first by the same score. Ties go to the lower replica id.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from meshllm.partition.dp import Member
 from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.sim.ports import RX, TX, PortBook
 from meshllm.sim.replica import SimReplica
+
+DECODE_TARGETS = ("decode", "mixed")  # where a prefill replica's KV may go
 
 
 @dataclass
@@ -82,24 +85,24 @@ class Router:
 
     def pick_decode(self, src_id: int, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float,
                     now: float) -> int:
-        """The decode replica for a prompt prefilled on `src_id` whose KV is ready at `now`."""
+        """The decode (or mixed) replica for a prompt prefilled on `src_id` whose KV is ready at `now`."""
         src, best = self.reps[src_id], None
         for rep in self.reps.values():
-            if rep.role != "decode":
+            if rep.role not in DECODE_TARGETS:
                 continue
             end, ideal = self.ports.transfers(self.kv_flows(src, rep, n_in), now, commit=False)
             rest, slot_wait = self.decode_cost(rep, loads[rep.id], n_out)
             score = end + rest + self.w * (end - ideal + slot_wait)
             if best is None or score < best[0]:
                 best = (score, rep.id)
-        assert best is not None, "no decode replica"
+        assert best is not None, "no decode or mixed replica"
         return best[1]
 
     def best_decode_rest(self, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float, now: float) -> float:
         """Scored seconds from KV shipped to done on the best decode replica (its rx queue included)."""
         best = float("inf")
         for rep in self.reps.values():
-            if rep.role == "decode":
+            if rep.role in DECODE_TARGETS:
                 rest, slot_wait = self.decode_cost(rep, loads[rep.id], n_out)
                 rx = max(self.ports.wait_s(m.id, RX, now) for m in rep.members)
                 best = min(best, rest + (1 + self.w) * rx + self.w * slot_wait)
@@ -137,8 +140,9 @@ class Router:
 
     def pick_prefill(self, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float, now: float) -> int:
         """The prefill (or mixed) replica for a new request of `n_in` prompt tokens."""
-        has_decode = any(r.role == "decode" for r in self.reps.values())
-        rest = self.best_decode_rest(loads, n_in, n_out, now) if has_decode else 0.0
+        roles = {r.role for r in self.reps.values()}
+        ships = "prefill" in roles and bool(roles & set(DECODE_TARGETS))  # a prefill replica's KV has somewhere to go
+        rest = self.best_decode_rest(loads, n_in, n_out, now) if ships else 0.0
         best = None
         for rep in self.reps.values():
             if rep.role in ("prefill", "mixed"):
