@@ -1238,3 +1238,19 @@ def test_a_flood_of_bad_messages_is_counted_and_logged_in_bounded_lines(caplog: 
     finally:
         dealer.close(linger=0)
         t.close()
+
+
+def test_a_release_that_would_move_kv_to_no_replica_changes_nothing() -> None:
+    """A RELEASE asking a non-leader stage to ship a sequence's KV elsewhere (a decode replica's
+    session migrating) names a replica id: a bool (True == 1 in Python), a replica that is not a
+    decode replica, or no length is refused before the stage truncates or frees anything."""
+    torch.manual_seed(0)
+    m = Mesh()
+    pb = m.hosts["pb"]
+    pb.stage.cache.allocate(77, 8, length=2)  # a sequence held by the prefill replica's 2nd stage
+    for fields in (dict(ship_to=True, length=1), dict(ship_to=2, length=1), dict(ship_to=1, length=False),
+                   dict(ship_to=1)):
+        msg = p.make(MsgType.RELEASE, seq=77, reason="migrate", plan_version=Mesh.VERSION, **fields)
+        with pytest.raises(ProtocolError):
+            pb._on_release(msg, lambda r: None)
+        assert pb.stage.cache.length(77) == 2, fields

@@ -370,9 +370,11 @@ class RoleHost:
     def _on_release(self, msg: Message, reply: Callable) -> None:
         seq = check_seq(msg["seq"])
         ship_to, length = msg.fields.get("ship_to"), msg.fields.get("length")
-        if self.stage is not None and self.leader is None and isinstance(ship_to, int) and isinstance(length, int):
-            if not (self.ctx.has_replica(ship_to) and self.ctx.replica(ship_to).role == "decode") or length < 1:
-                raise ProtocolError(f"RELEASE of seq {seq}: cannot move {length} positions to replica {ship_to}")
+        if self.stage is not None and self.leader is None and (ship_to is not None or length is not None):
+            if not (type(ship_to) is int and type(length) is int and length >= 1  # bool is no replica id
+                    and self.ctx.has_replica(ship_to) and self.ctx.replica(ship_to).role == "decode"):
+                raise ProtocolError(f"RELEASE of seq {seq}: cannot move {length!r:.20} positions to replica "
+                                    f"{ship_to!r:.20}")
             self.stage.migrate_out(seq, ship_to, length)  # the session moves to another replica
             return
         if self.drafter is not None:
