@@ -417,8 +417,8 @@ def host_state(h: RoleHost, seq: int) -> dict[str, Any]:
         s = h.drafter.sessions.get(seq)
         if s is not None:
             out["session"] = dataclasses.asdict(s)
-            k, v = h.drafter.cache.export(seq)
-            out["draft_kv"] = (h.drafter.cache.length(seq), k.numpy().tobytes())
+            k, v = h.drafter.cache.export(s.slot)  # the session's slot: an adopted branch's, if any
+            out["draft_kv"] = (h.drafter.cache.length(s.slot), k.numpy().tobytes())
     return out
 
 
@@ -941,7 +941,7 @@ def fingerprint(h: RoleHost, seq: int) -> tuple:
     if h.drafter is not None:
         s = h.drafter.sessions.get(seq)
         d = None if s is None else (list(s.committed), s.fed, s.started, list(s.stream), len(s.blocks),
-                                    h.drafter.cache.length(seq))
+                                    h.drafter.cache.length(s.slot))  # an adopted branch's slot, if any
     return kv, lead, d
 
 
