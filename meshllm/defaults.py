@@ -22,6 +22,7 @@ class Role(str, Enum):
 
 NODE_ROLES = (Role.DRAFTER, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # what `roles:` may list
 STAGE_ROLES = (Role.PREFILL, Role.DECODE)  # a node allowed either may hold a stage
+DECODE_TARGETS = (Role.DECODE, Role.MIXED)  # replicas a prefill replica may ship a prompt's KV to
 REPLICA_ROLES = (Role.PREFILL, Role.DECODE, Role.MIXED)
 
 DEFAULT_MODEL = "smollm2-135m"

@@ -34,7 +34,14 @@ from meshllm.partition.dp import Member, Net, Splitter
 from meshllm.partition.latency import Prediction, predict
 from meshllm.partition.links import LinkLoad
 from meshllm.partition.queueing import md1_wait
-from meshllm.partition.replica import Mix, ReplicaEval, capacity, evaluate_replica, with_free_tokens
+from meshllm.partition.replica import (
+    Mix,
+    ReplicaEval,
+    capacity,
+    evaluate_replica,
+    role_rates,
+    with_free_tokens,
+)
 
 NONE = -1
 CUT_NEIGHBOURS = 2  # cuts either side of the best pure prefill/decode cut whose surplus is turned mixed
@@ -150,14 +157,14 @@ class Evaluator:
                 forced.append(role)
         if not groups:
             return Grouping((), (), (), 0.0)
-        fit, roles = assign_roles([(e.prefill_req_s, e.decode_req_s, e.mixed_req_s) for e in evals], forced)
+        fit, roles = assign_roles(role_rates(evals), forced)
         return self.with_links(Grouping(tuple(groups), tuple(roles), tuple(evals), fit))
 
     def with_links(self, g: Grouping) -> Grouping:
         """`g` with its capacity capped by the shared zone links (a no-op without such links)."""
         if not self.links.active or not g.groups:
             return g
-        cap, cap_pd, ship = capacity([(e.prefill_req_s, e.decode_req_s, e.mixed_req_s) for e in g.evals], g.roles)
+        cap, cap_pd, ship = capacity(role_rates(g.evals), g.roles)
         bound = self.links.bound(g.evals, g.roles, cap_pd, cap, ship)
         return Grouping(g.groups, g.roles, g.evals, min(g.fitness, bound), g.prediction, bound)
 

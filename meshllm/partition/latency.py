@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from meshllm.partition.queueing import md1_wait, mg1_wait, mgc_wait_approx
-from meshllm.partition.replica import Mix, ReplicaEval, RoleFit, capacity
+from meshllm.partition.replica import Mix, ReplicaEval, RoleFit, capacity, role_rates
 
 INF = math.inf
 WAIT_WEIGHT = 100.0  # planner and judge: cost = e2e + this x wait (waiting first, e2e breaks ties)
@@ -132,7 +132,7 @@ def predict(evals: Sequence[ReplicaEval], roles: Sequence[str], lam: float, mix:
     load, and every class serves at most UTIL_MAX of its capacity."""
     pre = [e.prefill for e, r in zip(evals, roles) if r == "prefill" and e.prefill]
     dec = [e.decode for e, r in zip(evals, roles) if r == "decode" and e.decode]
-    cap, pd_cap, ship = capacity([(e.prefill_req_s, e.decode_req_s, e.mixed_req_s) for e in evals], roles)
+    cap, pd_cap, ship = capacity(role_rates(evals), roles)
     mixes = []  # a mixed replica decoding prompts of the prefill pool: that share joins the decode pool
     for i, (e, r) in enumerate(zip(evals, roles)):
         if r != "mixed" or not e.mixed:

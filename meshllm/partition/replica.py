@@ -338,6 +338,11 @@ def mixed_req_s(ev: ReplicaEval) -> float:
     return ev.mixed_req_s
 
 
+def role_rates(evals: Sequence[ReplicaEval]) -> list[tuple[float, float, float]]:
+    """(prefill, decode, mixed req/s) per replica: what `capacity` and `assign_roles` take."""
+    return [(e.prefill_req_s, e.decode_req_s, e.mixed_req_s) for e in evals]
+
+
 def absorbed(rates: Sequence[tuple[float, float, float]], mixed: Sequence[int], excess: float) -> dict[int, float]:
     """Requests/s of prefilled prompts that each mixed replica decodes of `excess`: one costs it
     1/decode of its time, in which it would serve mixed/decode of its own prompts, so the best

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshllm.config import NodeConfig
-from meshllm.defaults import served_name
+from meshllm.defaults import DECODE_TARGETS, served_name
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import (
     Message,
@@ -178,7 +178,7 @@ class Gateway:
         decode replica (operators, benchmarks); it must be a ready decode or mixed replica."""
         ready = set(self.ready_replicas())
         if pin is not None and (pin not in ready or self.reps.get(pin) is None
-                                or self.reps[pin].role not in ("decode", "mixed")):
+                                or self.reps[pin].role not in DECODE_TARGETS):
             raise RequestError(f"decode replica {pin} is not a ready decode replica of this plan")
         with self._lock:
             reps = [r for rid, r in self.reps.items() if rid in ready]
@@ -186,7 +186,7 @@ class Gateway:
                 return pin, pin
             if pin is not None:  # a pinned decode replica takes its prompts from a prefill replica
                 reps = [r for r in reps if r.role != "mixed"]
-            if not any(r.role in ("decode", "mixed") for r in reps):
+            if not any(r.role in DECODE_TARGETS for r in reps):
                 reps = []  # a prefill replica needs a decode (or mixed) one to ship to
             if not any(r.role in ("prefill", "mixed") for r in reps):
                 raise RequestError("no replica is ready (the mesh is still planning or loading)")

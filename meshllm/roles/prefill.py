@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from meshllm.defaults import DECODE_TARGETS
 from meshllm.engine.sampling import SamplingParams
 from meshllm.mesh.protocol import (
     Message,
@@ -42,7 +43,7 @@ def seq_from_generate(msg: Message, ctx: PlanContext, my_rid: int, vocab: int, m
     stop = frozenset(check_int_list(msg["stop_ids"], "stop_ids", 0, vocab - 1, 64))
     check_address(msg["gateway"], "gateway")
     rid = msg["decode_replica"]
-    if rid != my_rid and not (ctx.has_replica(rid) and ctx.replica(rid).role.value in ("decode", "mixed")):
+    if rid != my_rid and not (ctx.has_replica(rid) and ctx.replica(rid).role in DECODE_TARGETS):
         raise ProtocolError(f"seq {seq}: decode replica {rid} is not a decode or mixed replica of plan v{ctx.version}")
     offset = msg.fields.get("offset", 0)
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:

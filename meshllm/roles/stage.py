@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from meshllm.defaults import DECODE_TARGETS
 from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.sampling import SamplingParams, choose_tokens, greedy_tokens
 from meshllm.engine.speculative import verify_block
@@ -217,7 +218,7 @@ class Stage:
             raise ProtocolError("ACTIVATIONS for a replica's first stage (its leader runs that stage)")
         spans = [WireSpan.from_wire(x) for x in msg["spans"]]
         ship = parse_ship(msg["ship"])
-        if any(not (self.ctx.has_replica(r) and self.ctx.replica(r).role in ("decode", "mixed")) for r in ship.values()):
+        if any(not (self.ctx.has_replica(r) and self.ctx.replica(r).role in DECODE_TARGETS) for r in ship.values()):
             raise ProtocolError(f"ship {sorted(set(ship.values()))}: not decode or mixed replicas of plan "
                                 f"v{self.ctx.version}")
         verify = parse_verify(msg["verify"], self.model.args.vocab_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from meshllm.defaults import DECODE_TARGETS
 from meshllm.partition.cost import pipeline_s
 from meshllm.partition.dp import Member
 from meshllm.partition.grouping import Grouping
@@ -121,7 +122,7 @@ def mixed_if_alone(reps: list[SimReplica]) -> list[SimReplica]:
     prefill replica to feed them, serve both phases themselves."""
     roles = {r.role for r in reps}
     alone = set()
-    if "prefill" in roles and not roles & {"decode", "mixed"}:
+    if "prefill" in roles and not roles & set(DECODE_TARGETS):
         alone.add("prefill")
     if "decode" in roles and "prefill" not in roles:
         alone.add("decode")

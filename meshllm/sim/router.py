@@ -28,13 +28,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from meshllm.defaults import DECODE_TARGETS
 from meshllm.partition.cost import transfer_s
 from meshllm.partition.dp import Member
 from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.sim.ports import RX, TX, PortBook
 from meshllm.sim.replica import SimReplica
-
-DECODE_TARGETS = ("decode", "mixed")  # where a prefill replica's KV may go
 
 
 @dataclass
