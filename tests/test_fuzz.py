@@ -1252,5 +1252,5 @@ def test_a_release_that_would_move_kv_to_no_replica_changes_nothing() -> None:
                    dict(ship_to=1)):
         msg = p.make(MsgType.RELEASE, seq=77, reason="migrate", plan_version=Mesh.VERSION, **fields)
         with pytest.raises(ProtocolError):
-            pb._on_release(msg, lambda r: None)
+            pb.data._on_release(msg, lambda r: None)
         assert pb.stage.cache.length(77) == 2, fields

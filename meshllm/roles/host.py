@@ -1,15 +1,15 @@
-"""What this node does under the current plan: it applies each new PLAN and routes the data
-plane to its stage and, on a replica's first node, to the replica's leader (with the verifier
-of a decode or mixed replica), or, on a drafter, to its draft server.
+"""What this node does under the current plan: it applies each new PLAN and builds this node's
+roles: its stage and, on a replica's first node, the replica's leader (with the verifier of a
+decode or mixed replica), or, on a drafter, its draft server.
 
 All data-plane messages (ACTIVATIONS, RESULTS, KV_TRANSFER, KV_ACK, GENERATE_REQ, HANDOFF,
-RELEASE, DRAFT, VERDICT, SESSION) run on one compute `Worker`; the leader's scheduler (or the
-drafter's loop) is that worker's background step, so a micro-batch is launched whenever no
-message is waiting. PLAN arrives on the I/O thread and
+RELEASE, DRAFT, VERDICT, SESSION, CAPACITY) run on one compute `Worker`, each handed to its
+role by roles/dispatch.py (messages of another plan version are dropped there, logged once
+per version); the leader's scheduler (or the drafter's loop) is that worker's background step,
+so a micro-batch is launched whenever no message is waiting. PLAN arrives on the I/O thread and
 is applied on the compute thread: in-flight sequences of the old plan fail with a clear error
 (recovering them is the reliability issue's job), the node keeps its shard when its layers did
-not change, and otherwise loads only its own layer range. Messages of another plan version are
-dropped (logged once per version).
+not change, and otherwise loads only its own layer range.
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ from meshllm.mesh.protocol import (
     Message,
     MsgType,
     ProtocolError,
-    check_seq,
-    is_address,
-    make,
 )
 from meshllm.mesh.transport import Transport, topic
 from meshllm.partition.cost import DRAFT_DTYPE
 from meshllm.partition.plan import Plan, PlanError
 from meshllm.roles.context import PlanContext
+from meshllm.roles.dispatch import DataPlane
 from meshllm.roles.pacer import pacer_factory
 from meshllm.roles.verifier import draft_topic
 from meshllm.roles.weights_fetch import MeshWeights
@@ -67,15 +65,8 @@ class RoleHost:
         self._shard_key: tuple | None = None
         self._model = None
         self._weights_mb = 0.0
-        self._stale_logged: set[int] = set()
         self.listeners: list[Callable[[PlanContext], None]] = []  # e.g. the gateway
-        for mtype, fn in ((MsgType.ACTIVATIONS, self._on_activations), (MsgType.RESULTS, self._on_results),
-                          (MsgType.KV_TRANSFER, self._on_kv), (MsgType.KV_ACK, self._on_kv_ack),
-                          (MsgType.GENERATE_REQ, self._on_generate), (MsgType.HANDOFF, self._on_handoff),
-                          (MsgType.RELEASE, self._on_release), (MsgType.DRAFT, self._on_draft),
-                          (MsgType.VERDICT, self._on_verdict), (MsgType.SESSION, self._on_session),
-                          (MsgType.CAPACITY, self._on_capacity)):
-            transport.on(mtype, fn, self.worker)
+        self.data = DataPlane(self)  # every data-plane message, handed to the role that takes it
         transport.on(MsgType.PLAN, self._on_plan)
 
     def start(self) -> None:
@@ -288,112 +279,6 @@ class RoleHost:
     def send(self, address: str, msg: Message) -> None:
         self.t.send(address, msg)
 
-    def _current(self, msg: Message) -> bool:
-        """A message of a plan version this node's roles still serve (built at `_epoch`, kept since)."""
-        v = msg.fields.get("plan_version")
-        if self.ctx is not None and isinstance(v, int) and self._epoch <= v <= self.ctx.version:
-            return True
-        if v not in self._stale_logged:
-            if len(self._stale_logged) >= 64:  # versions from the network: keep the memory bounded
-                self._stale_logged.clear()
-            self._stale_logged.add(v)
-            log.warning("%s: dropping %s of plan v%s (serving v%s)", self.me, msg.type.name, v,
-                        self.ctx.version if self.ctx else None)
-        return False
-
-    def _need(self, what: str, msg: Message):
-        obj = getattr(self, what)
-        if obj is None:
-            raise ProtocolError(f"{msg.type.name} for a {what} this node does not run under plan "
-                                f"v{self.ctx.version if self.ctx else None}")
-        return obj
-
-    def _on_activations(self, msg: Message, reply: Callable) -> None:
-        if self._current(msg):
-            self._need("stage", msg).on_activations(msg)
-
-    def _on_results(self, msg: Message, reply: Callable) -> None:
-        if self._current(msg):
-            self._need("leader", msg).on_results(msg)
-
-    def _on_kv(self, msg: Message, reply: Callable) -> None:
-        if self.acks is not None and isinstance(msg["seq"], int):
-            self.acks.check_length(msg["seq"], msg["length"])  # before the import
-        if self._current(msg) and self._need("stage", msg).on_kv_transfer(msg):
-            leader_node = self.stage.replica.stages[0].node
-            if leader_node == self.me:
-                self.acks.on_ack(msg["seq"], self.me, msg["length"])
-            else:
-                self.send(self.ctx.address(leader_node), make_ack(msg["seq"], self.me, msg["length"], self.ctx))
-
-    def _on_kv_ack(self, msg: Message, reply: Callable) -> None:
-        if self._current(msg):
-            node = msg["node"]
-            if node == self.me or node != msg.src:  # this node's own stage acknowledges in-process
-                raise ProtocolError(f"KV_ACK for {node!r} from {msg.src!r}")
-            self._need("acks", msg).on_ack(check_seq(msg["seq"]), node, msg["length"])
-
-    def _on_generate(self, msg: Message, reply: Callable) -> None:
-        from meshllm.roles.prefill import seq_from_generate
-
-        if not self._current(msg):
-            self._refuse(msg, "stale_plan")
-            return
-        leader = self._need("leader", msg)
-        args = self.stage.model.args
-        s = seq_from_generate(msg, self.ctx, leader.rid, args.vocab_size, args.max_seq_len)
-        if s.id in leader.seqs or s.id in self.stage.cache:  # a second Seq would break its KV's batches
-            raise ProtocolError(f"seq {s.id} is already running on replica {leader.rid}")
-        leader.admit(s)
-
-    def _on_handoff(self, msg: Message, reply: Callable) -> None:
-        if self._current(msg):
-            self._need("acks", msg).on_handoff(msg, self.stage.model.args.vocab_size)
-
-    def _on_draft(self, msg: Message, reply: Callable) -> None:
-        if self._current(msg) and self.leader is not None and self.leader.verifier is not None:
-            self.leader.verifier.on_draft(msg, self.stage.model.args.vocab_size)
-
-    def _on_verdict(self, msg: Message, reply: Callable) -> None:
-        if self.drafter is not None:
-            self.drafter.on_verdict(msg)
-
-    def _on_session(self, msg: Message, reply: Callable) -> None:
-        if not self._current(msg):
-            return
-        self._need("drafter", msg).on_session(msg, self._model.args.vocab_size, self.cfg.speculation.gamma)
-
-    def _on_capacity(self, msg: Message, reply: Callable) -> None:
-        if self.balancer is not None and self._current(msg):
-            self.balancer.on_capacity(msg)
-
-    def _on_release(self, msg: Message, reply: Callable) -> None:
-        seq = check_seq(msg["seq"])
-        ship_to, length = msg.fields.get("ship_to"), msg.fields.get("length")
-        if self.stage is not None and self.leader is None and (ship_to is not None or length is not None):
-            if not (type(ship_to) is int and type(length) is int and length >= 1  # bool is no replica id
-                    and self.ctx.has_replica(ship_to) and self.ctx.replica(ship_to).role == "decode"):
-                raise ProtocolError(f"RELEASE of seq {seq}: cannot move {length!r:.20} positions to replica "
-                                    f"{ship_to!r:.20}")
-            self.stage.migrate_out(seq, ship_to, length)  # the session moves to another replica
-            return
-        if self.drafter is not None:
-            self.drafter.end(seq)
-        if self.leader is not None:
-            if seq not in self.leader.seqs:
-                self.acks.forget(seq)  # its HANDOFF may still be on the way
-            self.leader.abort(seq)
-        elif self.stage is not None:
-            self.stage.release(seq)
-
-    def _refuse(self, msg: Message, code: str) -> None:
-        """Tell the gateway at once that a request cannot be taken (it retries or fails it)."""
-        gw = msg.fields.get("gateway")
-        if is_address(gw) and isinstance(msg.fields.get("seq"), int):
-            self.send(gw, make(MsgType.TOKENS, seq=msg["seq"], token_ids=[], index=0, finished=True,
-                               finish_reason="error", error=f"{code}: this node serves plan "
-                                                            f"v{self.ctx.version if self.ctx else None}"))
-
     def _step(self) -> bool:
         self._refresh()
         if self.leader is not None:
@@ -453,10 +338,6 @@ class RoleHost:
         if mine is not None:
             return [str(mine[0].role)]
         return ["drafter"] if self.me in self.ctx.plan.drafters else []
-
-
-def make_ack(seq: int, node: str, length: int, ctx: PlanContext) -> Message:
-    return make(MsgType.KV_ACK, seq=seq, node=node, length=length, plan_version=ctx.version)
 
 
 def rss_mb() -> float:
