@@ -34,6 +34,7 @@ from meshllm.mesh.sockets import free_port_pair
 from meshllm.mesh.transport import Transport
 from meshllm.roles import weights_fetch as wf
 from meshllm.roles.weights_fetch import FlowControl, MeshWeights
+from meshllm.roles.weights_serve import MAX_CHUNK_BYTES
 from tests.conftest import REPO, stop_processes, write_gguf_model
 
 DEVICE = {"name": "box", "memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 60, "network_mbps": 1000}
@@ -302,7 +303,7 @@ def test_a_server_refuses_what_it_should(mesh, model_file, tmp_path):
     assert "fingerprint" in s._check(req(fingerprint="0" * 64))
     assert "no tensor" in s._check(req(tensor="../index.json"))
     assert "not within" in s._check(req(offset=200, length=100))
-    assert "not within" in s._check(req(length=wf.MAX_CHUNK_BYTES + 1))
+    assert "not within" in s._check(req(length=MAX_CHUNK_BYTES + 1))
     with pytest.raises(Exception, match="not the address"):
         s._answer(req(reply_to="127.0.0.1:9"))  # chunks go only where the requester lives
     with pytest.raises(Exception, match="not the address"):

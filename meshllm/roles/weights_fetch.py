@@ -13,13 +13,10 @@ Wire (types in mesh/protocol.py):
   [a, b), `token_embd.weight` when a == 0, `output_norm.weight` and the head (`output.weight`, or
   `token_embd.weight` when tied) when b == n_layers. Never the header (the index carries the shape
   the shard needs: ModelArgs and each tensor's type, shape and size), never another range.
-- **Serving** (`WeightsServer`): a node whose `model:` is a GGUF file on its disk announces the names
-  it serves in its heartbeat load (`has_model`) and answers on its own `weights` Worker (never the
-  I/O thread), reading byte ranges from the memory-mapped file; it hashes each tensor once, when
-  first asked for it (hashing a 40 GB file up front would take minutes). Chunks go to the
-  requester's ROUTER, sent from that Worker (a data-plane send: it blocks on a full queue, it is
-  never dropped), and only to the address membership knows for the requesting node id. At most
-  MAX_PENDING_PER_PEER requests per requester wait in its queue; more are refused.
+- **Serving** (`WeightsServer`, roles/weights_serve.py): a node whose `model:` is a GGUF file on its
+  disk announces the names it serves in its heartbeat load (`has_model`) and answers on its own
+  `weights` Worker (never the I/O thread) from the memory-mapped file, sending each chunk only to
+  the address membership knows for the requesting node id; see that module for the details.
 - **Fetching** (`MeshWeights.source`, called by RoleHost._load_shard on its compute thread): ask a
   peer announcing the model for the index (else every live peer), then pull the missing tensors
   with a window of requests in flight (`FlowControl`: chunks of ~40 ms of link time, 64 KiB-4 MiB,
@@ -41,44 +38,27 @@ either), HF safetensors directories (only GGUF files are served), and serving fr
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
 import random
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from meshllm.config import NodeConfig
 from meshllm.defaults import served_name
-from meshllm.engine.sources import (
-    ModelSource,
-    gguf_reader,
-    gguf_shard_names,
-    local_gguf_path,
-    resolve_model,
-)
-from meshllm.engine.tensor_cache import (
-    TensorCache,
-    args_to_wire,
-    is_sha256,
-    is_tensor_name,
-    parse_index,
-    safe_dir_name,
-)
+from meshllm.engine.sources import ModelSource, gguf_shard_names, resolve_model
+from meshllm.engine.tensor_cache import TensorCache, is_sha256, parse_index, safe_dir_name
 from meshllm.errors import ModelFileError
 from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, Peer, PeerState
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, TensorBuf, make
 from meshllm.mesh.sockets import RemoteError
 from meshllm.mesh.transport import Transport
+from meshllm.roles.weights_serve import WeightsServer, has_model
 from meshllm.shapes import ModelArgs
 
 log = logging.getLogger("meshllm.weights")
@@ -91,10 +71,7 @@ ANNOUNCE_WAIT_S = 10.0  # wait this long for a peer announcing the model before 
 RETRY_PAUSE_S = 1.0  # between passes over the peers
 MAX_ROUNDS = 3  # passes over the candidate peers before the fetch fails
 MAX_TENSOR_RETRIES = 2  # sha256 mismatches of one tensor before its source peer is given up
-MAX_CHUNK_BYTES = 4 << 20  # the largest WEIGHTS_REQ a server answers
-MAX_PENDING_PER_PEER = 64  # chunk requests one requester may have waiting in a server's queue
-MAX_PENDING_TOTAL = 256  # ... and all requesters together
-MAX_INFLIGHT = 32  # a fetcher's outstanding chunk requests (below MAX_PENDING_PER_PEER)
+MAX_INFLIGHT = 32  # a fetcher's outstanding chunk requests (below weights_serve.MAX_PENDING_PER_PEER)
 
 
 class PeerFailed(Exception):
@@ -142,128 +119,6 @@ class FlowControl:
             return 4 * self.FIRST_CHUNK
         want = self.rate * (self.QUEUE_S + (self.min_latency_s or 0.0))
         return int(max(2 * self.chunk_bytes, min(self.MAX_WINDOW, want)))
-
-
-def has_model(load: Any) -> list[str]:
-    """The model names a peer's heartbeat load says it serves (network data: anything else is [])."""
-    names = load.get("has_model") if isinstance(load, dict) else None
-    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
-
-
-# -- serving ------------------------------------------------------------------------------------
-class WeightsServer:
-    """Serves the tensors of this node's GGUF model file to peers that lack it."""
-
-    def __init__(self, t: Transport, spec: str, members: Membership | None, worker: Worker):
-        self.t, self.members, self.worker, self.spec = t, members, worker, spec
-        self.name = served_name(spec)
-        self.path = local_gguf_path(spec)
-        self.aliases = sorted({self.name, self.path.name}) if self.path is not None else []
-        self._lock = threading.Lock()
-        self._pending: dict[str, int] = {}  # requester id -> requests queued (I/O thread adds, worker removes)
-        self._sha: dict[str, str] = {}
-        self._directory: dict[str, Any] | None = None
-        self.chunks_sent = self.bytes_sent = 0
-        t.on(MsgType.WEIGHTS_INDEX_REQ, self._on_index_req, worker)
-        t.on(MsgType.WEIGHTS_REQ, self._on_req)  # I/O thread: counts the request, the worker answers it
-
-    def directory(self) -> dict[str, Any]:
-        """WEIGHTS_INDEX fields: the header's sha256, the model's shape and every tensor's type, shape and size."""
-        if self._directory is None:
-            f = gguf_reader(self.path)
-            args = replace(resolve_model(self.spec).args, name=self.name)
-            self._directory = {
-                "fingerprint": hashlib.sha256(f.header_bytes()).hexdigest(), "args": args_to_wire(args),
-                "directory": {n: [t.ggml_type, list(t.shape), t.nbytes] for n, t in f.tensors.items()}}
-        return self._directory
-
-    def _requester(self, node: str) -> str | None:
-        """The address membership knows for a live node id (where its chunks may go)."""
-        p = self.members.get(node) if self.members is not None and node else None
-        return p.info.address if p is not None and p.state in (PeerState.ALIVE, PeerState.SUSPECT) else None
-
-    def _on_index_req(self, msg: Message, reply) -> None:
-        name = msg["model"]
-        if name not in self.aliases:
-            reply(make(MsgType.ERROR, code="not_found", message=f"{self.t.node_id} has no model file for {name!r:.80}"))
-        elif self._requester(msg.src) is None:
-            reply(make(MsgType.ERROR, code="unknown_peer", message=f"{self.t.node_id} does not know {msg.src!r:.40} "
-                                                                     "as a live node yet"))
-        else:
-            try:
-                d = self.directory()
-            except ModelFileError as e:
-                reply(make(MsgType.ERROR, code="not_found", message=str(e)))
-                return
-            reply(make(MsgType.WEIGHTS_INDEX, model=name, **d))
-
-    def _on_req(self, msg: Message, reply) -> None:
-        """I/O thread: admit the request into the worker's queue unless its sender has too many there."""
-        with self._lock:
-            n = self._pending.get(msg.src, 0)
-            if n >= MAX_PENDING_PER_PEER or sum(self._pending.values()) >= MAX_PENDING_TOTAL:
-                raise ProtocolError(f"WEIGHTS_REQ from {msg.src!r:.40}: {n} of its requests already wait "
-                                    f"(limit {MAX_PENDING_PER_PEER} per peer, {MAX_PENDING_TOTAL} in all)")
-            self._pending[msg.src] = n + 1
-        self.worker.submit(lambda: self._serve(msg))
-
-    def _serve(self, msg: Message) -> None:
-        try:
-            self._answer(msg)
-        finally:
-            with self._lock:
-                n = self._pending.pop(msg.src, 1) - 1
-                if n > 0:
-                    self._pending[msg.src] = n
-
-    def _answer(self, msg: Message) -> None:
-        to = self._requester(msg.src)
-        if to is None or msg["reply_to"] != to:
-            raise ProtocolError(f"WEIGHTS_REQ from {msg.src!r:.40}: reply_to {msg['reply_to']!r:.60} is not the "
-                                "address of that live node")
-        name, off, length = msg["tensor"], msg["offset"], msg["length"]
-        error = self._check(msg)
-        head = dict(model=msg["model"], fetch=msg["fetch"], tensor=name, offset=off)
-        if error is not None:
-            chunk = make(MsgType.WEIGHTS_CHUNK, tensors={"data": np.zeros(0, np.uint8)}, total=0, sha256="",
-                         error=error, **head)
-        else:
-            f = gguf_reader(self.path)
-            data = f.raw(name).reshape(-1)[off:off + length]  # a view of the memory-mapped file
-            chunk = make(MsgType.WEIGHTS_CHUNK, tensors={"data": data}, total=f.tensors[name].nbytes,
-                         sha256=self._tensor_sha(name), **head)
-        try:
-            self.t.send(to, chunk)
-        except TimeoutError as e:  # the requester stopped reading: it asks again if it still wants it
-            log.warning("%s: weights chunk for %s not sent: %s", self.t.node_id, msg.src, e)
-            return
-        self.chunks_sent += 1
-        self.bytes_sent += chunk.nbytes
-
-    def _check(self, msg: Message) -> str | None:
-        """Why a request cannot be served (None: it can)."""
-        if msg["model"] not in self.aliases:
-            return f"{self.t.node_id} has no model file for {msg['model']!r:.80}"
-        try:
-            d = self.directory()
-        except ModelFileError as e:
-            return str(e)
-        name, off, length = msg["tensor"], msg["offset"], msg["length"]
-        if msg["fingerprint"] != d["fingerprint"]:
-            return f"{self.t.node_id}'s file of {msg['model']} is not the one indexed (fingerprint differs)"
-        if not is_tensor_name(name) or name not in d["directory"]:
-            return f"no tensor {name!r:.80}"
-        total = d["directory"][name][2]
-        if not (0 <= off < total and 0 < length <= MAX_CHUNK_BYTES and off + length <= total):
-            return f"bytes [{off}, {off}+{length}) are not within {name}'s {total} (chunks up to {MAX_CHUNK_BYTES})"
-        return None
-
-    def _tensor_sha(self, name: str) -> str:
-        """sha256 of a tensor's raw bytes, computed the first time it is asked for."""
-        h = self._sha.get(name)
-        if h is None:
-            h = self._sha[name] = hashlib.sha256(gguf_reader(self.path).raw(name)).hexdigest()
-        return h
 
 
 # -- fetching -----------------------------------------------------------------------------------
