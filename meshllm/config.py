@@ -21,6 +21,7 @@ from meshllm.defaults import (
     DEFAULT_WEIGHT_DTYPE,
     FAILURE_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
+    MAX_BUSY_POLL_MS,
     NODE_ROLES,
     QUANTS,
     SPEC_MODES,
@@ -127,6 +128,7 @@ class NodeConfig:
     pace: bool = False  # emulation: stretch compute to the device profile's speed
     fault_injection: bool = False  # emulation: obey FAULT messages (partitions) from the emulator
     time_scale: float = 1.0  # emulation: devices and links this many times slower
+    busy_poll_ms: float = 0.0  # the compute thread polls this long for the next message before sleeping
 
     @property
     def advertise_address(self) -> str:
@@ -357,7 +359,7 @@ def _plan_inputs(cfg: ClusterConfig | NodeConfig, nodes: tuple[PlanNode, ...], s
 NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "model", "roles", "node_key",
              "authorized_keys", "rate_limit", "links", "heartbeat_interval_s", "failure_timeout_s", "gateway", "draft", "speculation",
              "weights_dtype", "workload", "expect_nodes", "plan_settle_s", "pace", "time_scale", "fault_injection",
-             "fetch_weights", "weights_cache"}
+             "fetch_weights", "weights_cache", "busy_poll_ms"}
 
 
 def parse_node(data: dict, src: str) -> NodeConfig:
@@ -478,7 +480,14 @@ def _serving(d: dict, src: str) -> dict[str, Any]:
         workload=_workload(d.get("workload") or {}, src), expect_nodes=tuple(expect),
         plan_settle_s=float(_num(d.get("plan_settle_s", PLAN_SETTLE_S), src, "plan_settle_s")),
         pace=pace, time_scale=_time_scale(d.get("time_scale", 1.0), src), fault_injection=faults,
+        busy_poll_ms=_busy_poll_ms(d.get("busy_poll_ms", 0.0), src),
     )
+
+
+def _busy_poll_ms(v: Any, src: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_BUSY_POLL_MS:
+        raise ConfigError(src, "busy_poll_ms", f"must be a number from 0 to {MAX_BUSY_POLL_MS:g}, got {v!r}")
+    return float(v)
 
 
 def _time_scale(v: Any, src: str) -> float:

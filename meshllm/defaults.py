@@ -47,6 +47,13 @@ DEFAULT_WEIGHT_DTYPE = "fp16"
 HEARTBEAT_INTERVAL_S = 0.5
 FAILURE_TIMEOUT_S = 2.5  # a peer silent this long is dead (<= 3 s by default)
 
+# A node's compute thread may poll its queue this long after each piece of work before it sleeps
+# (node file `busy_poll_ms`; 0 = never): a pipeline stage between two micro-batches then picks the
+# next one up without a thread wake-up from idle. It costs a busy core while serving, so it is off
+# by default; the emulator turns it on for a node that has a CPU of its own (mesh/loop.py).
+EMULATED_BUSY_POLL_MS = 50.0
+MAX_BUSY_POLL_MS = 1000.0
+
 
 def served_name(model_spec: str) -> str:
     """The model name the OpenAI API serves a model under: a registry name, or a path's last part."""

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from meshllm.config import ClusterConfig, NodeSpec
-from meshllm.defaults import STAGE_ROLES, Role, served_name
+from meshllm.defaults import EMULATED_BUSY_POLL_MS, STAGE_ROLES, Role, served_name
 from meshllm.errors import InputError
 from meshllm.mesh.keys import NodeKeys, generate_key
 from meshllm.mesh.node import query_status, send_control
@@ -66,8 +66,10 @@ METRIC_KEYS = ("ttft_ms_mean", "ttft_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_
 EMULATOR_ID = "emulator"  # the emulator's own CURVE identity (status queries, fault injection)
 
 
-def node_file(spec: NodeSpec, cfg: ClusterConfig, address: str, seed: str, gateway: str | None = None) -> dict[str, Any]:
-    """The node file the emulator writes for one node of the cluster file."""
+def node_file(spec: NodeSpec, cfg: ClusterConfig, address: str, seed: str, gateway: str | None = None,
+              own_cpu: bool = False) -> dict[str, Any]:
+    """The node file the emulator writes for one node of the cluster file. `own_cpu`: the node's
+    process is pinned to a CPU no other node shares, so its compute thread may busy-poll."""
     device = {k: v for k, v in dataclasses.asdict(spec.device).items()}
     wl = cfg.workload
     out: dict[str, Any] = {
@@ -86,6 +88,8 @@ def node_file(spec: NodeSpec, cfg: ClusterConfig, address: str, seed: str, gatew
     }
     if spec.roles:
         out["roles"] = [str(r) for r in spec.roles]
+    if own_cpu:
+        out["busy_poll_ms"] = EMULATED_BUSY_POLL_MS
     if gateway:
         out["gateway"] = {"listen": gateway}
     return out
@@ -159,7 +163,7 @@ class EmulatedCluster:
         for i, spec in enumerate(self.cfg.nodes):
             path = self.workdir / f"{spec.id}.yaml"
             gw = self.gateway if spec.id == self.gateway_node else None
-            nf = node_file(spec, self.cfg, self.addresses[spec.id], seed, gw)
+            nf = node_file(spec, self.cfg, self.addresses[spec.id], seed, gw, self.own_cpu(i))
             nf.update(secure.get(spec.id, {}))
             if gw and token_file:
                 nf["gateway"]["api_token"] = token_file
@@ -197,6 +201,13 @@ class EmulatedCluster:
             token_file = str(path)
             self.api_headers = {"Authorization": f"Bearer {token}"}
         return out, token_file
+
+    def own_cpu(self, i: int) -> bool:
+        """Node i is pinned to a CPU that no other node is pinned to."""
+        if not self.cpus:
+            return False
+        k = len(self.cpus)
+        return sum(1 for j in range(len(self.cfg.nodes)) if j % k == i % k) == 1
 
     def target(self, node_id: str) -> str:
         """How the emulator dials a node: ID@HOST:PORT (the id pins its CURVE key)."""

@@ -90,7 +90,9 @@ def test_node_file(tmp_path):
     n = load_node(p)
     assert n.advertise_address == "127.0.0.1:7700" and n.seeds == ("127.0.0.1:7800",)
     for bad, field in [({"listen": "nowhere"}, "listen"), ({"seeds": ["x:99999"]}, "seeds[0]"),
-                       ({"mdns": "yes"}, "mdns"), ({"node_key": str(tmp_path / "k")}, "authorized_keys")]:
+                       ({"mdns": "yes"}, "mdns"), ({"node_key": str(tmp_path / "k")}, "authorized_keys"),
+                       ({"busy_poll_ms": -1}, "busy_poll_ms"), ({"busy_poll_ms": 5000}, "busy_poll_ms"),
+                       ({"busy_poll_ms": True}, "busy_poll_ms")]:
         p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700", **bad}))
         with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
             load_node(p)

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from meshllm.config import parse_cluster, parse_node
-from meshllm.emulate import METRIC_KEYS, node_file
+from meshllm.defaults import EMULATED_BUSY_POLL_MS
+from meshllm.emulate import METRIC_KEYS, EmulatedCluster, node_file
 from meshllm.roles.pacer import Pacer
 from tests.conftest import REPO, run_cli
 
@@ -82,6 +83,21 @@ def test_generated_node_files_are_valid_node_configs(tmp_path: Path) -> None:
         assert (nc.id, nc.zone, nc.device, nc.mdns, nc.seeds) == (spec.id, spec.zone, spec.device, False,
                                                                    ("127.0.0.1:7100",))
         assert nc.links == cfg.links
+
+
+def test_only_a_node_alone_on_its_cpu_busy_polls(tmp_path: Path) -> None:
+    """Busy-polling a compute queue takes a whole CPU while serving: the emulator asks it of a node
+    pinned to a CPU of its own, never of nodes sharing one (they would slow each other down)."""
+    cfg = parse_cluster(yaml.safe_load(cluster_yaml(tmp_path).read_text()), "c.yaml")
+    alone = EmulatedCluster(cfg, tmp_path / "a", cpus=[0, 1, 2])
+    shared = EmulatedCluster(cfg, tmp_path / "s", cpus=[0, 1])  # node i on CPU i % 2
+    free = EmulatedCluster(cfg, tmp_path / "f")  # not pinned
+    assert [alone.own_cpu(i) for i in range(3)] == [True, True, True]
+    assert [shared.own_cpu(i) for i in range(3)] == [False, True, False]
+    assert [free.own_cpu(i) for i in range(3)] == [False, False, False]
+    polls = [parse_node(node_file(spec, cfg, "127.0.0.1:7000", "127.0.0.1:7100", None, own), "g.yaml").busy_poll_ms
+             for spec, own in zip(cfg.nodes, (True, False))]
+    assert polls == [EMULATED_BUSY_POLL_MS, 0.0]
 
 
 def children_of(pid: int) -> list[int]:

@@ -164,6 +164,30 @@ def test_worker_step_runs_when_the_queue_is_empty() -> None:
     w.close()
 
 
+def test_a_busy_polling_worker_polls_then_sleeps() -> None:
+    """busy_poll_s: after its work the thread polls its queue (it burns CPU for that window, and
+    a call submitted then runs), then sleeps on the queue (no CPU while idle); a scheduler's
+    deadline shorter than the window still wakes the step. CPU time, not wall time, is checked."""
+    ran = threading.Event()
+    w = Worker("w", busy_poll_s=0.6).start()
+    w.submit(lambda: None)
+    t0 = time.thread_time(), time.process_time()
+    time.sleep(0.3)
+    polled = time.process_time() - t0[1] - (time.thread_time() - t0[0])  # other threads' CPU: the worker's
+    w.submit(ran.set)  # inside the window
+    assert ran.wait(5)
+    time.sleep(1.0)  # the window has passed: the worker sleeps
+    t1 = time.thread_time(), time.process_time()
+    time.sleep(0.5)
+    idle = time.process_time() - t1[1] - (time.thread_time() - t1[0])
+    w.close()
+    assert polled > 0.05 and idle < 0.05, (polled, idle)
+    steps = []
+    d = Worker("d", lambda: steps.append(time.monotonic()) and False, lambda: 0.05, busy_poll_s=10.0).start()
+    assert wait_for(lambda: len(steps) >= 3, 5)  # each deadline (50 ms) ends the 10 s poll
+    d.close()
+
+
 def test_a_second_handler_for_one_type_is_an_error(pair) -> None:
     _, b, _ = pair
     with pytest.raises(ValueError, match="already registered"):

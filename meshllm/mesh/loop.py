@@ -24,12 +24,16 @@ POLL_MAX_S = 0.1  # the I/O loop wakes at least this often
 class Worker:
     """A compute thread fed by a queue. Data-plane handlers registered with it run here, in
     arrival order, never on the I/O thread. `step` (optional) is background work run whenever
-    the queue is empty, e.g. a scheduler's next forward pass; it returns True while it has more."""
+    the queue is empty, e.g. a scheduler's next forward pass; it returns True while it has more.
+    `busy_poll_s` > 0: with nothing to do, poll the queue that long before sleeping on it (the
+    next micro-batch of a pipeline is taken at once, not after a wake-up from idle; each poll
+    lets the other threads run), then sleep as usual."""
 
     def __init__(self, name: str, step: Callable[[], bool] | None = None,
-                 wake_after: Callable[[], float | None] | None = None):
+                 wake_after: Callable[[], float | None] | None = None, busy_poll_s: float = 0.0):
         self.name, self._step, self._wake_after = name, step, wake_after  # wake_after: s until `step`
         # must run again even if no message comes (None: only a message wakes it)
+        self.busy_poll_s = busy_poll_s
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False
@@ -54,7 +58,7 @@ class Worker:
         want_step = self._step is not None
         while not self._stopping:
             try:
-                fn = self._q.get(block=True, timeout=self._idle_timeout()) if not want_step else self._q.get_nowait()
+                fn = self._q.get_nowait() if want_step else self._next()
             except queue.Empty:  # nothing queued (or a deadline passed): one unit of background work
                 want_step = self._run_step()
                 continue
@@ -62,6 +66,24 @@ class Worker:
                 return
             guard(fn, self.name)
             want_step = self._step is not None  # drain every queued event, then step
+
+    def _next(self) -> Callable[[], None] | None:
+        """The next queued call: polled for up to busy_poll_s, then waited for (queue.Empty when
+        the scheduler's deadline comes first)."""
+        timeout = self._idle_timeout()
+        if self.busy_poll_s > 0:
+            start = time.monotonic()
+            spin = self.busy_poll_s if timeout is None else min(self.busy_poll_s, timeout)
+            while time.monotonic() - start < spin:
+                try:
+                    return self._q.get_nowait()
+                except queue.Empty:
+                    time.sleep(0)  # let the I/O thread have the GIL
+            if timeout is not None:
+                timeout -= time.monotonic() - start
+                if timeout <= 0:
+                    raise queue.Empty
+        return self._q.get(block=True, timeout=timeout)
 
     def _idle_timeout(self) -> float | None:
         if self._wake_after is None:

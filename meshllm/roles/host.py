@@ -49,7 +49,7 @@ class RoleHost:
         self.me, self.model_spec = cfg.id, cfg.model
         self.weights = MeshWeights(transport, cfg, members)  # serves the model file's tensors, or fetches them
         self.pacer_factory = pacer_factory(cfg, self.weights.args) if cfg.pace else None  # (layers, dtype) -> Pacer
-        self.worker = Worker(f"compute-{self.me}", self._step, self._wake_after)
+        self.worker = Worker(f"compute-{self.me}", self._step, self._wake_after, cfg.busy_poll_ms / 1000.0)
         self.drafter = None
         self._draft_topic: bytes | None = None
         self._epoch = 0  # plan version at which the current roles were built
