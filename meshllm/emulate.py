@@ -36,7 +36,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -45,9 +44,9 @@ from typing import Any
 from meshllm.config import ClusterConfig, NodeSpec
 from meshllm.defaults import EMULATED_BUSY_POLL_MS, STAGE_ROLES, Role, served_name
 from meshllm.errors import InputError
+from meshllm.faults import FaultInjector, parse_faults
 from meshllm.mesh.keys import NodeKeys, generate_key
-from meshllm.mesh.node import query_status, send_control
-from meshllm.mesh.protocol import MsgType, make
+from meshllm.mesh.node import query_status
 from meshllm.mesh.sockets import free_port_pair
 from meshllm.workload import Job, run_jobs, summarize
 
@@ -258,6 +257,10 @@ class EmulatedCluster:
             if proc.poll() is not None:
                 raise RuntimeError(f"node {nid} exited with code {proc.returncode}: {self.log_tail(nid)}")
 
+    def kill(self, node_id: str) -> None:
+        """SIGKILL one node's whole process group (a fault; see faults.py)."""
+        _signal_group(self.procs[node_id], signal.SIGKILL)
+
     def close(self) -> None:
         """SIGTERM every node's process group, then SIGKILL what is left; reap all."""
         live = {nid: p for nid, p in self.procs.items() if p.poll() is None}
@@ -293,7 +296,8 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
 
     timeout_s = getattr(args, "timeout", None) or FORMATION_TIMEOUT_S
     jobs = workload_jobs(cfg, args)  # bad input -> exit 2 before anything starts
-    faults = parse_faults(cfg, getattr(args, "kill", None) or [], getattr(args, "partition", None) or [])
+    faults = parse_faults(cfg, getattr(args, "kill", None) or [], getattr(args, "partition", None) or [],
+                          gateway_node(cfg))
     plan = plan_cluster(plan_inputs(cfg), seed=0, log=False)  # infeasible -> exit 2 before any spawn
     log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s", len(plan.replicas), len(plan.drafters),
              plan.planner_s)
@@ -321,92 +325,6 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-@dataclasses.dataclass(frozen=True)
-class Fault:
-    kind: str  # "kill" | "partition"
-    at_s: float  # after the workload's first request
-    node: str = ""
-    zones: tuple[str, str] = ("", "")
-    until_s: float = 0.0
-
-
-def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str]) -> list[Fault]:
-    """`--kill NODE@S` and `--partition ZA:ZB@S1-S2`, checked against the cluster file (exit 2)."""
-    ids, zones, out = {n.id for n in cfg.nodes}, {n.zone for n in cfg.nodes}, []
-    gateway = gateway_node(cfg)
-    for k in kills:
-        node, _, at = k.rpartition("@")
-        if node not in ids:
-            raise InputError(f"--kill {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
-        if node == gateway:
-            raise InputError(f"--kill {k!r}: {node} runs the gateway the workload's client talks to")
-        out.append(Fault("kill", _seconds(at, f"--kill {k!r}"), node=node))
-    for p in partitions:
-        pair, _, span = p.rpartition("@")
-        za, _, zb = pair.partition(":")
-        start, _, end = span.partition("-")
-        if za not in zones or zb not in zones or za == zb:
-            raise InputError(f"--partition {p!r}: expected ZONE_A:ZONE_B@S1-S2 with two zones of "
-                             f"{cfg.source} ({', '.join(sorted(zones))})")
-        s1, s2 = _seconds(start, f"--partition {p!r}"), _seconds(end, f"--partition {p!r}")
-        if s2 <= s1:
-            raise InputError(f"--partition {p!r}: the end {s2:g} s must come after the start {s1:g} s")
-        out.append(Fault("partition", s1, zones=(za, zb), until_s=s2))
-    return sorted(out, key=lambda f: f.at_s)
-
-
-def _seconds(v: str, what: str) -> float:
-    try:
-        s = float(v)
-    except ValueError:
-        s = -1.0
-    if not 0 <= s <= 3600:
-        raise InputError(f"{what}: {v!r} is not a number of seconds in [0, 3600]")
-    return s
-
-
-class FaultInjector:
-    """Runs the faults on schedule from the workload's first request (a thread; bounded)."""
-
-    def __init__(self, cluster: EmulatedCluster, faults: list[Fault]):
-        self.cluster, self.faults, self.done = cluster, faults, []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self.faults and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="faults", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        t0 = time.monotonic()
-        for f in self.faults:
-            if self._stop.wait(max(0.0, t0 + f.at_s - time.monotonic())):
-                return
-            at = round(time.monotonic() - t0, 3)
-            if f.kind == "kill":
-                _signal_group(self.cluster.procs[f.node], signal.SIGKILL)
-                log.warning("fault: killed %s at %.1f s", f.node, at)
-                self.done.append({"kind": "kill", "node": f.node, "at_s": at})
-            else:
-                self._partition(f, at)
-
-    def _partition(self, f: Fault, at: float) -> None:
-        msg = make(MsgType.FAULT, zones=list(f.zones), seconds=f.until_s - f.at_s)
-        for nid in self.cluster.addresses:
-            if nid not in self.cluster.dead():
-                with contextlib.suppress(TimeoutError):
-                    send_control(self.cluster.target(nid), msg, keys=self.cluster.keys)
-        log.warning("fault: partition %s:%s from %.1f s for %.1f s", *f.zones, at, f.until_s - f.at_s)
-        self.done.append({"kind": "partition", "zones": list(f.zones), "at_s": at,
-                          "until_s": round(at + f.until_s - f.at_s, 3)})
 
 
 def workload_jobs(cfg: ClusterConfig, args: Any) -> list[Job]:

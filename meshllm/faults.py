@@ -1,0 +1,112 @@
+"""Faults injected into an emulated mesh while its workload runs (`--cluster ... --kill NODE@S
+--partition ZA:ZB@S1-S2`): a node's whole process group killed with SIGKILL, or two zones cut
+apart for a while (a FAULT control message to every live node: each drops the other zone's
+traffic until it ends). Times count from the workload's first request; every fault is checked
+against the cluster file before anything starts (exit 2), and `FaultInjector.done` lists what
+ran, for the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from meshllm.config import ClusterConfig
+from meshllm.errors import InputError
+from meshllm.mesh.node import send_control
+from meshllm.mesh.protocol import MsgType, make
+
+if TYPE_CHECKING:
+    from meshllm.emulate import EmulatedCluster
+
+log = logging.getLogger("meshllm.emulate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str  # "kill" | "partition"
+    at_s: float  # after the workload's first request
+    node: str = ""
+    zones: tuple[str, str] = ("", "")
+    until_s: float = 0.0
+
+
+def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], gateway: str) -> list[Fault]:
+    """`--kill NODE@S` and `--partition ZA:ZB@S1-S2`, checked against the cluster file (exit 2);
+    `gateway`: the node whose API the workload's client talks to (it may not be killed)."""
+    ids, zones, out = {n.id for n in cfg.nodes}, {n.zone for n in cfg.nodes}, []
+    for k in kills:
+        node, _, at = k.rpartition("@")
+        if node not in ids:
+            raise InputError(f"--kill {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
+        if node == gateway:
+            raise InputError(f"--kill {k!r}: {node} runs the gateway the workload's client talks to")
+        out.append(Fault("kill", _seconds(at, f"--kill {k!r}"), node=node))
+    for p in partitions:
+        pair, _, span = p.rpartition("@")
+        za, _, zb = pair.partition(":")
+        start, _, end = span.partition("-")
+        if za not in zones or zb not in zones or za == zb:
+            raise InputError(f"--partition {p!r}: expected ZONE_A:ZONE_B@S1-S2 with two zones of "
+                             f"{cfg.source} ({', '.join(sorted(zones))})")
+        s1, s2 = _seconds(start, f"--partition {p!r}"), _seconds(end, f"--partition {p!r}")
+        if s2 <= s1:
+            raise InputError(f"--partition {p!r}: the end {s2:g} s must come after the start {s1:g} s")
+        out.append(Fault("partition", s1, zones=(za, zb), until_s=s2))
+    return sorted(out, key=lambda f: f.at_s)
+
+
+def _seconds(v: str, what: str) -> float:
+    try:
+        s = float(v)
+    except ValueError:
+        s = -1.0
+    if not 0 <= s <= 3600:
+        raise InputError(f"{what}: {v!r} is not a number of seconds in [0, 3600]")
+    return s
+
+
+class FaultInjector:
+    """Runs the faults on schedule from the workload's first request (a thread; bounded)."""
+
+    def __init__(self, cluster: EmulatedCluster, faults: list[Fault]):
+        self.cluster, self.faults, self.done = cluster, faults, []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.faults and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="faults", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        for f in self.faults:
+            if self._stop.wait(max(0.0, t0 + f.at_s - time.monotonic())):
+                return
+            at = round(time.monotonic() - t0, 3)
+            if f.kind == "kill":
+                self.cluster.kill(f.node)
+                log.warning("fault: killed %s at %.1f s", f.node, at)
+                self.done.append({"kind": "kill", "node": f.node, "at_s": at})
+            else:
+                self._partition(f, at)
+
+    def _partition(self, f: Fault, at: float) -> None:
+        msg = make(MsgType.FAULT, zones=list(f.zones), seconds=f.until_s - f.at_s)
+        for nid in self.cluster.addresses:
+            if nid not in self.cluster.dead():
+                with contextlib.suppress(TimeoutError):
+                    send_control(self.cluster.target(nid), msg, keys=self.cluster.keys)
+        log.warning("fault: partition %s:%s from %.1f s for %.1f s", *f.zones, at, f.until_s - f.at_s)
+        self.done.append({"kind": "partition", "zones": list(f.zones), "at_s": at,
+                          "until_s": round(at + f.until_s - f.at_s, 3)})
