@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.sim.ports import PortBook
 from meshllm.sim.replica import SimReplica
 from meshllm.sim.router import ReplicaLoad, Router
@@ -79,14 +80,15 @@ class RepState:
 
 
 class Simulator:
-    def __init__(self, reps: Sequence[SimReplica], requests: Sequence[Request]):
+    def __init__(self, reps: Sequence[SimReplica], requests: Sequence[Request],
+                 route_wait_weight: float = ROUTE_WAIT_WEIGHT):
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
         self.states = {r.id: RepState(r, ReplicaLoad(max(1, r.max_batch())), r.kv_capacity_tokens()) for r in reps}
         self.loads = {rid: st.load for rid, st in self.states.items()}
         self.ports = PortBook(reps[0].inp.net) if reps else None
-        self.router = Router(reps, self.ports) if reps else None
+        self.router = Router(reps, self.ports, route_wait_weight) if reps else None
         self.mean_out = reps[0].inp.mix.mean_out if reps else 0.0
         self.requests = list(requests)
         for r in self.requests:

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from meshllm.partition.dp import Split
 from meshllm.partition.inputs import PlanInputs
+from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.partition.plan import PlanInfeasible, plan_cluster
 from meshllm.partition.replica import decode_fit, mixed_fit, prefill_fit
 from meshllm.sim.baselines import BASELINES, Policy, random_policy
@@ -69,8 +70,9 @@ def requests_at(trace: Trace, rate: float) -> list[Request]:
     return [Request(i, t / rate if rate > 0 else 0.0, n_in, n_out) for i, (t, n_in, n_out) in enumerate(trace)]
 
 
-def simulate(reps: Sequence[SimReplica], trace: Trace, rate: float) -> list[Request]:
-    return Simulator(reps, requests_at(trace, rate)).run()
+def simulate(reps: Sequence[SimReplica], trace: Trace, rate: float,
+             route_wait_weight: float = ROUTE_WAIT_WEIGHT) -> list[Request]:
+    return Simulator(reps, requests_at(trace, rate), route_wait_weight).run()
 
 
 def service_s(reqs: Sequence[Request]) -> float:
