@@ -38,19 +38,43 @@ def results(batch: int, out: list) -> Message:
 
 def test_tokens_go_to_the_gateway_after_the_next_micro_batch_is_launched() -> None:
     """Streaming a token before launching the next micro-batch would delay the pipeline by the
-    gateway's work (in the same process: its Python holds the GIL during the launch)."""
+    gateway's work (in the same process: its Python holds the GIL during the launch). A request's
+    first token goes before it: the request's TTFT would otherwise wait for a stage-0 forward."""
     leader, sent = two_stage_leader()
     leader.admit(seq(1))
     assert leader.step() and [m.type for _, m in sent] == [MsgType.ACTIVATIONS]  # the prompt
     leader.on_results(results(1, [[1, [9], [1.0]]]))
     assert len(sent) == 1, "results alone send nothing yet"
     assert leader.step()
-    assert [(a, m.type) for a, m in sent[1:]] == [(NODES["b"], MsgType.ACTIVATIONS), (NODES["gw"], MsgType.TOKENS)]
-    assert sent[2][1]["token_ids"] == [9] and sent[1][1]["spans"][0][1] == 3  # the decode of position 3
-    leader.on_results(results(2, [[1, [11], [1.0]]]))
+    assert [(a, m.type) for a, m in sent[1:]] == [(NODES["gw"], MsgType.TOKENS), (NODES["b"], MsgType.ACTIVATIONS)]
+    assert sent[1][1]["token_ids"] == [9] and sent[2][1]["spans"][0][1] == 3  # the first token; decode of position 3
+    leader.on_results(results(2, [[1, [11], [1.0]]]))  # a token in the middle of the output
+    assert leader.step()
+    assert [(a, m.type) for a, m in sent[3:]] == [(NODES["b"], MsgType.ACTIVATIONS), (NODES["gw"], MsgType.TOKENS)]
+    assert sent[4][1]["token_ids"] == [11] and sent[4][1]["index"] == 1
+    leader.on_results(results(3, [[1, [12], [1.0]]]))
     leader.fail_all("re-planned")  # a leader about to be replaced sends what it holds at once
-    assert [m["token_ids"] for _, m in sent[3:] if m.type is MsgType.TOKENS] == [[11], []]
-    assert sent[-1][1]["finish_reason"] == "error" and any(m.type is MsgType.RELEASE for _, m in sent[3:])
+    assert [m["token_ids"] for _, m in sent[5:] if m.type is MsgType.TOKENS] == [[12], []]
+    assert sent[-1][1]["finish_reason"] == "error" and any(m.type is MsgType.RELEASE for _, m in sent[5:])
+
+
+def test_a_last_token_goes_out_before_the_next_launch() -> None:
+    """The token that ends a request is not held behind the next micro-batch of the others."""
+    leader, sent = two_stage_leader()
+    short, long = seq(1), seq(2)
+    short.max_tokens = 2
+    leader.admit(short)
+    leader.admit(long)
+    assert leader.step()  # both prompts
+    leader.on_results(results(1, [[1, [9], [1.0]], [2, [19], [1.0]]]))
+    assert leader.step()  # their first tokens, then both decodes
+    n = len(sent)
+    leader.on_results(results(2, [[1, [10], [1.0]], [2, [20], [1.0]]]))  # seq 1 ends (max_tokens 2)
+    assert leader.step()  # seq 2's next decode
+    later = [m for _, m in sent[n:] if m.type is not MsgType.RELEASE]
+    kinds = [(m.type, m.fields.get("seq")) for m in later]
+    last = next(m for m in later if m.type is MsgType.TOKENS and m["seq"] == 1)
+    assert last["finished"] and kinds.index((MsgType.TOKENS, 1)) < kinds.index((MsgType.ACTIVATIONS, None))
 
 
 def test_a_step_with_nothing_to_launch_still_sends_the_tokens() -> None:
@@ -71,7 +95,9 @@ def test_tokens_go_out_before_a_launch_that_carries_a_prompt() -> None:
     leader.admit(seq(1))
     leader.step()
     leader.on_results(results(1, [[1, [9], [1.0]]]))
+    leader.step()  # seq 1's first token, then its first decode
+    leader.on_results(results(2, [[1, [11], [1.0]]]))  # a middle token: it would wait for a decode launch
     leader.admit(seq(2))  # its prompt joins the next micro-batch beside seq 1's decode row
     assert leader.step()
-    assert [m.type for _, m in sent[1:]] == [MsgType.TOKENS, MsgType.ACTIVATIONS]
-    assert sorted(sp[0] for sp in sent[2][1]["spans"]) == [1, 2]
+    assert [m.type for _, m in sent[3:]] == [MsgType.TOKENS, MsgType.ACTIVATIONS]
+    assert sent[3][1]["token_ids"] == [11] and sorted(sp[0] for sp in sent[4][1]["spans"]) == [1, 2]

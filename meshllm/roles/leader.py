@@ -135,7 +135,9 @@ class Leader:
         tokens the last results produced (`flush`) go out after a launch of decode or verify rows
         only (a gateway in this process would otherwise hold up that short step on the critical
         path of every token), but before a launch that carries prompt rows (a long step: a token
-        must not wait for it)."""
+        must not wait for it) and before any launch when a request's first or last token is among
+        them (its TTFT or end would otherwise wait for the launch's stage-0 forward; once per
+        request, so the pipeline barely notices)."""
         try:
             self._expire()
             if len(self.in_flight) >= self.n_stages:
@@ -143,7 +145,8 @@ class Leader:
             fl, ids = self._build()
             if not fl.spans:
                 return False
-            if any(sp.kind in (SpanKind.PREFILL, SpanKind.PREFILL_LAST) for sp in fl.spans):
+            if any(sp.kind in (SpanKind.PREFILL, SpanKind.PREFILL_LAST) for sp in fl.spans) or any(
+                    m["index"] == 0 or m["finished"] for _, m in self._outbox):
                 self.flush()
             self._launch(fl, ids)
             return True
