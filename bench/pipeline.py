@@ -120,7 +120,9 @@ class Reference:
         with on_one_core():  # as each pipeline stage is
             cache = self.model.new_cache()
             cache.allocate(0, len(self.ids) + n_tokens + 1)
+            t0 = time.perf_counter()
             t = int(prefill(self.model, cache, 0, self.ids).argmax(-1)[0])
+            self.prefill_ms = 1000 * (time.perf_counter() - t0)  # the prompt's first token, in-process
             t0 = time.perf_counter()
             for _ in range(n_tokens - 1):
                 t = int(decode_one_token(self.model, cache, 0, t).argmax(-1)[0])
@@ -176,15 +178,18 @@ def bench_pipeline(n: int, tokens: int, repeats: int, ref: Reference) -> dict:
         assert [len(r["stages"]) for r in replicas] == [n], f"expected one {n}-stage replica, got {replicas}"
         polling = sum(m.em.own_cpu(i) for i in range(n))
         m.run([Job(COUNT_PROMPT, 8)])  # warm-up
-        pairs = []
+        pairs, ttft = [], []
         for _ in range(repeats):
             r = ref.tok_s(tokens)
-            pairs.append((r, decode_tok_s(m.run([Job(COUNT_PROMPT, tokens)])[0])))
+            out = m.run([Job(COUNT_PROMPT, tokens)])[0]
+            pairs.append((r, decode_tok_s(out)))
+            ttft.append((ref.prefill_ms, out.ttft_ms))
     ref_tok_s = statistics.median(r for r, _ in pairs)
     bounds = [tuple(st["layers"]) for st in replicas[0]["stages"]]
     return {"stages": n, "busy_polling": polling, "reference_tok_s": ref_tok_s,
             "tok_s": statistics.median(p for _, p in pairs),
             "ratio": statistics.median(p / r for r, p in pairs),
+            "ttft_ms": statistics.median(t for _, t in ttft), "reference_prefill_ms": statistics.median(r for r, _ in ttft),
             "idle_slowdown": ref.idle_slowdown(bounds, (n - 1) / n / ref_tok_s, tokens)}
 
 
@@ -235,6 +240,9 @@ def report(r: dict) -> None:
         print(f"    {p['stages']}-stage pipeline: {p['tok_s']:.1f} vs {p['reference_tok_s']:.1f} tok/s = {ratio:.3f}x  "
               f"(goal >= 0.9x: {'met' if ratio >= 0.9 else 'NOT met'}; {p.get('busy_polling', 0)} of its "
               f"{p['stages']} stages busy-poll: those with a CPU of their own of the {len(CPUS)} here)")
+        if "ttft_ms" in p:
+            print(f"      its TTFT p50 {p['ttft_ms']:.1f} ms through the gateway, against the reference's in-process "
+                  f"prefill of the same prompt {p['reference_prefill_ms']:.1f} ms")
     for p in r["pipelines"]:
         if "idle_slowdown" in p:
             k = p["idle_slowdown"]
