@@ -205,8 +205,8 @@ class EmulatedCluster:
         """Node i is pinned to a CPU that no other node is pinned to."""
         if not self.cpus:
             return False
-        k = len(self.cpus)
-        return sum(1 for j in range(len(self.cfg.nodes)) if j % k == i % k) == 1
+        pinned = [self.cpus[j % len(self.cpus)] for j in range(len(self.cfg.nodes))]
+        return pinned.count(pinned[i]) == 1
 
     def target(self, node_id: str) -> str:
         """How the emulator dials a node: ID@HOST:PORT (the id pins its CURVE key)."""

@@ -95,6 +95,8 @@ def test_only_a_node_alone_on_its_cpu_busy_polls(tmp_path: Path) -> None:
     assert [alone.own_cpu(i) for i in range(3)] == [True, True, True]
     assert [shared.own_cpu(i) for i in range(3)] == [False, True, False]
     assert [free.own_cpu(i) for i in range(3)] == [False, False, False]
+    listed = EmulatedCluster(cfg, tmp_path / "l", cpus=[0, 1, 1])  # a CPU listed twice is one CPU
+    assert [listed.own_cpu(i) for i in range(3)] == [True, False, False]
     polls = [parse_node(node_file(spec, cfg, "127.0.0.1:7000", "127.0.0.1:7100", None, own), "g.yaml").busy_poll_ms
              for spec, own in zip(cfg.nodes, (True, False))]
     assert polls == [EMULATED_BUSY_POLL_MS, 0.0]
