@@ -32,9 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mesh_client import node_loads, run_ok  # noqa: E402
+
 from meshllm.config import parse_cluster  # noqa: E402
 from meshllm.emulate import EmulatedCluster, http_json  # noqa: E402
-from meshllm.workload import Job, run_jobs  # noqa: E402
+from meshllm.workload import Job  # noqa: E402
 
 COUNT_PROMPT = "Count from one to a thousand: 1, 2, 3, 4, 5,"  # keeps going: no early end of sequence
 FAST = 1000.0  # TFLOPS / GB/s of the bench profiles: far above this host, so pacing never sleeps
@@ -96,14 +98,10 @@ class Mesh:
         return http_json(self.url + "/v1/plan")[1]["plan"]
 
     def run(self, jobs: list[Job]) -> list:
-        outs = run_jobs(self.url, "smollm2-135m", jobs, progress=False)
-        bad = [o.error for o in outs if o.error]
-        if bad:
-            raise RuntimeError(f"{len(bad)} requests failed: {bad[0]}")
-        return outs
+        return run_ok(self.url, "smollm2-135m", jobs)
 
     def loads(self) -> dict:
-        return {k: v["load"] for k, v in http_json(self.url + "/v1/mesh")[1]["nodes"].items()}
+        return node_loads(self.url)
 
 
 def decode_tok_s(outcome) -> float:

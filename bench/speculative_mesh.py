@@ -14,11 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mesh_client import node_loads, run_ok  # noqa: E402
 from speculative_report import EDGE, FOG, GAMMA, MODEL  # noqa: E402
 
 from meshllm.config import parse_cluster  # noqa: E402
 from meshllm.emulate import EmulatedCluster, http_json  # noqa: E402
-from meshllm.workload import Job, Outcome, run_jobs  # noqa: E402
+from meshllm.workload import Job, Outcome  # noqa: E402
 
 ITL_PROMPT = "The history of the Roman Empire begins with"
 
@@ -77,14 +78,10 @@ class Mesh:
         if self.first_session is None and any(j.ext and j.ext.get("speculation") != "off" for j in jobs):
             self.first_session = time.monotonic()
         self._settled = None
-        outs = run_jobs(self.url, MODEL, jobs, progress=False)
-        bad = [o.error for o in outs if o.error]
-        if bad:
-            raise RuntimeError(f"{len(bad)} of {len(outs)} requests failed: {bad[0]}")
-        return outs
+        return run_ok(self.url, MODEL, jobs)
 
     def loads(self) -> dict:
-        return {k: v["load"] for k, v in http_json(self.url + "/v1/mesh")[1]["nodes"].items()}
+        return node_loads(self.url)
 
     def settled(self) -> dict:
         """Every node's figures once the heartbeats carry the end of the last run (they refresh
