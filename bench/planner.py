@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
@@ -228,14 +229,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(REPO / "bench/results"))
+    ap.add_argument("--out", default=None, help="where planner.json and the plots go (default bench/results; "
+                    "with --quick a new temporary folder, so a smoke run never replaces a full run's results)")
     ap.add_argument("--clusters", default="", help="comma-separated cluster names (default: all)")
     ap.add_argument("--jobs", type=int, default=2, help="clusters benchmarked in parallel processes")
     ap.add_argument("--seeds", type=int, default=0, help="traces each saturation is averaged over (default 3; --quick 1)")
     ap.add_argument("--times-only", action="store_true", help="only the planner's time against cluster size")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots from OUT/planner.json")
     a = ap.parse_args()
-    out = Path(a.out)
+    if a.out:
+        out = Path(a.out)
+    elif a.quick:
+        out = Path(tempfile.mkdtemp(prefix="meshllm-planner-quick-"))
+        print(f"(--quick: planner.json and plots go to {out})", file=sys.stderr)
+    else:
+        out = REPO / "bench/results"
     out.mkdir(parents=True, exist_ok=True)
     if a.replot:
         saved = json.loads((out / "planner.json").read_text())

@@ -37,6 +37,7 @@ import io
 import json
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from contextlib import redirect_stdout
@@ -308,7 +309,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rtts", default=None, help="(a)'s edge<->fog RTTs in ms, comma-separated "
                     f"(default {','.join(map(str, RTTS_MS))})")
     ap.add_argument("--parallel", type=int, default=3, help="(a) meshes per wave (they start, then measure, together)")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=None, help="where the report, JSON and plots go (default bench/results; "
+                    "with --quick a new temporary folder, so a smoke run never replaces a full run's results)")
     ap.add_argument("--from-json", default=None, metavar="A.json[,B.json]",
                     help="measure nothing: report (and plot) the runs saved in these files, later ones "
                          "replacing earlier ones part by part (e.g. a full run, then a rerun of --parts a)")
@@ -318,7 +320,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     a = parse_args()
     parts = set(a.parts.split(","))
-    out = Path(a.out)
+    if a.out:
+        out = Path(a.out)
+    elif a.quick:
+        out = Path(tempfile.mkdtemp(prefix="meshllm-speculative-quick-"))
+    else:
+        out = Path(__file__).resolve().parent / "results"
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
 
@@ -333,6 +340,7 @@ def main() -> None:
     print(text, end="")
     (out / "speculative.txt").write_text(text)
     (out / "speculative.json").write_text(json.dumps(results, default=lambda o: o.__dict__, indent=1))
+    print(f"(written to {out})", file=sys.stderr)
 
 
 def measure(a: argparse.Namespace, parts: set[str], log) -> dict:
