@@ -145,8 +145,9 @@ class Leader:
             fl, ids = self._build()
             if not fl.spans:
                 return False
-            if any(sp.kind in (SpanKind.PREFILL, SpanKind.PREFILL_LAST) for sp in fl.spans) or any(
-                    m["index"] == 0 or m["finished"] for _, m in self._outbox):
+            long_step = any(sp.kind in (SpanKind.PREFILL, SpanKind.PREFILL_LAST) for sp in fl.spans)
+            first_or_last = any(m["index"] == 0 or m["finished"] for _, m in self._outbox)
+            if long_step or first_or_last:
                 self.flush()
             self._launch(fl, ids)
             return True
