@@ -35,6 +35,7 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -149,7 +150,7 @@ class FakeTransport:
         self.net, self.node_id, self.address, self.zone = net, node_id, address, zone
         self.handlers: dict[MsgType, Callable] = {}
         self.topics: set[bytes] = {TOPIC_MESH}
-        self.dropped = 0
+        self.inbox = SimpleNamespace(dropped=0)  # Transport.inbox: malformed messages dropped
         self.replies = 0
         net.nodes[address] = self
 
@@ -1229,7 +1230,7 @@ def test_a_flood_of_bad_messages_is_counted_and_logged_in_bounded_lines(caplog: 
                 time.sleep(0.1)  # the flush timer sums up what was held back, within 2 s
             pong = t.request(address, p.make(MsgType.PING), timeout_s=10)
         assert pong.type is MsgType.PONG  # the node keeps serving
-        assert t.rejected == 2 * n and t.dropped == n
+        assert t.rejected == 2 * n and t.inbox.dropped == n
         lines, held = rejection_lines(caplog)
         assert sum(lines.values()) + held == 2 * n  # every message: a line of its own, or counted in a summary
         bound = 2 * REJECT_LOG_PER_S * (elapsed + 2)  # two keys, at most per_s lines a second each

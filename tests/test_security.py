@@ -205,11 +205,11 @@ def test_an_admitted_node_cannot_pose_as_another(ring: Keyring, closing: list) -
         dealer.send_multipart(encode(forged))
     dealer.send_multipart(encode(make(MsgType.STATUS_REQ)))  # answered after the two LEAVEs were handled
     assert dealer.poll(10_000)
-    assert a.transport.forged == 2
+    assert a.transport.inbox.forged == 2
     assert a.members.get("b").state is PeerState.ALIVE  # the victim's state is unchanged
 
     m.transport.publish(make(MsgType.LEAVE, node="b", incarnation=inc_b))  # src is stamped "m"
-    assert wait_for(lambda: a.transport.forged >= 3)  # on its SUB to m, a knows the publisher is m
+    assert wait_for(lambda: a.transport.inbox.forged >= 3)  # on its SUB to m, a knows the publisher is m
     assert a.members.get("b").state is PeerState.ALIVE
 
     honest = make(MsgType.LEAVE, node="m", incarnation=a.members.get("m").info.incarnation)
@@ -320,8 +320,8 @@ def test_every_socket_has_the_frame_size_limit(ring: Keyring, closing: list) -> 
     b.send(a_addr, make(MsgType.PING))  # before start: queued for the I/O thread's DEALER
     for t in (a, b):
         t.start()
-    assert wait_for(lambda: len(b._subs) == 1 and len(b._dealers) == 1)
-    socks = [a.router, a.pub, *b._subs.values(), *b._dealers.values()]
+    assert wait_for(lambda: len(b.peers.subs) == 1 and len(b.peers.dealers) == 1)
+    socks = [a.router, a.pub, *b.peers.subs.values(), *b.peers.dealers.values()]
     assert all(s.getsockopt(zmq.MAXMSGSIZE) == MAX_MESSAGE_BYTES for s in socks)
     assert all(s.mechanism == zmq.CURVE for s in socks)
 

@@ -205,7 +205,7 @@ def test_malformed_frames_are_dropped_and_the_node_keeps_serving(pair) -> None:
     for junk in ([b"garbage"], [b"MLLM\x01\x08\x00\x00\xc1"], [b"MLLM\x01\x0a\x00\x01\x80", b"x" * 10]):
         raw.send_multipart(junk)
     raw.close(linger=5000)  # let the junk reach the node
-    assert wait_for(lambda: b.dropped == 3)
+    assert wait_for(lambda: b.inbox.dropped == 3)
     assert a.request(b_addr, make(MsgType.PING), timeout_s=10).type is MsgType.PONG
 
 

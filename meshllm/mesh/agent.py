@@ -45,7 +45,7 @@ class MeshAgent:
 
     def load(self) -> dict[str, Any]:
         return {"uptime_s": round(time.monotonic() - self._started, 3), "heartbeat_seq": self._seq,
-                "dropped_messages": self.t.dropped, **self._serving()["load"]}
+                "dropped_messages": self.t.inbox.dropped, **self._serving()["load"]}
 
     def status(self) -> dict[str, Any]:
         peers = [{"id": p.info.id, "state": p.state.value, "address": p.info.address, "device": p.info.device,

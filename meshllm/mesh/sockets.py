@@ -1,15 +1,18 @@
-"""ZeroMQ socket helpers of the mesh: addresses, CURVE keys, and the per-thread request client.
+"""ZeroMQ socket helpers of the mesh: addresses, CURVE keys, the I/O thread's sockets to its
+peers, and the per-thread request client.
 
 A node listening on HOST:PORT has its ROUTER on PORT and its PUB on PORT+1
 (`endpoint`). Every socket is made by `make_socket`: linger=0 and the protocol's
-frame size limit; with node keys, CURVE (keys.py). `Requester` gives each
-calling thread its own DEALER per peer (ZeroMQ sockets are not thread-safe), so
-a compute thread can make blocking requests without going through the I/O thread.
+frame size limit; with node keys, CURVE (keys.py). `PeerSockets` holds the I/O thread's
+control DEALER and SUB per peer. `Requester` gives each calling thread its own DEALER per
+peer (ZeroMQ sockets are not thread-safe), so a compute thread can make blocking requests
+without going through the I/O thread.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import socket
 import threading
@@ -19,8 +22,10 @@ from typing import Protocol
 
 import zmq
 
-from meshllm.mesh.keys import NodeKeys
+from meshllm.mesh.keys import NodeKeys, UnknownPeerKey
 from meshllm.mesh.protocol import MAX_MESSAGE_BYTES, Message, MsgType, encode
+
+log = logging.getLogger("meshllm.mesh.transport")
 
 SEND_TIMEOUT_S = 10.0  # a compute thread's send blocks at most this long on a full peer queue
 
@@ -100,6 +105,86 @@ def client_socket(ctx: zmq.Context, kind: int, address: str, keys: NodeKeys | No
 
 def nbytes(frames: list) -> int:
     return sum(len(f) for f in frames)
+
+
+class PeerSockets:
+    """The I/O thread's own sockets to its peers: a control DEALER per peer address (HELLO, LEAVE;
+    replies to this node come back on it) and a SUB per peer's PUB, subscribed to `topics`. Each is
+    registered on the I/O thread's `poller`; with CURVE each is pinned to its peer's key, and one
+    whose pin changed since it was made (another node now listens there) is closed and made
+    afresh. Used by the I/O thread only."""
+
+    def __init__(self, ctx: zmq.Context, keys: NodeKeys | None, poller: zmq.Poller, who: str,
+                 topics: set[bytes]):
+        self.ctx, self.keys, self.poller, self.who = ctx, keys, poller, who
+        self.topics = set(topics)
+        self.dealers: dict[str, zmq.Socket] = {}
+        self.subs: dict[str, zmq.Socket] = {}  # peer address -> SUB connected to its PUB
+        self.owner: dict[zmq.Socket, tuple[str, str | None, bool]] = {}  # DEALER/SUB -> (address, id, is SUB)
+
+    def dealer(self, address: str) -> zmq.Socket | None:
+        """The DEALER to `address` (None, logged, if no key is pinned for it)."""
+        sock = self._fresh(self.dealers, address)
+        if sock is None:
+            try:
+                sock, peer = client_socket(self.ctx, zmq.DEALER, address, self.keys)
+            except UnknownPeerKey as e:
+                log.warning("%s: not sent: %s", self.who, e)
+                return None
+            self.dealers[address], self.owner[sock] = sock, (address, peer, False)
+            self.poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def subscribe(self, address: str) -> None:
+        """A SUB to the peer's PUB, unless one with the current pin exists."""
+        if self._fresh(self.subs, address) is not None:
+            return
+        try:
+            sock, peer = client_socket(self.ctx, zmq.SUB, address, self.keys, offset=1)
+        except UnknownPeerKey as e:
+            log.warning("%s: not subscribed: %s", self.who, e)
+            return
+        for t in self.topics:
+            sock.setsockopt(zmq.SUBSCRIBE, t)
+        self.subs[address], self.owner[sock] = sock, (address, peer, True)
+        self.poller.register(sock, zmq.POLLIN)
+
+    def forget(self, address: str) -> None:
+        """Close the SUB and the DEALER to a peer (the next send or subscription connects afresh)."""
+        self._drop(self.subs, address)
+        self._drop(self.dealers, address)
+
+    def set_topic(self, topic_frame: bytes, on: bool) -> None:
+        (self.topics.add if on else self.topics.discard)(topic_frame)
+        for sock in self.subs.values():
+            sock.setsockopt(zmq.SUBSCRIBE if on else zmq.UNSUBSCRIBE, topic_frame)
+
+    def close(self) -> None:
+        for s in (*self.subs.values(), *self.dealers.values()):
+            s.close(linger=0)
+        self.dealers.clear()
+        self.subs.clear()
+        self.owner.clear()
+
+    def _fresh(self, socks: dict[str, zmq.Socket], address: str) -> zmq.Socket | None:
+        """socks[address] unless its CURVE pin changed since it was made (then it is closed)."""
+        sock = socks.get(address)
+        if sock is not None and self.keys is not None:
+            try:
+                current = self.keys.peer_at(address)
+            except UnknownPeerKey:
+                current = None
+            if current != self.owner[sock][1]:
+                self._drop(socks, address)
+                return None
+        return sock
+
+    def _drop(self, socks: dict[str, zmq.Socket], address: str) -> None:
+        sock = socks.pop(address, None)
+        if sock is not None:
+            self.poller.unregister(sock)
+            self.owner.pop(sock, None)
+            sock.close(linger=0)
 
 
 class Shaper(Protocol):

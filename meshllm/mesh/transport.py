@@ -40,21 +40,19 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import zmq
 
-from meshllm.mesh.ingress import LinkShaper, RateLimit, RateLimiter, Rejections, guard
-from meshllm.mesh.keys import Admission, NodeKeys, UnknownPeerKey
+from meshllm.mesh.ingress import Inbox, LinkShaper, RateLimit, RateLimiter, Rejections, guard
+from meshllm.mesh.keys import Admission, NodeKeys
 from meshllm.mesh.loop import IOLoop, Worker
-from meshllm.mesh.protocol import Message, MsgType, ProtocolError, decode, encode, make
-from meshllm.mesh.sockets import Requester, client_socket, endpoint, make_socket, nbytes
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, encode, make
+from meshllm.mesh.sockets import PeerSockets, Requester, endpoint, make_socket
 
 log = logging.getLogger("meshllm.mesh.transport")
 
-RECV_BUDGET = 256  # messages read from one socket per loop turn, so timers still run under load
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: IntFlag ops are slow
+_NOBLOCK = int(zmq.NOBLOCK)  # an int: IntFlag ops are slow
 Handler = Callable[[Message, Callable[[Message], None]], None]
 TOPIC_MESH = b"mesh\0"  # heartbeats, gossip, plans: every node subscribes
 
@@ -74,23 +72,19 @@ class Transport:
         self.local_address: str | None = None  # the address peers reach this node at (send() to it stays local)
         self.shaper = shaper or LinkShaper(zone)
         self.ctx = ctx or zmq.Context.instance()
-        self.dropped = 0  # malformed messages dropped
-        self.forged = 0  # messages dropped for naming another node than their authenticated sender
         self.loop = IOLoop(node_id)
         self.rejections = Rejections(node_id)  # malformed frames and messages a handler refused
         self.loop.every(1.0, self.rejections.flush)
         self.limiter = RateLimiter(rate)
-        self.client = Requester(self.ctx, keys, self._stamp, self._decode, self.shaper)
+        self.inbox = Inbox(node_id, keys, self.shaper, self.limiter, self.rejections)  # .dropped, .forged
+        self.client = Requester(self.ctx, keys, self._stamp, self.inbox.decode, self.shaper)
         self._handlers: dict[MsgType, tuple[Handler, Worker | None]] = {}
-        self._dealers: dict[str, zmq.Socket] = {}
-        self._subs: dict[str, zmq.Socket] = {}  # peer address -> SUB connected to its PUB
-        self._peer_of: dict[zmq.Socket, tuple[str, str | None, bool]] = {}  # DEALER/SUB -> (address, id, is SUB)
-        self._topics: set[bytes] = {TOPIC_MESH}
         self._poller = zmq.Poller()
+        self.peers = PeerSockets(self.ctx, keys, self._poller, node_id, {TOPIC_MESH})
         self._stop = threading.Event()
         self._closed = False
         # ZAP before any CURVE server socket exists: no handshake runs unchecked
-        self.admission = Admission(self.ctx, keys, self._refused) if keys is not None else None
+        self.admission = Admission(self.ctx, keys, self.inbox.refused) if keys is not None else None
         self.router, self.pub = make_socket(self.ctx, zmq.ROUTER), make_socket(self.ctx, zmq.PUB)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, not vanishes
         for sock, offset in ((self.router, 0), (self.pub, 1)):
@@ -140,11 +134,9 @@ class Transport:
         if self._closed:
             return
         self._closed = True
-        for s in (self.router, self.pub, *self._subs.values(), *self._dealers.values()):
+        self.peers.close()
+        for s in (self.router, self.pub):
             s.close(linger=0)
-        self._dealers.clear()
-        self._subs.clear()
-        self._peer_of.clear()
         if self.admission is not None:
             self.admission.close()
         self.loop.close()
@@ -169,7 +161,7 @@ class Transport:
         message a compute thread sends to this node itself (`local_address`, e.g. a leader's tokens
         to the gateway beside it) skips the sockets: see `_deliver_local`."""
         if self.loop.in_loop() or not self.loop.thread.is_alive():
-            self.loop.call_soon(lambda: self._send(self._dealer(address), msg))
+            self.loop.call_soon(lambda: self._send(self.peers.dealer(address), msg))
         elif address == self.local_address:
             self._deliver_local(msg)
         else:
@@ -180,7 +172,7 @@ class Transport:
         (the handler gets its own copy, checked as any message is), no socket, no I/O-thread wake-up
         for a data-plane handler. Such sends are never answered, as with any `send`."""
         self._stamp(msg)
-        copy = self._decode([bytes(f) for f in encode(msg)])
+        copy = self.inbox.decode([bytes(f) for f in encode(msg)])
         if copy is None:
             return
         if self._handlers.get(copy.type, (None, None))[1] is None:
@@ -199,10 +191,10 @@ class Transport:
 
     def subscribe(self, address: str) -> None:
         """Connect a SUB socket to a peer's PUB (what arrives is filtered by topic)."""
-        self.loop.defer(lambda: self._sub(address, True))
+        self.loop.defer(lambda: self.peers.subscribe(address))
 
     def subscribe_topic(self, topic_frame: bytes, on: bool = True) -> None:
-        self.loop.defer(lambda: self._topic(topic_frame, on))
+        self.loop.defer(lambda: self.peers.set_topic(topic_frame, on))
 
     def pin(self, node_id: str, address: str, first_hand: bool) -> bool:
         """With CURVE: the node at `address` is `node_id` (keys.NodeKeys.pin); False if that is not
@@ -212,7 +204,7 @@ class Transport:
 
     def forget(self, address: str) -> None:
         """Drop the SUB connection and the control DEALER to a peer that left."""
-        self.loop.defer(lambda: self._sub(address, False))
+        self.loop.defer(lambda: self.peers.forget(address))
 
     # -- I/O thread -------------------------------------------------------------------------
     def _stamp(self, msg: Message) -> None:
@@ -228,79 +220,11 @@ class Transport:
             sock.send_multipart(([first] if first is not None else []) + frames, _NOBLOCK, copy=False)
         except zmq.Again:
             log.warning("%s: send queue full, dropped control message %s", self.node_id, msg.type.name)
-            if sock in self._peer_of:  # a DEALER with no connection: libzmq gives up on a peer whose
-                self._sub(self._peer_of[sock][0], False)  # CURVE handshake refused us; the next send or
-                # subscription connects afresh (the peer may have admitted this node since)
+            if sock in self.peers.owner:  # a DEALER with no connection: libzmq gives up on a peer whose
+                self.peers.forget(self.peers.owner[sock][0])  # CURVE handshake refused us; the next send
+                # or subscription connects afresh (the peer may have admitted this node since)
         except zmq.ZMQError as e:
             log.warning("%s: cannot send %s: %s", self.node_id, msg.type.name, e)
-
-    def _dealer(self, address: str) -> zmq.Socket | None:
-        """The I/O thread's DEALER to `address` (None, logged, if no key is pinned for it)."""
-        sock = self._fresh(self._dealers, address)
-        if sock is None:
-            try:
-                sock, peer = client_socket(self.ctx, zmq.DEALER, address, self.keys)
-            except UnknownPeerKey as e:
-                log.warning("%s: not sent: %s", self.node_id, e)
-                return None
-            self._dealers[address], self._peer_of[sock] = sock, (address, peer, False)
-            self._poller.register(sock, zmq.POLLIN)
-        return sock
-
-    def _fresh(self, socks: dict[str, zmq.Socket], address: str) -> zmq.Socket | None:
-        """socks[address] unless its CURVE pin changed since it was made (then it is closed)."""
-        sock = socks.get(address)
-        if sock is not None and self.keys is not None:
-            try:
-                current = self.keys.peer_at(address)
-            except UnknownPeerKey:
-                current = None
-            if current != self._peer_of[sock][1]:
-                self._drop(socks, address)
-                return None
-        return sock
-
-    def _drop(self, socks: dict[str, zmq.Socket], address: str) -> None:
-        sock = socks.pop(address, None)
-        if sock is not None:
-            self._poller.unregister(sock)
-            self._peer_of.pop(sock, None)
-            sock.close(linger=0)
-
-    def _sub(self, address: str, on: bool) -> None:
-        if not on:
-            self._drop(self._subs, address)
-            self._drop(self._dealers, address)
-            return
-        if self._fresh(self._subs, address) is not None:
-            return
-        try:
-            sock, peer = client_socket(self.ctx, zmq.SUB, address, self.keys, offset=1)
-        except UnknownPeerKey as e:
-            log.warning("%s: not subscribed: %s", self.node_id, e)
-            return
-        for t in self._topics:
-            sock.setsockopt(zmq.SUBSCRIBE, t)
-        self._subs[address], self._peer_of[sock] = sock, (address, peer, True)
-        self._poller.register(sock, zmq.POLLIN)
-
-    def _topic(self, topic_frame: bytes, on: bool) -> None:
-        (self._topics.add if on else self._topics.discard)(topic_frame)
-        for sock in self._subs.values():
-            sock.setsockopt(zmq.SUBSCRIBE if on else zmq.UNSUBSCRIBE, topic_frame)
-
-    def _refused(self, z85_key: bytes) -> None:
-        """ZAP refused a client key (called on the authenticator's thread)."""
-        self.rejections.reject(("?", "CURVE handshake"), ProtocolError(
-            f"public key {z85_key.decode(errors='replace')[:12]}... is not in the authorized keys"), "refused")
-
-    def _decode(self, frames: list) -> Message | None:
-        try:
-            return decode(frames)
-        except ProtocolError as e:
-            self.dropped += 1
-            self.rejections.reject(("?", "a malformed message"), e, "dropped")
-            return None
 
     def _run(self) -> None:
         self._poller.register(self.router, zmq.POLLIN)
@@ -311,62 +235,11 @@ class Transport:
                     if sock == self.loop.wake_fd:
                         self.loop.drain_wake()
                     else:
-                        self._receive(sock)
+                        self.inbox.receive(sock, None if sock is self.router else self.peers.owner[sock],
+                                           self._dispatch, self.loop.hold)
                 self.loop.run_due(lambda item: self._dispatch(*item))
         finally:
             self._close_sockets()
-
-    def _receive(self, sock: zmq.Socket) -> None:
-        """Read up to RECV_BUDGET ready messages from `sock`: attribute each to its sender, apply the
-        sender's rate limit, decode, drop forgeries; hold back those on an emulated link."""
-        from_router = sock is self.router
-        address, peer, from_sub = (None, None, False) if from_router else self._peer_of[sock]
-        for _ in range(RECV_BUDGET):
-            if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:  # cheaper than a recv raising Again
-                return
-            try:
-                frames = sock.recv_multipart(_NOBLOCK, copy=False)
-            except zmq.Again:  # EVENTS can report a message that a SUB filter then discards
-                return
-            arrived = time.monotonic()
-            ident, body = (frames[0].bytes, frames[1:]) if from_router else (None, frames[1:] if from_sub else frames)
-            if not body:
-                continue
-            who = self._sender(body[0]) if from_router else peer
-            if self.keys is not None and who is None:
-                self.forged += 1
-                self.rejections.reject(("?", "a message"), ProtocolError("no authenticated sender"), "dropped")
-                continue
-            if not self.limiter.allow(who or ident or address, arrived):
-                self.rejections.reject((who or "?", "a message"), ProtocolError(
-                    f"over the rate limit of {self.limiter.limit.messages_per_s:g}/s"), "dropped")
-                continue
-            msg = self._decode(body)
-            if msg is None:
-                continue
-            if who is not None and (msg.src not in ("", who) or msg.fields.get("node", who) != who):
-                self.forged += 1
-                self.rejections.reject((who, msg.type.name), ProtocolError(
-                    f"claims to come from {msg.src or msg.fields.get('node')!r:.40}"), "dropped forged")
-                continue
-            if who is not None:
-                msg.src = who  # an empty src (a CLI client) is filled in with who it really is
-            if self.shaper.active and self.shaper.blocked(msg.zone, arrived):
-                continue  # an emulated partition: the message is lost
-            due = self.shaper.due(msg.zone, nbytes(body), arrived) if self.shaper.active else arrived
-            if due > arrived:
-                self.loop.hold(due, (msg, ident))
-            else:
-                self._dispatch(msg, ident)
-
-    def _sender(self, frame: zmq.Frame) -> str | None:
-        """The node id ZAP authenticated for a ROUTER message (None without CURVE)."""
-        if self.keys is None:
-            return None
-        try:
-            return self.keys.who(frame.get("User-Id"))
-        except zmq.ZMQError:  # no User-Id: not a ZAP-checked connection
-            return None
 
     def _dispatch(self, msg: Message, ident: bytes | None) -> None:
         entry = self._handlers.get(msg.type)
