@@ -11,7 +11,7 @@ OpenAI API; times are what the client sees. Printed, in one run:
     reference on one thread (same prompt, same tokens) -- goal >= 0.9x; node processes are pinned
     to this host's CPUs (`pinning`), and a node with a CPU of its own busy-polls (mesh/loop.py);
 (b) aggregate output tokens/s of 8 and 32 concurrent requests on one decode replica vs 1 request
-    -- goals >= 4x at 8, >= 6x at 32;
+    -- goals >= 4x at 8, >= 6x at 32; beside it the host's ceiling (`Reference.batch_ceiling`);
 (c) the prefill -> decode KV handoff of a 512-token prompt (from the prefill replica having the
     first token to the decode replica holding all the KV) as a fraction of that prompt's prefill
     time -- goal <= 10%.
@@ -137,6 +137,31 @@ class Reference:
                 t = int(decode_one_token(self.model, cache, 0, t).argmax(-1)[0])
             return (n_tokens - 1) / (time.perf_counter() - t0)
 
+    def batch_ceiling(self, ns: tuple[int, ...], n_tokens: int) -> dict[int, float]:
+        """The most batching can give on this host: in this process, on one core, `n_tokens` greedy
+        decode steps of n sequences in one forward each vs of 1 sequence; returns n x t(1) / t(n)
+        per n. The mesh's (b) ratio carries its own overheads on top, so it stays below this."""
+        import torch
+
+        from meshllm.engine.generate import prefill
+        from meshllm.engine.model import SeqSpan
+
+        def steps_s(n: int) -> float:
+            cache = self.model.new_cache()
+            toks = []
+            for s in range(n):
+                cache.allocate(s, len(self.ids) + n_tokens + 1)
+                toks.append(int(prefill(self.model, cache, s, self.ids).argmax(-1)[0]))
+            t0 = time.perf_counter()
+            for _ in range(n_tokens):
+                x = self.model(torch.tensor(toks), [SeqSpan(s, cache.length(s), 1) for s in range(n)], cache)
+                toks = x.argmax(-1).tolist()
+            return time.perf_counter() - t0
+
+        with on_one_core():
+            one = statistics.median(steps_s(1) for _ in range(3))
+            return {n: n * one / steps_s(n) for n in ns}
+
     def idle_slowdown(self, bounds: list[tuple[int, int]], wait_s: float, n_tokens: int) -> float:
         """The host's share of the pipeline's loss: the same stage split run in this process, each
         stage's forward right after the previous one vs after an idle wait of `wait_s` (what a
@@ -235,7 +260,8 @@ def main() -> None:
     with Mesh(disagg_cluster()) as m:
         batching = bench_batching(m, 64)
         handoffs = bench_handoff(m, a.repeats)
-    res = {"pipelines": pipes, "batching_tok_s": batching, "handoffs_ms": handoffs}
+    res = {"pipelines": pipes, "batching_tok_s": batching, "batch_ceiling": ref.batch_ceiling((8, 32), 64),
+           "handoffs_ms": handoffs}
     report(res)
     if a.png:
         plot(res, a.png)
@@ -267,6 +293,9 @@ def report(r: dict) -> None:
         ratio = b[n] / b[1]
         print(f"    {n} concurrent: {b[n]:.1f} tok/s = {ratio:.2f}x  (goal >= {goal}x: "
               f"{'met' if ratio >= goal else 'NOT met'})")
+    for n, k in r.get("batch_ceiling", {}).items():
+        print(f"    host: in one process, one forward of {n} sequences does the work of {k:.2f} forwards of 1 "
+              f"(64 decode steps each): batching {n} requests cannot beat {k:.2f}x on this host")
     h = r["handoffs_ms"]
     if h:
         fr = statistics.median(x[1] / x[0] for x in h)
