@@ -13,7 +13,7 @@ from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import AcceptanceStats
 from meshllm.roles.branches import Branch
 from meshllm.roles.drafter import Drafter, OutBlock, Session
-from meshllm.roles.leader import Leader, Seq
+from meshllm.roles.leader import Seq, block_counts, kept
 from meshllm.roles.pacer import Pacer
 from meshllm.roles.verifier import Block, Verifier
 from meshllm.shapes import ModelArgs
@@ -81,23 +81,22 @@ def seq(i: int, out: list[int], max_tokens: int, stop: frozenset[int] = frozense
 
 
 def test_the_last_block_counts_only_the_drafts_the_output_reaches():
-    leader = Leader.__new__(Leader)
-    leader.max_context = 64
     s = seq(1, [7, 7], max_tokens=4)
-    assert leader._kept(s, [9, 9, 9, 9, 9]) == 2  # max_tokens: 2 more
-    assert leader._kept(seq(2, [], 10, frozenset({4})), [9, 4, 9]) == 2  # the stop token ends it
-    assert leader._kept(seq(3, [], 10), [9, 9]) == 2
+    assert kept(s, [9, 9, 9, 9, 9], 64) == 2  # max_tokens: 2 more
+    assert kept(seq(2, [], 10, frozenset({4})), [9, 4, 9], 64) == 2  # the stop token ends it
+    assert kept(seq(3, [], 10), [9, 9], 64) == 2
+    assert kept(seq(3, [], 10), [9, 9, 9], 5) == 2  # the context limit: 3 prompt + 2 = 5
     # mid-request: every draft counts, accepted or not (2 of 4 accepted, then the target's token)
-    assert leader._block_counts(seq(4, [7], 20), 4, [9, 9, 5]) == (4, 2)
-    assert leader._block_counts(seq(5, [7], 20), 4, [5]) == (4, 0)
+    assert block_counts(seq(4, [7], 20), 4, [9, 9, 5], 64) == (4, 2)
+    assert block_counts(seq(5, [7], 20), 4, [5], 64) == (4, 0)
     # the request ends inside the block: 4 drafts all accepted, the output reaches 2 of them
-    assert leader._block_counts(s, 4, [9, 9, 9, 9, 9]) == (2, 2)
+    assert block_counts(s, 4, [9, 9, 9, 9, 9], 64) == (2, 2)
     # ... or ends at the target's own token after 1 accepted draft: 2 drafts reached, 1 accepted
-    assert leader._block_counts(seq(6, [7, 7], 4), 4, [9, 5]) == (2, 1)
+    assert block_counts(seq(6, [7, 7], 4), 4, [9, 5], 64) == (2, 1)
     v = Verifier.__new__(Verifier)
     v.stats, v.verify_ms = AcceptanceStats(), None
     block = Block(0, 3, s.hash, [9, 9, 9, 9], None, None, 0.0)
-    v.record(s, block, *leader._block_counts(s, len(block.tokens), [9, 9, 9, 9, 9]), 0.01)
+    v.record(s, block, *block_counts(s, len(block.tokens), [9, 9, 9, 9, 9], 64), 0.01)
     assert (s.spec.drafted, s.spec.accepted, s.spec.blocks) == (2, 2, 1)
     assert (v.stats.drafted, v.stats.accepted) == (2, 2)
 

@@ -119,7 +119,7 @@ class Leader:
         # monotonic clock: meaningful in emulation and benchmarks)
         self.handoffs: deque[tuple[float, float]] = deque(maxlen=64)
         self.verifier: Verifier | None = None  # decode and mixed replicas (roles/host.py sets it)
-        self._outbox: list[tuple[str, Message]] = []  # TOKENS for the gateways, sent by `flush`
+        self.outbox = Outbox(send)  # TOKENS for the gateways, sent when `step` says
 
     # -- admission ------------------------------------------------------------------------------
     def admit(self, s: Seq) -> None:
@@ -132,7 +132,7 @@ class Leader:
     # -- the scheduler --------------------------------------------------------------------------
     def step(self) -> bool:
         """Launch the next micro-batch if the pipeline has room; True if one was launched. The
-        tokens the last results produced (`flush`) go out after a launch of decode or verify rows
+        tokens the last results produced (`Outbox`) go out after a launch of decode or verify rows
         only (a gateway in this process would otherwise hold up that short step on the critical
         path of every token), but before a launch that carries prompt rows (a long step: a token
         must not wait for it) and before any launch when a request's first or last token is among
@@ -146,19 +146,12 @@ class Leader:
             if not fl.spans:
                 return False
             long_step = any(sp.kind in (SpanKind.PREFILL, SpanKind.PREFILL_LAST) for sp in fl.spans)
-            first_or_last = any(m["index"] == 0 or m["finished"] for _, m in self._outbox)
-            if long_step or first_or_last:
-                self.flush()
+            if long_step or self.outbox.urgent():
+                self.outbox.flush()
             self._launch(fl, ids)
             return True
         finally:
-            self.flush()
-
-    def flush(self) -> None:
-        """Send the TOKENS messages waiting for their gateways, in order."""
-        out, self._outbox = self._outbox, []
-        for address, m in out:
-            self._send(address, m)
+            self.outbox.flush()
 
     def next_wake_s(self) -> float | None:
         """Seconds until the scheduler must look again without any message (a drafter's deadline)."""
@@ -261,7 +254,7 @@ class Leader:
                 tokens = tokens[:1]
             block = fl.blocks.get(s.id)
             if block is not None:  # before the last TOKENS reports it
-                self.verifier.record(s, block, *self._block_counts(s, len(block.tokens), tokens), took)
+                self.verifier.record(s, block, *block_counts(s, len(block.tokens), tokens, self.max_context), took)
             n0 = len(s.out)
             finished = self.emit(s, tokens)
             if s.drafter and self.verifier:
@@ -275,8 +268,8 @@ class Leader:
         del self.seqs[s.id]
         s.prefill_s = time.monotonic() - (s.launched or s.arrived)
         s.out.append(token)
-        finished = self._finish_reason(s, token)
-        self._tokens(s, [token], finished)
+        finished = finish_reason(s, token, self.max_context)
+        self.outbox.tokens(s, [token], finished)
         if self.on_prefilled is not None:
             self.on_prefilled(self.ctx, s, finished is not None)
 
@@ -284,48 +277,15 @@ class Leader:
         """New output tokens of `s` (several after a verified block): keep those up to the first stop
         token, max_tokens or the context limit, stream them to the gateway, and finish the sequence
         when done. Returns the finish reason, if it finished."""
-        tokens = tokens[:self._kept(s, tokens)]
+        tokens = tokens[:kept(s, tokens, self.max_context)]
         s.out.extend(tokens)
-        finished = self._finish_reason(s, tokens[-1]) if tokens else None
+        finished = finish_reason(s, tokens[-1], self.max_context) if tokens else None
         s.hash = extend_hash(s.hash, tokens)
-        self._tokens(s, tokens, finished)
+        self.outbox.tokens(s, tokens, finished)
         if finished is not None:
             self.stats["finished"] += 1
             self.drop(s.id)
         return finished
-
-    def _finish_reason(self, s: Seq, last: int, extra: int = 0) -> str | None:
-        """Why `s` ends with `last` (`extra` tokens after its current output), if it does."""
-        if last in s.stop_ids:
-            return "stop"
-        if len(s.out) + extra >= s.max_tokens or s.context + extra >= self.max_context:
-            return "length"
-        return None
-
-    def _kept(self, s: Seq, tokens: list[int]) -> int:
-        """How many of `tokens` `s` keeps: up to the first stop token, max_tokens or the context limit."""
-        for i, t in enumerate(tokens):
-            if self._finish_reason(s, t, i + 1) is not None:
-                return i + 1
-        return len(tokens)
-
-    def _block_counts(self, s: Seq, drafted: int, tokens: list[int]) -> tuple[int, int]:
-        """(drafts counted, drafts accepted) of a verified block of `drafted` drafts that committed
-        `tokens` (the accepted drafts, then the target's own token). When the request ends inside
-        the block, drafts past its last kept token are not counted: the output never reaches them."""
-        kept = self._kept(s, tokens)
-        accepted = len(tokens) - 1
-        if kept and self._finish_reason(s, tokens[kept - 1], kept) is not None:
-            return min(drafted, kept), min(accepted, kept)
-        return drafted, accepted
-
-    def _tokens(self, s: Seq, tokens: list[int], finished: str | None) -> None:
-        extra = {"spec": s.spec.to_json()} if finished is not None and s.spec.blocks else {}
-        m = make(MsgType.TOKENS, seq=s.id, token_ids=tokens, index=s.offset + len(s.out) - len(tokens),
-                 finished=finished is not None, finish_reason=finished, queue_ms=round(1000 * s.queued_s, 3),
-                 **extra)
-        s.queued_s = 0.0
-        self._outbox.append((s.gateway, m))
 
     # -- ending sequences -----------------------------------------------------------------------
     def drop(self, seq: int) -> None:
@@ -344,8 +304,7 @@ class Leader:
     def fail(self, s: Seq, why: str) -> None:
         log.error("replica %d: sequence %d failed: %s", self.rid, s.id, why)
         self.stats["aborted"] += 1
-        self._outbox.append((s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=s.offset + len(s.out),
-                                             finished=True, finish_reason="error", error=why)))
+        self.outbox.error(s, why)
         self.drop(s.id)
 
     def abort(self, seq: int) -> None:
@@ -357,7 +316,7 @@ class Leader:
     def fail_all(self, why: str) -> None:
         for s in list(self.seqs.values()):
             self.fail(s, why)
-        self.flush()  # this leader may be replaced before it steps again
+        self.outbox.flush()  # this leader may be replaced before it steps again
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -380,6 +339,65 @@ class Leader:
         return {"replica": self.rid, "role": str(self.role), "queued": len(self.queue), "active": self.active(),
                 "in_flight": len(self.in_flight), "max_active": MAX_ACTIVE_SEQS, **self.stats,
                 "handoffs": list(self.handoffs), **({"spec": self.verifier.load()} if self.verifier else {})}
+
+
+class Outbox:
+    """TOKENS messages for the gateways, held until `flush` (`Leader.step` says when)."""
+
+    def __init__(self, send: Send):
+        self._send = send
+        self.items: list[tuple[str, Message]] = []
+
+    def tokens(self, s: Seq, tokens: list[int], finished: str | None) -> None:
+        """`s`'s new output `tokens` (the last ones of `s.out`), and its finish reason if it ended."""
+        extra = {"spec": s.spec.to_json()} if finished is not None and s.spec.blocks else {}
+        m = make(MsgType.TOKENS, seq=s.id, token_ids=tokens, index=s.offset + len(s.out) - len(tokens),
+                 finished=finished is not None, finish_reason=finished, queue_ms=round(1000 * s.queued_s, 3),
+                 **extra)
+        s.queued_s = 0.0
+        self.items.append((s.gateway, m))
+
+    def error(self, s: Seq, why: str) -> None:
+        self.items.append((s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=s.offset + len(s.out),
+                                           finished=True, finish_reason="error", error=why)))
+
+    def urgent(self) -> bool:
+        """A request's first or last token is waiting (its TTFT or its end must not wait)."""
+        return any(m["index"] == 0 or m["finished"] for _, m in self.items)
+
+    def flush(self) -> None:
+        """Send what waits, in order."""
+        out, self.items = self.items, []
+        for address, m in out:
+            self._send(address, m)
+
+
+def finish_reason(s: Seq, last: int, max_context: int, extra: int = 0) -> str | None:
+    """Why `s` ends with `last` (`extra` tokens after its current output), if it does."""
+    if last in s.stop_ids:
+        return "stop"
+    if len(s.out) + extra >= s.max_tokens or s.context + extra >= max_context:
+        return "length"
+    return None
+
+
+def kept(s: Seq, tokens: list[int], max_context: int) -> int:
+    """How many of `tokens` `s` keeps: up to the first stop token, max_tokens or the context limit."""
+    for i, t in enumerate(tokens):
+        if finish_reason(s, t, max_context, i + 1) is not None:
+            return i + 1
+    return len(tokens)
+
+
+def block_counts(s: Seq, drafted: int, tokens: list[int], max_context: int) -> tuple[int, int]:
+    """(drafts counted, drafts accepted) of a verified block of `drafted` drafts that committed
+    `tokens` (the accepted drafts, then the target's own token). When the request ends inside
+    the block, drafts past its last kept token are not counted: the output never reaches them."""
+    n = kept(s, tokens, max_context)
+    accepted = len(tokens) - 1
+    if n and finish_reason(s, tokens[n - 1], max_context, n) is not None:
+        return min(drafted, n), min(accepted, n)
+    return drafted, accepted
 
 
 def result_tokens(sp: WireSpan, entry: list | None, block: Block | None, vocab: int) -> list[int] | None:
