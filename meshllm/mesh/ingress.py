@@ -1,8 +1,8 @@
 """What happens to a message as it arrives, before its handler runs: the emulated link's delay and
 partitions (`LinkShaper`), the per-peer rate limit (`RateLimit`, `RateLimiter`), the accounting
-and rate-limited logging of rejected input (`Rejections`), `Inbox`, which applies them to what
-the I/O thread reads from a socket, and `guard`, which keeps a failing handler from killing its
-thread.
+and rate-limited logging of rejected input (`Rejections`), and `guard`, which keeps a failing
+handler from killing its thread. No sockets here: sockets.Inbox applies these to what the I/O
+thread reads.
 
 Link shaping (emulation only): with links configured, a message from a node in zone A to this
 node in zone B is held back on arrival until
@@ -19,10 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import zmq
-
-from meshllm.mesh.keys import NodeKeys
-from meshllm.mesh.protocol import Message, ProtocolError, decode
+from meshllm.mesh.protocol import ProtocolError
 
 log = logging.getLogger("meshllm.mesh.transport")
 
@@ -32,8 +29,6 @@ REJECT_LOG_KEYS = 1024  # (sender, message type) pairs tracked at once
 RATE_MESSAGES_PER_S = 50_000  # per-peer rate limit: sustained messages a second ...
 RATE_BURST = 100_000  # ... and the bucket (a burst taken at once)
 RATE_KEYS = 4096  # buckets kept at once (without CURVE a key is a connection, so bounded)
-RECV_BUDGET = 256  # messages read from one socket per loop turn, so timers still run under load
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: IntFlag ops are slow
 
 
 class LinkShaper:
@@ -171,93 +166,6 @@ class Rejections:
 
     def _summary(self, n: int, what: str) -> None:
         log.warning("%s: suppressed %d similar rejected messages (%s)", self.who, n, what)
-
-
-class Inbox:
-    """What the I/O thread reads from a socket, made into messages for the node's handlers: each
-    is attributed to its sender (the ZAP User-Id on the ROUTER, the pinned peer on a SUB or
-    DEALER), held to the sender's rate limit, decoded, and dropped if forged (its `src` or `node`
-    names another node) or lost in an emulated partition; an emulated link holds it back."""
-
-    def __init__(self, who: str, keys: NodeKeys | None, shaper: LinkShaper, limiter: RateLimiter,
-                 rejections: Rejections):
-        self.who, self.keys, self.shaper, self.limiter, self.rejections = who, keys, shaper, limiter, rejections
-        self.dropped = 0  # malformed messages dropped
-        self.forged = 0  # messages dropped for naming another node than their authenticated sender
-
-    def decode(self, frames: list) -> Message | None:
-        try:
-            return decode(frames)
-        except ProtocolError as e:
-            self.dropped += 1
-            self.rejections.reject(("?", "a malformed message"), e, "dropped")
-            return None
-
-    def refused(self, z85_key: bytes) -> None:
-        """ZAP refused a client key (called on the authenticator's thread)."""
-        self.rejections.reject(("?", "CURVE handshake"), ProtocolError(
-            f"public key {z85_key.decode(errors='replace')[:12]}... is not in the authorized keys"), "refused")
-
-    def receive(self, sock: zmq.Socket, peer: tuple[str, str | None, bool] | None,
-                deliver: Callable[[Message, bytes | None], None], hold: Callable[[float, Any], None]) -> None:
-        """Read up to RECV_BUDGET ready messages from `sock` (`peer`: None for the ROUTER, else the
-        (address, node id, is SUB) it is connected to) and `deliver(msg, ROUTER identity)` each, or
-        `hold(due, (msg, identity))` it for an emulated link."""
-        address, known, from_sub = peer if peer is not None else (None, None, False)
-        for _ in range(RECV_BUDGET):
-            if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:  # cheaper than a recv raising Again
-                return
-            try:
-                frames = sock.recv_multipart(_NOBLOCK, copy=False)
-            except zmq.Again:  # EVENTS can report a message that a SUB filter then discards
-                return
-            arrived = time.monotonic()
-            ident, body = (frames[0].bytes, frames[1:]) if peer is None else (None, frames[1:] if from_sub else frames)
-            if not body:
-                continue
-            who = self._sender(body[0]) if peer is None else known
-            msg = self._admit(body, who, ident or address, arrived)
-            if msg is None:
-                continue
-            due = self.shaper.due(msg.zone, sum(len(f) for f in body), arrived) if self.shaper.active else arrived
-            if due > arrived:
-                hold(due, (msg, ident))
-            else:
-                deliver(msg, ident)
-
-    def _admit(self, body: list, who: str | None, conn: Any, arrived: float) -> Message | None:
-        """The message in `body` from `who` (None: unknown without CURVE; `conn` keys its rate
-        limit then), or None if it is refused (counted and logged)."""
-        if self.keys is not None and who is None:
-            self.forged += 1
-            self.rejections.reject(("?", "a message"), ProtocolError("no authenticated sender"), "dropped")
-            return None
-        if not self.limiter.allow(who or conn, arrived):
-            self.rejections.reject((who or "?", "a message"), ProtocolError(
-                f"over the rate limit of {self.limiter.limit.messages_per_s:g}/s"), "dropped")
-            return None
-        msg = self.decode(body)
-        if msg is None:
-            return None
-        if who is not None and (msg.src not in ("", who) or msg.fields.get("node", who) != who):
-            self.forged += 1
-            self.rejections.reject((who, msg.type.name), ProtocolError(
-                f"claims to come from {msg.src or msg.fields.get('node')!r:.40}"), "dropped forged")
-            return None
-        if who is not None:
-            msg.src = who  # an empty src (a CLI client) is filled in with who it really is
-        if self.shaper.active and self.shaper.blocked(msg.zone, arrived):
-            return None  # an emulated partition: the message is lost
-        return msg
-
-    def _sender(self, frame: zmq.Frame) -> str | None:
-        """The node id ZAP authenticated for a ROUTER message (None without CURVE)."""
-        if self.keys is None:
-            return None
-        try:
-            return self.keys.who(frame.get("User-Id"))
-        except zmq.ZMQError:  # no User-Id: not a ZAP-checked connection
-            return None
 
 
 def guard(fn: Callable[[], Any], who: str, rejections: Rejections | None = None,

@@ -4,7 +4,7 @@ peers, and the per-thread request client.
 A node listening on HOST:PORT has its ROUTER on PORT and its PUB on PORT+1
 (`endpoint`). Every socket is made by `make_socket`: linger=0 and the protocol's
 frame size limit; with node keys, CURVE (keys.py). `PeerSockets` holds the I/O thread's
-control DEALER and SUB per peer. `Requester` gives each calling thread its own DEALER per
+control DEALER and SUB per peer; `Inbox` makes what it reads into messages (ingress.py's rules). `Requester` gives each calling thread its own DEALER per
 peer (ZeroMQ sockets are not thread-safe), so a compute thread can make blocking requests
 without going through the I/O thread.
 """
@@ -18,15 +18,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import zmq
 
+from meshllm.mesh.ingress import LinkShaper, RateLimiter, Rejections
 from meshllm.mesh.keys import NodeKeys, UnknownPeerKey
-from meshllm.mesh.protocol import MAX_MESSAGE_BYTES, Message, MsgType, encode
+from meshllm.mesh.protocol import MAX_MESSAGE_BYTES, Message, MsgType, ProtocolError, decode, encode
 
 log = logging.getLogger("meshllm.mesh.transport")
 
+RECV_BUDGET = 256  # messages read from one socket per loop turn, so timers still run under load
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: IntFlag ops are slow
 SEND_TIMEOUT_S = 10.0  # a compute thread's send blocks at most this long on a full peer queue
 
 
@@ -185,6 +188,93 @@ class PeerSockets:
             self.poller.unregister(sock)
             self.owner.pop(sock, None)
             sock.close(linger=0)
+
+
+class Inbox:
+    """What the I/O thread reads from a socket, made into messages for the node's handlers: each
+    is attributed to its sender (the ZAP User-Id on the ROUTER, the pinned peer on a SUB or
+    DEALER), held to the sender's rate limit, decoded, and dropped if forged (its `src` or `node`
+    names another node) or lost in an emulated partition; an emulated link holds it back."""
+
+    def __init__(self, who: str, keys: NodeKeys | None, shaper: LinkShaper, limiter: RateLimiter,
+                 rejections: Rejections):
+        self.who, self.keys, self.shaper, self.limiter, self.rejections = who, keys, shaper, limiter, rejections
+        self.dropped = 0  # malformed messages dropped
+        self.forged = 0  # messages dropped for naming another node than their authenticated sender
+
+    def decode(self, frames: list) -> Message | None:
+        try:
+            return decode(frames)
+        except ProtocolError as e:
+            self.dropped += 1
+            self.rejections.reject(("?", "a malformed message"), e, "dropped")
+            return None
+
+    def refused(self, z85_key: bytes) -> None:
+        """ZAP refused a client key (called on the authenticator's thread)."""
+        self.rejections.reject(("?", "CURVE handshake"), ProtocolError(
+            f"public key {z85_key.decode(errors='replace')[:12]}... is not in the authorized keys"), "refused")
+
+    def receive(self, sock: zmq.Socket, peer: tuple[str, str | None, bool] | None,
+                deliver: Callable[[Message, bytes | None], None], hold: Callable[[float, Any], None]) -> None:
+        """Read up to RECV_BUDGET ready messages from `sock` (`peer`: None for the ROUTER, else the
+        (address, node id, is SUB) it is connected to) and `deliver(msg, ROUTER identity)` each, or
+        `hold(due, (msg, identity))` it for an emulated link."""
+        address, known, from_sub = peer if peer is not None else (None, None, False)
+        for _ in range(RECV_BUDGET):
+            if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:  # cheaper than a recv raising Again
+                return
+            try:
+                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:  # EVENTS can report a message that a SUB filter then discards
+                return
+            arrived = time.monotonic()
+            ident, body = (frames[0].bytes, frames[1:]) if peer is None else (None, frames[1:] if from_sub else frames)
+            if not body:
+                continue
+            who = self._sender(body[0]) if peer is None else known
+            msg = self._admit(body, who, ident or address, arrived)
+            if msg is None:
+                continue
+            due = self.shaper.due(msg.zone, nbytes(body), arrived) if self.shaper.active else arrived
+            if due > arrived:
+                hold(due, (msg, ident))
+            else:
+                deliver(msg, ident)
+
+    def _admit(self, body: list, who: str | None, conn: Any, arrived: float) -> Message | None:
+        """The message in `body` from `who` (None: unknown without CURVE; `conn` keys its rate
+        limit then), or None if it is refused (counted and logged)."""
+        if self.keys is not None and who is None:
+            self.forged += 1
+            self.rejections.reject(("?", "a message"), ProtocolError("no authenticated sender"), "dropped")
+            return None
+        if not self.limiter.allow(who or conn, arrived):
+            self.rejections.reject((who or "?", "a message"), ProtocolError(
+                f"over the rate limit of {self.limiter.limit.messages_per_s:g}/s"), "dropped")
+            return None
+        msg = self.decode(body)
+        if msg is None:
+            return None
+        if who is not None and (msg.src not in ("", who) or msg.fields.get("node", who) != who):
+            self.forged += 1
+            self.rejections.reject((who, msg.type.name), ProtocolError(
+                f"claims to come from {msg.src or msg.fields.get('node')!r:.40}"), "dropped forged")
+            return None
+        if who is not None:
+            msg.src = who  # an empty src (a CLI client) is filled in with who it really is
+        if self.shaper.active and self.shaper.blocked(msg.zone, arrived):
+            return None  # an emulated partition: the message is lost
+        return msg
+
+    def _sender(self, frame: zmq.Frame) -> str | None:
+        """The node id ZAP authenticated for a ROUTER message (None without CURVE)."""
+        if self.keys is None:
+            return None
+        try:
+            return self.keys.who(frame.get("User-Id"))
+        except zmq.ZMQError:  # no User-Id: not a ZAP-checked connection
+            return None
 
 
 class Shaper(Protocol):

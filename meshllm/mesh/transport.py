@@ -44,11 +44,11 @@ from collections.abc import Callable
 
 import zmq
 
-from meshllm.mesh.ingress import Inbox, LinkShaper, RateLimit, RateLimiter, Rejections, guard
+from meshllm.mesh.ingress import LinkShaper, RateLimit, RateLimiter, Rejections, guard
 from meshllm.mesh.keys import Admission, NodeKeys
 from meshllm.mesh.loop import IOLoop, Worker
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, encode, make
-from meshllm.mesh.sockets import PeerSockets, Requester, endpoint, make_socket
+from meshllm.mesh.sockets import Inbox, PeerSockets, Requester, endpoint, make_socket
 
 log = logging.getLogger("meshllm.mesh.transport")
 
