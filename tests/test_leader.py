@@ -101,3 +101,27 @@ def test_tokens_go_out_before_a_launch_that_carries_a_prompt() -> None:
     assert leader.step()
     assert [m.type for _, m in sent[3:]] == [MsgType.TOKENS, MsgType.ACTIVATIONS]
     assert sent[3][1]["token_ids"] == [11] and sorted(sp[0] for sp in sent[4][1]["spans"]) == [1, 2]
+
+
+def test_a_prefill_stage_sends_the_micro_batch_on_before_it_ships_the_kv() -> None:
+    """A prompt's activations (and the last stage's RESULTS, its first token) are on the request's
+    critical path; the KV it ships to the decode replica is not, so it goes after them."""
+    plan = Plan("tiny", 4, "fp32", (Replica(0, Role.PREFILL, (PlanStage("a", (0, 2)), PlanStage("b", (2, 4))),
+                                            1.0, 1.0, 1.0),
+                                    Replica(1, Role.DECODE, (PlanStage("c", (0, 4)),), 1.0, 1.0, 1.0)), (), (), 0.0, 1.0)
+    nodes = dict(NODES, c="127.0.0.1:7007")
+    sent_a: list[tuple[str, Message]] = []
+    sent_b: list[tuple[str, Message]] = []
+    ctx_a, ctx_b = PlanContext(1, plan, nodes, "a"), PlanContext(1, plan, nodes, "b")
+    leader = Leader(Stage(ctx_a, load_transformer("tiny", 0, 2), lambda a, m: sent_a.append((a, m))),
+                    lambda a, m: sent_a.append((a, m)), max_context=256)
+    s = seq(1)
+    s.decode_rid = 1
+    leader.admit(s)
+    assert leader.step()
+    assert [(a, m.type) for a, m in sent_a] == [(nodes["b"], MsgType.ACTIVATIONS), (nodes["c"], MsgType.KV_TRANSFER)]
+    assert sent_a[1][1]["layers"] == [0, 2]
+    last = Stage(ctx_b, load_transformer("tiny", 2, 4), lambda a, m: sent_b.append((a, m)))
+    last.on_activations(sent_a[0][1])
+    assert [(a, m.type) for a, m in sent_b] == [(nodes["a"], MsgType.RESULTS), (nodes["c"], MsgType.KV_TRANSFER)]
+    assert sent_b[1][1]["layers"] == [2, 4]

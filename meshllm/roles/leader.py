@@ -210,11 +210,11 @@ class Leader:
                 if s.kind is SpanKind.PREFILL_LAST and self.seqs[s.seq].decode_rid != self.rid}
         verify = {seq: (b.tokens, b.q_ids, b.q_p) for seq, b in fl.blocks.items()}
         out = self.stage.compute(torch.tensor(ids, dtype=torch.long), spans)
-        self.stage.after_batch(spans, ship)
         self.stats["micro_batches"] += 1
         self.stats["rows"] += len(ids)
         batch = next(self._batch_ids)
         if self.n_stages == 1:
+            self.stage.after_batch(spans, ship)
             self._apply(fl, results_of(out, spans, verify))
             return
         self.in_flight[batch] = fl
@@ -224,6 +224,7 @@ class Leader:
                    make(MsgType.ACTIVATIONS, tensors={"hidden": out}, replica=self.rid, batch=batch,
                         plan_version=self.ctx.version, spans=[s.to_wire() for s in spans],
                         ship=[[k, v] for k, v in ship.items()], verify=wire_verify))
+        self.stage.after_batch(spans, ship)  # after the micro-batch goes on: the KV is not on its critical path
 
     # -- results --------------------------------------------------------------------------------
     def on_results(self, msg: Message) -> None:

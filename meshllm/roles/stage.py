@@ -230,7 +230,6 @@ class Stage:
         if not bool(torch.isfinite(x).all()):
             raise ProtocolError("hidden states hold NaN or infinity")
         out = self.compute(x, spans)
-        self.after_batch(spans, ship)
         rid, batch, v = self.replica.id, msg["batch"], self.ctx.version
         if self.last:
             self._send(self.ctx.leader(rid), make(MsgType.RESULTS, replica=rid, batch=batch, plan_version=v,
@@ -239,6 +238,7 @@ class Stage:
             self._send(self.ctx.next_stage(rid, self.index),
                        make(MsgType.ACTIVATIONS, tensors={"hidden": out}, replica=rid, batch=batch, plan_version=v,
                             spans=msg["spans"], ship=msg["ship"], verify=msg["verify"]))
+        self.after_batch(spans, ship)  # after the micro-batch goes on: the KV is not on its critical path
 
     def ship_kv(self, seq: int, rid: int) -> None:
         k, v = self.cache.export(seq)  # (n_layers, nkv, length, hd) each
