@@ -274,3 +274,21 @@ def test_judged_plan_sustains_at_least_the_best_baseline():
     mine = saturation_rate(meshllm_policy(inp, inp.rate_per_s, 0).replicas, inp, 0)
     for build in (mixed_dp, splitwise):
         assert mine >= saturation_rate(build(inp).replicas, inp, 0) * (1 - 1e-9), build.__name__
+
+
+def test_each_prefill_stage_ships_its_kv_when_it_is_done(demo):
+    """As roles/stage.py does: the first stage's KV leaves while the second stage computes, after
+    its activations; the decode replica is chosen on arrival (as the gateway does), and a
+    request's own transfers queueing behind each other are no wait."""
+    _, inp = demo
+    pre = replica(inp, 0, "prefill", ["fog-1", "fog-2"], (15, 15))
+    dec = replica(inp, 1, "decode", ["fog-4"], (30,))  # a 1 Gb/s port: both stages' KV queue on its rx
+    req = Simulator([pre, dec], [Request(0, 0.0, 500, 4)]).run()[0]
+    assert req.dst == 1
+    half = 15 * 500 * inp.mc.kv_bytes_per_token * 8 / 1e9  # one stage's KV over a 1 Gb/s port
+    stages, _, _ = pre.prefill_stages(500)
+    assert req.wait_s == pytest.approx(0.0, abs=1e-12)
+    # all the KV after the prefill would be complete at first_token + 2 x half; the first
+    # stage's went out when that stage was done
+    assert req.kv_ready == pytest.approx(stages[0] + 2 * half, abs=1e-3)
+    assert req.kv_ready < req.first_token + 2 * half - 0.5 * stages[1]

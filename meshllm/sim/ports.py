@@ -50,12 +50,13 @@ class PortBook:
         return end
 
     def transfers(self, flows: Iterable[tuple[Member, Member, float]], now: float,
-                  commit: bool) -> tuple[float, float]:
+                  commit: bool, alone: dict | None = None) -> tuple[float, float]:
         """Transfers started together (e.g. the KV of every stage of one request): (when the last
         one is complete, when it would be had no other request's transfer been queued). Booked
-        only if `commit`; an estimate otherwise."""
+        only if `commit`; an estimate otherwise. `alone`: the same request's own earlier transfers
+        (kept in it), which its ideal end does queue behind."""
         booked: dict = {}
-        alone: dict = {}
+        alone = {} if alone is None else alone
         end = ideal = now
         for a, b, nbytes in flows:
             servers, half = self.path(a, b)

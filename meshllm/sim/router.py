@@ -7,7 +7,7 @@ API (what a gateway calls with its live view of the replicas):
     router = Router(reps, PortBook(inp.net))           # ports: sim/ports.py (empty = estimates)
     loads  = {r.id: ReplicaLoad(max_batch=r.max_batch()) for r in reps}   # kept up to date by the caller
     rid = router.pick_prefill(loads, n_in, n_out, now)          # a prefill or mixed replica
-    did = router.pick_decode(src_id, loads, n_in, n_out, now)   # a decode or mixed replica, after the prefill
+    did = router.pick_decode(src_id, loads, n_in, n_out, now)   # a decode or mixed replica for its KV (on arrival)
 
 `n_in` is the prompt's length; `n_out` the expected output length (the router does not know
 the future: the simulator passes the workload's mean). `now` is seconds on any clock that the
@@ -84,7 +84,8 @@ class Router:
 
     def pick_decode(self, src_id: int, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float,
                     now: float) -> int:
-        """The decode (or mixed) replica for a prompt prefilled on `src_id` whose KV is ready at `now`."""
+        """The decode (or mixed) replica for the KV of a prompt prefilled on `src_id` (the gateway
+        and the simulator ask on arrival; the KV transfer is estimated as if it started `now`)."""
         src, best = self.reps[src_id], None
         for rep in self.reps.values():
             if rep.role not in DECODE_TARGETS:

@@ -2,15 +2,18 @@
 
 - Requests arrive at given times (sweep.py draws Poisson traces) with their own lengths.
 - Routing: router.py (the same code the live gateway runs). The router is told the prompt's
-  length and the workload's mean output length, never a request's own.
+  length and the workload's mean output length, never a request's own. As the gateway does, a
+  request for a prefill replica gets its decode replica on arrival too.
 - Prefill replicas are pipelines: a prompt may enter every `occupancy` seconds (the slowest
   stage or link); it then runs stage by stage, and its activations cross each link as a real
   transfer on the ports (ports.py: full duplex, shared zone links), so they queue behind KV
   being shipped out of the same port. The first output token comes out of the prefill.
   Back-pressure: a prefill replica starts no prompt while its finished-but-unsent KV would
   overflow its memory.
-- KV shipping: every prefill stage sends the KV of its layers to the decode stages holding
-  them, started together; done when the last one is.
+- KV shipping: as roles/stage.py does, each prefill stage sends the KV of its layers to the
+  decode stages holding them as soon as it has computed the prompt, after the prompt's
+  activations to the next stage (which are on its critical path); the KV is ready when the
+  last stage's has arrived.
 - Decode replicas batch at iteration level (Orca): up to the memory-limited batch; an
   iteration costs `decode_iter_s(batch, mean context)`, in min(stages, batch) micro-batches
   that follow each other through the pipeline, and (as roles/leader.py does) a sequence joins
@@ -62,6 +65,10 @@ class Request:
     slot_wait_s: float = 0.0  # part of wait_s: KV arrived, no decode slot free
     last_token: float = math.nan
     gaps: list = field(default_factory=list)  # (seconds between two of its tokens, how many such gaps)
+    dst: int = -1  # the decode replica its KV goes to (a prefill replica's request)
+    kv_end: float = 0.0  # when the KV its stages shipped so far is complete ...
+    kv_ideal: float = 0.0  # ... and when it would be had no other request's transfer been queued
+    kv_alone: dict | None = None  # its own KV transfers so far, on otherwise idle ports
 
 
 @dataclass
@@ -109,6 +116,9 @@ class Simulator:
     # -- prefill ------------------------------------------------------------------------------
     def on_arrival(self, req: Request) -> None:
         st = self.states[self.router.pick_prefill(self.loads, req.n_in, self.mean_out, self.now)]
+        if st.rep.role == "prefill" and req.n_out > 1:
+            req.dst = self.router.pick_decode(st.rep.id, self.loads, req.n_in, self.mean_out, self.now)
+            self.states[req.dst].load.waiting += 1
         st.queue.append(req)
         st.load.prefill_queued_s += st.rep.prefill_s(req.n_in)[0]
         st.load.prefill_queued_tokens += req.n_in
@@ -139,30 +149,42 @@ class Simulator:
         self.push(self.now + stages[0], self.on_stage, st, req, 0)
 
     def on_stage(self, st: RepState, req: Request, i: int) -> None:
-        """Stage i of `req`'s prefill is done: send its activations on, or finish."""
+        """Stage i of `req`'s prefill is done: send its activations on (first: the prompt's
+        critical path), then ship its KV; or finish."""
         members = st.rep.members
+        if i < len(members) - 1:
+            nbytes = req.n_in * st.rep.inp.mc.act_bytes_per_token
+            end, ideal = self.ports.transfer(members[i], members[i + 1], nbytes, self.now)
+            req.wait_s += end - ideal
+            req.port_wait_s += end - ideal
+            self.push(end + st.rep.prefill_stages(req.n_in)[0][i + 1], self.on_stage, st, req, i + 1)
+        if req.n_out > 1:
+            self.ship_stage_kv(st, req, i)
         if i == len(members) - 1:
             self.on_prefilled(st, req)
-            return
-        nbytes = req.n_in * st.rep.inp.mc.act_bytes_per_token
-        end, ideal = self.ports.transfer(members[i], members[i + 1], nbytes, self.now)
-        req.wait_s += end - ideal
-        req.port_wait_s += end - ideal
-        self.push(end + st.rep.prefill_stages(req.n_in)[0][i + 1], self.on_stage, st, req, i + 1)
+
+    def ship_stage_kv(self, st: RepState, req: Request, i: int) -> None:
+        """Stage i of a prefill replica has computed `req`'s prompt: its KV goes to the decode
+        replica chosen on arrival. Waiting: the KV complete later than at idle ports."""
+        src = st.rep
+        if i == 0:
+            st.pending_kv += req.n_in
+            req.kv_end, req.kv_ideal, req.kv_alone = self.now, self.now, {}
+        dst = self.states[req.dst]
+        flows = [f for f in self.router.kv_flows(src, dst.rep, req.n_in) if f[0] is src.members[i]]
+        end, ideal = self.ports.transfers(flows, self.now, commit=True, alone=req.kv_alone)
+        req.kv_end, req.kv_ideal = max(req.kv_end, end), max(req.kv_ideal, ideal)
+        if i == len(src.members) - 1:
+            req.kv_alone = None
+            req.wait_s += req.kv_end - req.kv_ideal
+            req.port_wait_s += req.kv_end - req.kv_ideal
+            self.push(req.kv_end, self.on_kv_sent, st, dst, req)
 
     def on_prefilled(self, st: RepState, req: Request) -> None:
         req.first_token = req.last_token = self.now
         if req.n_out <= 1:
             req.done = req.decode_start = self.now
             self.try_prefill(st)
-            return
-        dst = self.states[self.router.pick_decode(st.rep.id, self.loads, req.n_in, self.mean_out, self.now)]
-        st.pending_kv += req.n_in
-        dst.load.waiting += 1
-        end, ideal = self.ports.transfers(self.router.kv_flows(st.rep, dst.rep, req.n_in), self.now, commit=True)
-        req.wait_s += end - ideal
-        req.port_wait_s += end - ideal
-        self.push(end, self.on_kv_sent, st, dst, req)
 
     def on_kv_sent(self, src: RepState, dst: RepState, req: Request) -> None:
         src.pending_kv -= req.n_in
