@@ -7,7 +7,7 @@ import pytest
 from meshllm.sim.ports import PortBook
 from meshllm.sim.replica import SimReplica
 from meshllm.sim.router import ReplicaLoad, Router, pick_decode, pick_prefill
-from meshllm.sim.simulator import Simulator
+from meshllm.sim.simulator import Request, Simulator
 from tests.planner_fixtures import small_inputs
 
 
@@ -72,3 +72,31 @@ def test_the_simulator_routes_with_this_router(inp):
     reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-2")]
     sim = Simulator(reps, [])
     assert type(sim.router) is Router and sim.loads[0] is sim.states[0].load
+
+
+def test_the_gateway_counts_a_request_at_its_decode_replica_from_routing_on(inp):
+    """The live gateway's view for the router: a request prefilled on another replica counts in
+    its decode replica's `waiting` as soon as it is routed there (requests routed during its
+    prefill must see it, as in the simulator), then as decoding from its first token."""
+    import threading
+
+    from meshllm.roles.gateway import Gateway, Stream
+
+    reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-3")]
+    gw = Gateway.__new__(Gateway)
+    gw._lock, gw.reps, gw._decoding, gw._routed = threading.Lock(), {r.id: r for r in reps}, {}, {}
+    gw.loads = {0: ReplicaLoad(max_batch=4), 1: ReplicaLoad(max_batch=2)}
+    streams = [Stream(i, None, None, set(), 0, 1, 100, 10) for i in range(3)]
+    for s in streams:
+        gw._book(s, "prefill", +1)
+    assert (gw.loads[1].active, gw.loads[1].waiting) == (0, 3) and gw.loads[0].prefill_queued == 3
+    sim = Simulator(reps, [])  # the simulator books the same way on arrival
+    sim.on_arrival(Request(0, 0.0, 100, 10))
+    assert sim.loads[1].waiting == 1
+    for s in streams:  # first tokens: prefill done, decoding (2 slots, 1 beyond them)
+        gw._book(s, "prefill", -1)
+        gw._book(s, "decode", +1)
+    assert (gw.loads[1].active, gw.loads[1].waiting) == (2, 1) and gw.loads[0].prefill_queued == 0
+    for s in streams:
+        gw._book(s, "decode", -1)
+    assert (gw.loads[1].active, gw.loads[1].waiting) == (0, 0)

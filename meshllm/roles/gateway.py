@@ -109,7 +109,8 @@ class Gateway:
         self._lock = threading.Lock()
         self._seq_prefix = random.SystemRandom().getrandbits(30) << 32
         self._seq_counter = itertools.count(1)
-        self._decoding: dict[int, int] = {}
+        self._decoding: dict[int, int] = {}  # decode replica -> this gateway's sequences decoding there
+        self._routed: dict[int, int] = {}  # decode replica -> sequences routed there, still prefilling elsewhere
         self._send_pool = ThreadPoolExecutor(SEND_POOL_THREADS, thread_name_prefix=f"gw-send-{self.me}")
         self.loads: dict[int, ReplicaLoad] = {}  # replica -> what this gateway has in flight there
         transport.on(MsgType.TOKENS, self._on_tokens)
@@ -140,6 +141,7 @@ class Gateway:
             self.loads = {rid: self.loads[rid] if rid in keep and rid in self.loads else
                           ReplicaLoad(max_batch=max(1, min(r.max_batch(), MAX_ACTIVE_SEQS))) for rid, r in reps.items()}
             self._decoding = {rid: n for rid, n in self._decoding.items() if rid in keep}
+            self._routed = {rid: n for rid, n in self._routed.items() if rid in keep}
             stale = [s for s in self._streams.values() if s.prefill_rid not in keep or s.decode_rid not in keep]
         for s in stale:  # their replicas changed: resume them on the new plan (tokens() does it)
             s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"the mesh was re-planned "
@@ -199,19 +201,26 @@ class Gateway:
 
     def _book(self, s: Stream, phase: str, sign: int) -> None:
         """Keep the router's view: prompts queued for prefill, sequences decoding (and their
-        remaining tokens), per replica."""
+        remaining tokens), per replica. A sequence prefilled on another replica counts in its
+        decode replica's `waiting` from the moment it is routed there, so requests routed while
+        it prefills do not all pick the same decode replica (the simulator does the same)."""
         with self._lock:
             pre, dec = self.loads.get(s.prefill_rid), self.loads.get(s.decode_rid)
-            if phase == "prefill" and pre is not None and s.prefill_rid in self.reps:
-                occupancy = self.reps[s.prefill_rid].prefill_s(s.n_in)[0]
-                pre.prefill_queued_s = max(0.0, pre.prefill_queued_s + sign * occupancy)
-                pre.prefill_queued = max(0, pre.prefill_queued + sign)  # a mixed replica's score needs these
-                pre.prefill_queued_tokens = max(0, pre.prefill_queued_tokens + sign * s.n_in)
-            elif phase == "decode" and dec is not None:
+            if phase == "prefill":
+                if pre is not None and s.prefill_rid in self.reps:
+                    occupancy = self.reps[s.prefill_rid].prefill_s(s.n_in)[0]
+                    pre.prefill_queued_s = max(0.0, pre.prefill_queued_s + sign * occupancy)
+                    pre.prefill_queued = max(0, pre.prefill_queued + sign)  # a mixed replica's score needs these
+                    pre.prefill_queued_tokens = max(0, pre.prefill_queued_tokens + sign * s.n_in)
+                if dec is not None and s.decode_rid != s.prefill_rid:
+                    self._routed[s.decode_rid] = max(0, self._routed.get(s.decode_rid, 0) + sign)
+            elif dec is not None:
                 self._decoding[s.decode_rid] = self._decoding.get(s.decode_rid, 0) + sign
-                n = self._decoding[s.decode_rid]
-                dec.active, dec.waiting = min(n, dec.max_batch), max(0, n - dec.max_batch)
                 dec.tokens_left = s.n_out / 2  # mean remaining of a sequence in the batch
+            if dec is not None:
+                n = self._decoding.get(s.decode_rid, 0)
+                dec.active = min(n, dec.max_batch)
+                dec.waiting = max(0, n - dec.max_batch) + self._routed.get(s.decode_rid, 0)
 
     # -- requests ---------------------------------------------------------------------------------
     async def submit(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,

@@ -4,7 +4,7 @@
 - Routing: router.py (the same code the live gateway runs). The router is told the prompt's
   length and the workload's mean output length, never a request's own. As the gateway does, a
   request for a prefill replica gets its decode replica on arrival too, and counts in that
-  replica's load from its first token on.
+  replica's load from then on (so that requests routed meanwhile do not all pick it).
 - Prefill replicas are pipelines: a prompt may enter every `occupancy` seconds (the slowest
   stage or link); it then runs stage by stage, and its activations cross each link as a real
   transfer on the ports (ports.py: full duplex, shared zone links), so they queue behind KV
@@ -119,6 +119,7 @@ class Simulator:
         st = self.states[self.router.pick_prefill(self.loads, req.n_in, self.mean_out, self.now)]
         if st.rep.role == "prefill" and req.n_out > 1:
             req.dst = self.router.pick_decode(st.rep.id, self.loads, req.n_in, self.mean_out, self.now)
+            self.states[req.dst].load.waiting += 1
         st.queue.append(req)
         st.load.prefill_queued_s += st.rep.prefill_s(req.n_in)[0]
         st.load.prefill_queued_tokens += req.n_in
@@ -182,8 +183,6 @@ class Simulator:
 
     def on_prefilled(self, st: RepState, req: Request) -> None:
         req.first_token = req.last_token = self.now
-        if req.dst >= 0:
-            self.states[req.dst].load.waiting += 1  # the gateway books a decode at the first token
         if req.n_out <= 1:
             req.done = req.decode_start = self.now
             self.try_prefill(st)
