@@ -116,8 +116,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 def cmd_node(a: argparse.Namespace) -> int:
-    from meshllm.config import load_node
     from meshllm.mesh.node import run_node
+    from meshllm.node_config import load_node
 
     return run_node(load_node(a.node_config))
 

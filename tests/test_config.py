@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from meshllm.config import load_cluster, load_node, parse_cluster
+from meshllm.config import load_cluster, parse_cluster
 from meshllm.errors import ConfigError
+from meshllm.node_config import load_node
 from tests.conftest import run_cli
 
 DEV = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}

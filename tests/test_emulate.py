@@ -14,9 +14,10 @@ import psutil
 import pytest
 import yaml
 
-from meshllm.config import parse_cluster, parse_node
+from meshllm.config import parse_cluster
 from meshllm.defaults import EMULATED_BUSY_POLL_MS
 from meshllm.emulate import METRIC_KEYS, EmulatedCluster, node_file
+from meshllm.node_config import parse_node
 from meshllm.roles.pacer import Pacer
 from tests.conftest import REPO, run_cli
 

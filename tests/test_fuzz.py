@@ -46,7 +46,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshllm.config import DraftSpec, NodeConfig, SpeculationSpec
+from meshllm.config import DraftSpec, SpeculationSpec
 from meshllm.defaults import Role
 from meshllm.device import DeviceProfile
 from meshllm.engine.generate import GenerationOptions, generate
@@ -60,6 +60,7 @@ from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, decode, encode
 from meshllm.mesh.sockets import endpoint
 from meshllm.mesh.transport import TOPIC_MESH
+from meshllm.node_config import NodeConfig
 from meshllm.partition.plan import Plan, Replica, Stage
 from meshllm.roles import leader as leader_mod
 from meshllm.roles.context import PlanContext

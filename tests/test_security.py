@@ -21,7 +21,6 @@ import pytest
 import yaml
 import zmq
 
-from meshllm.config import NodeConfig, load_node
 from meshllm.device import device_from_mapping
 from meshllm.errors import ConfigError
 from meshllm.mesh.ingress import RateLimit, RateLimiter
@@ -31,6 +30,7 @@ from meshllm.mesh.node import Node, query_status
 from meshllm.mesh.protocol import MsgType, encode, make
 from meshllm.mesh.sockets import client_socket, endpoint, free_port_pair
 from meshllm.mesh.transport import TOPIC_MESH, Transport, topic
+from meshllm.node_config import NodeConfig, load_node
 from tests.conftest import REPO, run_cli, wait_for
 
 DEVICE = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 
-from meshllm.config import LinkSpec, NodeConfig
+from meshllm.config import LinkSpec
 from meshllm.device import device_from_mapping
 from meshllm.mesh.ingress import LinkShaper, RateLimit
 from meshllm.mesh.loop import Worker
@@ -22,6 +22,7 @@ from meshllm.mesh.node import Node, query_status
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.mesh.sockets import RemoteError, _ephemeral_start, endpoint, free_port_pair
 from meshllm.mesh.transport import Transport, topic
+from meshllm.node_config import NodeConfig
 from tests.conftest import wait_for
 
 DEV = device_from_mapping("inline", {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50,

@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from meshllm.config import LinkSpec, NodeConfig
+from meshllm.config import LinkSpec
 from meshllm.device import load_device
 from meshllm.engine.gguf_file import GGUFFile
 from meshllm.engine.sources import gguf_shard_names
@@ -32,6 +32,7 @@ from meshllm.mesh.membership import Membership, PeerInfo, PeerState
 from meshllm.mesh.protocol import MsgType, make
 from meshllm.mesh.sockets import free_port_pair
 from meshllm.mesh.transport import Transport
+from meshllm.node_config import NodeConfig
 from meshllm.roles import weights_fetch as wf
 from meshllm.roles.weights_fetch import FlowControl, MeshWeights
 from meshllm.roles.weights_serve import MAX_CHUNK_BYTES
@@ -77,8 +78,8 @@ def test_parse_index_rejects_hostile_directories():
 
 
 def test_node_file_keys():
-    from meshllm.config import parse_node
     from meshllm.errors import ConfigError
+    from meshllm.node_config import parse_node
 
     base = {"id": "n", "device": DEVICE, "listen": "127.0.0.1:7700"}
     cfg = parse_node(base, "n.yaml")

@@ -20,7 +20,6 @@ from typing import Any
 
 import zmq
 
-from meshllm.config import NodeConfig
 from meshllm.errors import InputError
 from meshllm.mesh.agent import MeshAgent
 from meshllm.mesh.discovery import SERVICE_TYPE, Gossip, MdnsDiscovery
@@ -30,6 +29,7 @@ from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
 from meshllm.mesh.sockets import client_socket
 from meshllm.mesh.transport import Transport
+from meshllm.node_config import NodeConfig
 from meshllm.roles.coordinator import Coordinator
 from meshllm.roles.host import RoleHost
 

@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from meshllm.config import NodeConfig, plan_inputs_for_nodes
 from meshllm.defaults import NODE_ROLES, Role
 from meshllm.device import device_from_mapping
 from meshllm.errors import InputError
@@ -28,6 +27,7 @@ from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, PeerInfo, PeerState
 from meshllm.mesh.protocol import MsgType, make
 from meshllm.mesh.transport import Transport
+from meshllm.node_config import NodeConfig, plan_inputs_for_nodes
 from meshllm.partition.inputs import PlanInputs, PlanNode
 from meshllm.partition.plan import Plan, plan_cluster
 

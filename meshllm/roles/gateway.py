@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshllm.config import NodeConfig
 from meshllm.defaults import DECODE_TARGETS, served_name
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import (
@@ -38,6 +37,7 @@ from meshllm.mesh.protocol import (
     sampling_map,
 )
 from meshllm.mesh.transport import Transport
+from meshllm.node_config import NodeConfig
 from meshllm.roles.context import PlanContext
 from meshllm.roles.coordinator import live_plan_inputs
 from meshllm.roles.leader import MAX_ACTIVE_SEQS

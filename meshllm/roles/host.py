@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from meshllm.config import NodeConfig
 from meshllm.defaults import Role
 from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, PeerState
@@ -31,6 +30,7 @@ from meshllm.mesh.protocol import (
     ProtocolError,
 )
 from meshllm.mesh.transport import Transport, topic
+from meshllm.node_config import NodeConfig
 from meshllm.partition.cost import DRAFT_DTYPE
 from meshllm.partition.plan import Plan, PlanError
 from meshllm.roles.context import PlanContext

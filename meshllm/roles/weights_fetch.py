@@ -48,7 +48,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from meshllm.config import NodeConfig
 from meshllm.defaults import served_name
 from meshllm.engine.sources import ModelSource, gguf_shard_names, resolve_model
 from meshllm.engine.tensor_cache import TensorCache, is_sha256, parse_index, safe_dir_name
@@ -58,6 +57,7 @@ from meshllm.mesh.membership import Membership, Peer, PeerState
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, TensorBuf, make
 from meshllm.mesh.sockets import RemoteError
 from meshllm.mesh.transport import Transport
+from meshllm.node_config import NodeConfig
 from meshllm.roles.weights_serve import WeightsServer, has_model
 from meshllm.shapes import ModelArgs
 
