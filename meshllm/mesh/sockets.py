@@ -4,9 +4,10 @@ peers, and the per-thread request client.
 A node listening on HOST:PORT has its ROUTER on PORT and its PUB on PORT+1
 (`endpoint`). Every socket is made by `make_socket`: linger=0 and the protocol's
 frame size limit; with node keys, CURVE (keys.py). `PeerSockets` holds the I/O thread's
-control DEALER and SUB per peer; `Inbox` makes what it reads into messages (ingress.py's rules). `Requester` gives each calling thread its own DEALER per
-peer (ZeroMQ sockets are not thread-safe), so a compute thread can make blocking requests
-without going through the I/O thread.
+control DEALER and SUB per peer; `Inbox` makes what it reads into messages (ingress.py's
+rules). `Requester` gives each calling thread its own DEALER per peer (ZeroMQ sockets are not
+thread-safe), so a compute thread can make blocking requests without going through the I/O
+thread.
 """
 
 from __future__ import annotations

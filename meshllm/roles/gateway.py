@@ -214,7 +214,7 @@ class Gateway:
                     pre.prefill_queued_tokens = max(0, pre.prefill_queued_tokens + sign * s.n_in)
                 if dec is not None and s.decode_rid != s.prefill_rid:
                     self._routed[s.decode_rid] = max(0, self._routed.get(s.decode_rid, 0) + sign)
-            elif dec is not None:
+            elif phase == "decode" and dec is not None:
                 self._decoding[s.decode_rid] = self._decoding.get(s.decode_rid, 0) + sign
                 dec.tokens_left = s.n_out / 2  # mean remaining of a sequence in the batch
             if dec is not None:
