@@ -68,6 +68,26 @@ def test_port_queues_steer_kv(inp):
     assert router.pick_decode(0, loads, 2000, 32, 0.0) != first
 
 
+def test_kv_promised_to_a_decode_replica_counts_in_its_port_queue(inp):
+    """KV of requests routed to a decode replica but still prefilling elsewhere is not on its
+    ports yet; the router counts it there, so the next request goes to the other replica. The
+    simulator promises it on routing and hands it to the ports when shipping starts."""
+    reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-2"), rep(inp, 2, "decode", "fog-4")]
+    router = Router(reps, PortBook(inp.net))
+    loads = loads_for(reps)
+    first = router.pick_decode(0, loads, 2000, 32, 0.0)
+    assert router.pending_rx_s(reps[first], loads[first]) == 0.0
+    loads[first].kv_pending_tokens = 200_000  # ~100 prompts' KV on its way
+    assert router.pending_rx_s(reps[first], loads[first]) > 1.0
+    assert router.pick_decode(0, loads, 2000, 32, 0.0) != first
+    sim = Simulator(reps[:2], [])
+    req = Request(0, 0.0, 100, 10)
+    sim.on_arrival(req)
+    assert sim.loads[1].kv_pending_tokens == 100  # promised on routing
+    sim.run()
+    assert sim.loads[1].kv_pending_tokens == 0 and req.done > 0  # on the ports once shipped
+
+
 def test_the_simulator_routes_with_this_router(inp):
     reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-2")]
     sim = Simulator(reps, [])
@@ -90,6 +110,7 @@ def test_the_gateway_counts_a_request_at_its_decode_replica_from_routing_on(inp)
     for s in streams:
         gw._book(s, "prefill", +1)
     assert (gw.loads[1].active, gw.loads[1].waiting) == (0, 3) and gw.loads[0].prefill_queued == 3
+    assert gw.loads[1].kv_pending_tokens == 300  # their prompts' KV is still to come
     sim = Simulator(reps, [])  # the simulator books the same way on arrival
     sim.on_arrival(Request(0, 0.0, 100, 10))
     assert sim.loads[1].waiting == 1
@@ -97,6 +118,7 @@ def test_the_gateway_counts_a_request_at_its_decode_replica_from_routing_on(inp)
         gw._book(s, "prefill", -1)
         gw._book(s, "decode", +1)
     assert (gw.loads[1].active, gw.loads[1].waiting) == (2, 1) and gw.loads[0].prefill_queued == 0
+    assert gw.loads[1].kv_pending_tokens == 0
     for s in streams:
         gw._book(s, "decode", -1)
     assert (gw.loads[1].active, gw.loads[1].waiting) == (0, 0)

@@ -120,6 +120,7 @@ class Simulator:
         if st.rep.role == "prefill" and req.n_out > 1:
             req.dst = self.router.pick_decode(st.rep.id, self.loads, req.n_in, self.mean_out, self.now)
             self.states[req.dst].load.waiting += 1
+            self.states[req.dst].load.kv_pending_tokens += req.n_in
         st.queue.append(req)
         st.load.prefill_queued_s += st.rep.prefill_s(req.n_in)[0]
         st.load.prefill_queued_tokens += req.n_in
@@ -170,6 +171,7 @@ class Simulator:
         src = st.rep
         if i == 0:
             st.pending_kv += req.n_in
+            self.states[req.dst].load.kv_pending_tokens -= req.n_in  # on the ports from now on
             req.kv_end, req.kv_ideal, req.kv_alone = self.now, self.now, {}
         dst = self.states[req.dst]
         flows = [f for f in self.router.kv_flows(src, dst.rep, req.n_in) if f[0] is src.members[i]]
