@@ -36,13 +36,14 @@ from meshllm.partition.plan import planner_evaluator
 from meshllm.sim import baselines, sweep
 from meshllm.sim.replica import from_grouping
 
-JUDGE_REQUESTS = 400
+JUDGE_REQUESTS = 1200  # 400 ranked plans by noise: on bench-fog-40-8b it put first one that lost on 4 of 4 longer traces
 JUDGE_SWEEP_REQUESTS = 600
 JUDGE_BISECT_STEPS = 4
 JUDGE_WINDOW, JUDGE_MAX_REQUESTS = 10, 1200  # as the reported sweep, shorter: it only compares candidates
 JUDGE_SEED = 7919  # a trace of its own, not the one the results are reported on
 HEADROOM = 1.25  # an eligible plan sustains at least this x the planned rate
-JUDGE_MARGIN = 0.05  # a plan of its own must out-sustain the operator's groupings by this much
+JUDGE_MARGIN = 0.02  # a plan of its own must out-sustain the operator's groupings by this much (the
+# final check on more traces guards the rest: 0.05 shut out bench-fog-40-8b's best plan at 1.045)
 CONFIRM_SEEDS = (JUDGE_SEED + 1, JUDGE_SEED + 2)  # more traces of its own, for the final check
 CONFIRM_SCALE = 2  # the final check's runs are this x longer
 CONFIRM_TOP = 2  # eligible candidates checked at most before the best baseline grouping wins
