@@ -55,6 +55,7 @@ from meshllm.engine.weights import load_transformer
 from meshllm.mesh import protocol as p
 from meshllm.mesh.agent import MeshAgent
 from meshllm.mesh.discovery import Gossip
+from meshllm.mesh.fields import sampling_map
 from meshllm.mesh.ingress import REJECT_LOG_KEYS, REJECT_LOG_PER_S, REJECT_LOG_TOTAL_PER_S, Rejections
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, decode, encode
@@ -317,7 +318,7 @@ class Mesh:
         pre, dec = (2, 2) if mixed else (0, decode_rid)
         stream = Stream(seq, FakeLoop(), Collect(), set(), pre, dec, len(prompt), max_tokens, drafter=drafter)
         self.gateway._streams[seq] = stream
-        sampling, t = p.sampling_map(temperature, 0, 1.0, seed), self.gateway.t
+        sampling, t = sampling_map(temperature, 0, 1.0, seed), self.gateway.t
         if drafter:
             t.send(NODES[drafter], p.make(
                 MsgType.SESSION, seq=seq, prompt_token_ids=prompt, max_tokens=max_tokens, sampling=sampling,
@@ -617,8 +618,8 @@ class Fuzzer:
 
     def sampling(self, r: random.Random) -> dict[str, Any]:
         if r.random() < 0.6:
-            return p.sampling_map(0.0, 0, 1.0, r.randint(0, 9))
-        return p.sampling_map(r.choice((0.5, 1.0, 1.7)), r.choice((0, 1, 5, 300)), r.choice((0.3, 0.9, 1.0)),
+            return sampling_map(0.0, 0, 1.0, r.randint(0, 9))
+        return sampling_map(r.choice((0.5, 1.0, 1.7)), r.choice((0, 1, 5, 300)), r.choice((0.3, 0.9, 1.0)),
                               r.getrandbits(40))
 
     def stage_host(self, r: random.Random) -> RoleHost:

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshllm.mesh import protocol as p
+from meshllm.mesh.fields import sampling_map
 from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
 
 SPAN = p.WireSpan(11, 0, 3, p.SpanKind.PREFILL_LAST, 0, 0.7, 40, 0.9, 3)
@@ -46,20 +47,20 @@ def sample(mtype: MsgType) -> p.Message:
                                       context=20, hash=77, replica=1, finished=False),
         MsgType.CAPACITY: lambda: make(mtype, node="d1", replica=0, free_slots=4, queue=1, plan_version=2),
         MsgType.GENERATE_REQ: lambda: make(mtype, seq=11, prompt_token_ids=[1, 2], max_tokens=8,
-                                           sampling=p.sampling_map(0.8, 0, 0.9, 5), stop_ids=[2],
+                                           sampling=sampling_map(0.8, 0, 0.9, 5), stop_ids=[2],
                                            decode_replica=1, gateway="127.0.0.1:7700", drafter="", plan_version=2),
         MsgType.TOKENS: lambda: make(mtype, seq=11, token_ids=[5, 6], index=3, finished=True,
                                      finish_reason="length"),
         MsgType.KV_ACK: lambda: make(mtype, seq=11, node="d1", length=12, plan_version=2),
         MsgType.RESULTS: lambda: make(mtype, replica=1, batch=9, plan_version=2, out=[[11, [5], [0.25]]]),
         MsgType.HANDOFF: lambda: make(mtype, seq=11, prompt_len=12, tokens=[5], max_tokens=8,
-                                      sampling=p.sampling_map(0, 0, 1.0, 0), stop_ids=[], gateway="h:1",
+                                      sampling=sampling_map(0, 0, 1.0, 0), stop_ids=[], gateway="h:1",
                                       drafter="e1", plan_version=2),
         MsgType.RELEASE: lambda: make(mtype, seq=11, reason="finished"),
         MsgType.PLAN: lambda: make(mtype, version=3, coordinator="a", plan={"replicas": []}, addresses={"a": "h:1"}),
         MsgType.FAULT: lambda: make(mtype, zones=["edge", "fog"], seconds=2.5),
         MsgType.SESSION: lambda: make(mtype, seq=11, prompt_token_ids=[1, 2], max_tokens=8,
-                                      sampling=p.sampling_map(0, 0, 1.0, 0), stop_ids=[2], decode_replica=1, gamma=4,
+                                      sampling=sampling_map(0, 0, 1.0, 0), stop_ids=[2], decode_replica=1, gamma=4,
                                       adaptive=True, mode="async", gateway="h:1", plan_version=2),
         MsgType.WEIGHTS_INDEX_REQ: lambda: make(mtype, model="smollm2-135m"),
         MsgType.WEIGHTS_INDEX: lambda: make(mtype, model="smollm2-135m", fingerprint="ab" * 32,

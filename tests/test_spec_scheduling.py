@@ -168,7 +168,8 @@ def test_a_forked_kv_slot_holds_a_copy_of_the_prefix_and_is_its_own():
 def started_drafter(mode: str = "async") -> tuple[Drafter, Session, list]:
     """A drafter with one greedy session whose first verdict came; `sent`: the DRAFT messages."""
     from meshllm.engine.speculative import extend_hash
-    from meshllm.mesh.protocol import MsgType, make, sampling_map
+    from meshllm.mesh.fields import sampling_map
+    from meshllm.mesh.protocol import MsgType, make
 
     sent: list = []
     torch.manual_seed(0)

@@ -37,8 +37,9 @@ import time
 from collections.abc import Callable
 
 from meshllm.device import device_from_mapping
+from meshllm.mesh.fields import check_address
 from meshllm.mesh.membership import Membership, PeerInfo, PeerState, Transition
-from meshllm.mesh.protocol import Message, MsgType, ProtocolError, check_address, make
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.mesh.transport import Transport
 
 log = logging.getLogger("meshllm.mesh.discovery")

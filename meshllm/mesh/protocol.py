@@ -24,7 +24,6 @@ make zero-copy views, so a node that carries no tensors never imports torch.
 
 from __future__ import annotations
 
-import re
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -33,6 +32,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from meshllm.mesh.fields import MAX_SEQ_ID, ProtocolError, is_int, is_num
+
 MAGIC = b"MLLM"
 VERSION = 2
 PREAMBLE = struct.Struct(">4sBBH")  # magic, version, type, n_tensors
@@ -40,13 +41,8 @@ MAX_MESSAGE_BYTES = 512 * 1024 * 1024  # a 1.7B-model KV transfer of a long prom
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_TENSORS = 16
 MAX_NDIM = 8
-MAX_SEQ_ID = (1 << 63) - 1
 MAX_PLAN_VERSION = 1 << 53  # plan versions grow by one per plan; far above any real count
 RESERVED = {"src", "zone", "rid", "t"}  # header keys every message may carry
-
-
-class ProtocolError(ValueError):
-    """A frame that is not a valid meshllm message (bad magic, version, type, size, header, tensor)."""
 
 
 class MsgType(IntEnum):
@@ -91,7 +87,6 @@ class SpanKind(IntEnum):
 _STR, _INT, _NUM, _BOOL = str, int, (int, float), bool
 _LIST, _MAP = (list, tuple), dict
 _OPT_INT, _OPT_STR = (int, type(None)), (str, type(None))
-_SAMPLING = {"temperature": _NUM, "top_k": _INT, "top_p": _NUM, "seed": _INT}
 
 # Required fields per type: name -> accepted python types; and the tensor names, in frame order.
 # Sequence ids (`seq`) are non-negative 63-bit integers everywhere.
@@ -191,71 +186,14 @@ class WireSpan:
         if not isinstance(x, (list, tuple)) or len(x) != 9:
             raise ProtocolError(f"span must be a list of 9 fields, got {x!r:.80}")
         seq, start, n, kind, index, temp, top_k, top_p, seed = x
-        if not (_is_int(seq, 0, MAX_SEQ_ID) and _is_int(start, 0) and _is_int(n, 1) and _is_int(index, 0)
-                and _is_int(top_k, 0) and _is_int(seed) and kind in _KINDS and _is_num(temp, 0.0)
-                and _is_num(top_p, 0.0, 1.0)):
+        if not (is_int(seq, 0, MAX_SEQ_ID) and is_int(start, 0) and is_int(n, 1) and is_int(index, 0)
+                and is_int(top_k, 0) and is_int(seed) and kind in _KINDS and is_num(temp, 0.0)
+                and is_num(top_p, 0.0, 1.0)):
             raise ProtocolError(f"bad span {x!r:.120}")
         return WireSpan(seq, start, n, SpanKind(kind), index, float(temp), top_k, float(top_p), seed)
 
 
 _KINDS = {int(k) for k in SpanKind}
-
-
-def _is_int(v: Any, lo: int | None = None, hi: int | None = None) -> bool:
-    return (isinstance(v, int) and not isinstance(v, bool) and (lo is None or v >= lo)
-            and (hi is None or v <= hi))
-
-
-def _is_num(v: Any, lo: float | None = None, hi: float | None = None) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and (lo is None or v >= lo)
-            and (hi is None or v <= hi))
-
-
-def check_seq(v: Any, what: str = "seq") -> int:
-    """A sequence id from the network: a non-negative 63-bit integer, else ProtocolError."""
-    if not _is_int(v, 0, MAX_SEQ_ID):
-        raise ProtocolError(f"{what} must be an integer in [0, 2^63), got {v!r:.40}")
-    return v
-
-
-def check_sampling(m: Any) -> tuple[float, int, float, int]:
-    """A GENERATE/HANDOFF `sampling` map -> (temperature, top_k, top_p, seed), else ProtocolError."""
-    if not isinstance(m, dict) or set(m) != set(_SAMPLING):
-        raise ProtocolError(f"sampling must be a map with exactly {sorted(_SAMPLING)}")
-    t, k, p, seed = m["temperature"], m["top_k"], m["top_p"], m["seed"]
-    if not (_is_num(t, 0.0) and _is_int(k, 0) and _is_num(p, 0.0, 1.0) and p > 0 and _is_int(seed)):
-        raise ProtocolError(f"bad sampling parameters {m!r:.120}")
-    return float(t), k, float(p), seed
-
-
-def sampling_map(temperature: float, top_k: int, top_p: float, seed: int) -> dict[str, Any]:
-    return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p), "seed": int(seed)}
-
-
-def check_int_list(v: Any, what: str, lo: int = 0, hi: int | None = None, max_len: int | None = None) -> list[int]:
-    """A list of bounded integers from the network (token ids, layer ranges), else ProtocolError."""
-    if not isinstance(v, (list, tuple)) or (max_len is not None and len(v) > max_len):
-        raise ProtocolError(f"{what} must be a list of at most {max_len} integers")
-    if not all(_is_int(x, lo, hi) for x in v):
-        raise ProtocolError(f"{what} holds a value outside [{lo}, {hi}]")
-    return list(v)
-
-
-_ADDRESS = re.compile(r"(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}")
-
-
-def is_address(v: Any) -> bool:
-    """HOST:PORT as the sockets take it (a host name, IPv4 or [IPv6], a port in [1, 65534]: PUB is PORT+1)."""
-    return (isinstance(v, str) and len(v) <= 255 and _ADDRESS.fullmatch(v) is not None
-            and 0 < int(v.rpartition(":")[2]) < 65535)
-
-
-def check_address(v: Any, what: str = "address") -> str:
-    """A node address from the network (where replies and tokens go), else ProtocolError: anything
-    else would fail later, inside the sockets, far from the message that brought it."""
-    if not is_address(v):
-        raise ProtocolError(f"{what} must be HOST:PORT, got {v!r:.60}")
-    return v
 
 
 _TYPES = {int(t): t for t in MsgType}  # a dict lookup: Enum.__call__ is slow on the hot path

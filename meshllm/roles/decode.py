@@ -12,17 +12,8 @@ from collections import OrderedDict
 from meshllm.defaults import Role
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import extend_hash
-from meshllm.mesh.protocol import (
-    Message,
-    MsgType,
-    ProtocolError,
-    check_address,
-    check_int_list,
-    check_sampling,
-    check_seq,
-    make,
-    sampling_map,
-)
+from meshllm.mesh.fields import check_address, check_int_list, check_sampling, check_seq, sampling_map
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.roles.leader import MAX_ACTIVE_SEQS, Leader, Seq
 
 log = logging.getLogger("meshllm.decode")

@@ -12,7 +12,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from meshllm.mesh.protocol import Message, MsgType, ProtocolError, check_seq, is_address, make
+from meshllm.mesh.fields import check_seq, is_address
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.roles.context import PlanContext
 
 if TYPE_CHECKING:

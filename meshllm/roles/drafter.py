@@ -53,16 +53,8 @@ from meshllm.engine.speculative import (
     ewma,
     extend_hash,
 )
-from meshllm.mesh.protocol import (
-    Message,
-    MsgType,
-    ProtocolError,
-    check_address,
-    check_int_list,
-    check_sampling,
-    check_seq,
-    make,
-)
+from meshllm.mesh.fields import check_address, check_int_list, check_sampling, check_seq
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.roles.branches import Branch, Branches
 from meshllm.roles.pacer import Pacer
 

@@ -26,16 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshllm.defaults import DECODE_TARGETS, served_name
+from meshllm.mesh.fields import check_int_list, check_seq, sampling_map
 from meshllm.mesh.membership import Membership, PeerInfo
-from meshllm.mesh.protocol import (
-    Message,
-    MsgType,
-    ProtocolError,
-    check_int_list,
-    check_seq,
-    make,
-    sampling_map,
-)
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig
 from meshllm.roles.context import PlanContext

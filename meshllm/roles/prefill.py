@@ -13,17 +13,8 @@ import time
 
 from meshllm.defaults import DECODE_TARGETS
 from meshllm.engine.sampling import SamplingParams
-from meshllm.mesh.protocol import (
-    Message,
-    MsgType,
-    ProtocolError,
-    check_address,
-    check_int_list,
-    check_sampling,
-    check_seq,
-    make,
-    sampling_map,
-)
+from meshllm.mesh.fields import check_address, check_int_list, check_sampling, check_seq, sampling_map
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.roles.context import PlanContext
 from meshllm.roles.leader import Seq
 from meshllm.roles.stage import Send

@@ -29,16 +29,8 @@ from meshllm.defaults import DECODE_TARGETS
 from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.sampling import SamplingParams, choose_tokens, greedy_tokens
 from meshllm.engine.speculative import verify_block
-from meshllm.mesh.protocol import (
-    Message,
-    MsgType,
-    ProtocolError,
-    SpanKind,
-    WireSpan,
-    check_int_list,
-    check_seq,
-    make,
-)
+from meshllm.mesh.fields import check_int_list, check_seq
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, SpanKind, WireSpan, make
 from meshllm.roles.context import PlanContext
 from meshllm.roles.pacer import Pacer
 

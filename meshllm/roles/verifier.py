@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from meshllm.engine.speculative import AcceptanceStats, ewma, extend_hash
-from meshllm.mesh.protocol import Message, MsgType, ProtocolError, check_int_list, check_seq, make
+from meshllm.mesh.fields import check_int_list, check_seq
+from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 
 log = logging.getLogger("meshllm.verifier")
 
