@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -48,9 +49,10 @@ from meshllm.faults import FaultInjector, parse_faults
 from meshllm.mesh.keys import NodeKeys, generate_key
 from meshllm.mesh.node import query_status
 from meshllm.mesh.sockets import free_port_pair
-from meshllm.workload import Job, run_jobs, summarize
+from meshllm.workload import Job, node_figures, run_jobs, serving_figures, summarize
 
 log = logging.getLogger("meshllm.emulate")
+_INTERRUPTED = threading.Event()  # set by run_cluster's SIGINT / SIGTERM handler
 
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
 FORMATION_TIMEOUT_S = 60.0  # generous: N interpreters start on a small machine
@@ -253,6 +255,7 @@ class EmulatedCluster:
         return {nid for nid, p in self.procs.items() if p.poll() is not None}
 
     def _check_alive(self) -> None:
+        _raise_if_interrupted()
         for nid, proc in self.procs.items():
             if proc.poll() is not None:
                 raise RuntimeError(f"node {nid} exited with code {proc.returncode}: {self.log_tail(nid)}")
@@ -303,6 +306,7 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
              plan.planner_s)
     # SIGINT explicitly too: a shell script's background job starts with SIGINT ignored, and
     # Python then leaves it ignored, so `kill -INT` (or the test's Ctrl-C) would not stop the mesh
+    _INTERRUPTED.clear()
     previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         t0 = time.monotonic()
@@ -350,6 +354,7 @@ def serve_until_interrupted(cluster: EmulatedCluster) -> None:
     reported: set[str] = set()
     try:
         while True:
+            _raise_if_interrupted()
             for nid in cluster.dead() - reported:
                 reported.add(nid)
                 log.warning("node %s exited (code %s); the mesh goes on without it", nid,
@@ -364,7 +369,15 @@ def serve_until_interrupted(cluster: EmulatedCluster) -> None:
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
+    _INTERRUPTED.set()
     raise KeyboardInterrupt  # unwinds through the `with`, which tears the cluster down
+
+
+def _raise_if_interrupted() -> None:
+    """Raise a KeyboardInterrupt that was swallowed: a signal that lands while subprocess forks runs
+    the handler inside logging's at-fork hook, where Python only prints the exception."""
+    if _INTERRUPTED.is_set():
+        raise KeyboardInterrupt
 
 
 def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, formed_s: float,
@@ -395,26 +408,6 @@ def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, for
                                for ln in cfg.links]}}
 
 
-def node_figures(load: dict) -> dict[str, Any]:
-    st = load.get("stage") or {}
-    return {"rss_mb": load.get("rss_mb"), "weights_mb": st.get("weights_mb"), "layers": st.get("layers"),
-            "replica": st.get("replica"),
-            "kv_bytes_sent": st.get("kv_bytes_sent", 0), "kv_bytes_received": st.get("kv_bytes_received", 0),
-            "tokens": st.get("tokens", {}), "pacer": st.get("pacer")}
-
-
-def serving_figures(nodes: dict, plan: dict, outs: list) -> dict[str, Any]:
-    """KV shipped per prefilled prompt token, and prompt tokens computed on decode replicas (0)."""
-    roles = {s["node"]: r["role"] for r in plan.get("replicas", []) for s in r["stages"]}
-    sent = sum(v["kv_bytes_sent"] for k, v in nodes.items() if roles.get(k) == "prefill")
-    prefilled = sum(sum(v["tokens"].get(x, 0) for x in ("prefill", "prefill_last")) for k, v in nodes.items()
-                    if roles.get(k) == "prefill" and v.get("layers") and v["layers"][0] == 0)
-    recomputed = sum(sum(v["tokens"].get(x, 0) for x in ("prefill", "prefill_last")) for k, v in nodes.items()
-                     if roles.get(k) == "decode")
-    return {"kv_bytes_per_prefilled_token": round(sent / prefilled, 3) if prefilled else None,
-            "decode_prompt_tokens_computed": recomputed}
-
-
 def http_json(url: str, timeout_s: float = 10.0, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     """GET a JSON document; (status, body), (0, {}) when nothing answers."""
     import urllib.error
@@ -429,25 +422,3 @@ def http_json(url: str, timeout_s: float = 10.0, headers: dict[str, str] | None 
         return e.code, {}
     except (urllib.error.URLError, OSError, ValueError):
         return 0, {}
-
-
-def format_report(r: dict[str, Any]) -> str:
-    """Readable `--cluster` output: each prompt's text, then a small metrics table."""
-    lines = []
-    for i, res in enumerate(r["results"]):
-        lines.append(f"--- [{i}] {res['prompt']!r}")
-        lines.append(res.get("error") and f"ERROR: {res['error']}" or res["text"].strip())
-    m = r["metrics"]
-    lines.append("--- metrics")
-    rows = [("requests (failed)", f"{m['requests']} ({m['failed']})"),
-            ("TTFT mean / p99 (ms)", f"{m['ttft_ms_mean']} / {m['ttft_ms_p99']}"),
-            ("ITL mean / p50 / p99 (ms)", f"{m['itl_ms_mean']} / {m['itl_ms_p50']} / {m['itl_ms_p99']}"),
-            ("output tokens/s", f"{m['output_tokens_per_s']}"),
-            ("queue wait mean (ms)", f"{m['queue_wait_ms_mean']}")]
-    if m.get("acceptance_rate") is not None:
-        rows.append(("acceptance rate / mean length", f"{m['acceptance_rate']} / {m['mean_acceptance_length']}"))
-    rows += [(f"node {k} {','.join(v['roles']) or '-'} layers {v['layers'] or '-'}", f"{v['rss_mb']} MB")
-             for k, v in m.get("nodes", {}).items()]
-    width = max(len(a) for a, _ in rows)
-    lines += [f"{a:<{width}}  {b}" for a, b in rows]
-    return "\n".join(lines)

@@ -5,6 +5,9 @@ what a client sees. Arrivals are all at once (rate 0) or Poisson (seeded). Concu
 bounded by the number of requests; every request has a timeout. The metrics follow `vllm
 bench serve`: TTFT from send to the first token; ITL the gaps between successive tokens
 (tokens that arrive together have a gap of 0); output tokens/s over the whole run.
+
+The report of a run is here too: each node's figures (memory, layers, KV traffic), the KV
+shipped per prefilled token, and the readable text `--cluster` prints without `--json`.
 """
 
 from __future__ import annotations
@@ -204,3 +207,45 @@ def speculation(specs: list[dict]) -> dict[str, Any]:
             "mean_acceptance_length": round(st.mean_length, 4) if st.mean_length is not None else None,
             "drafted_tokens": st.drafted, "accepted_tokens": st.accepted, "draft_blocks": st.blocks,
             "acceptance_by_position": per_pos, "gamma_histogram": st.to_json()["gamma_histogram"]}
+
+
+def node_figures(load: dict) -> dict[str, Any]:
+    st = load.get("stage") or {}
+    return {"rss_mb": load.get("rss_mb"), "weights_mb": st.get("weights_mb"), "layers": st.get("layers"),
+            "replica": st.get("replica"),
+            "kv_bytes_sent": st.get("kv_bytes_sent", 0), "kv_bytes_received": st.get("kv_bytes_received", 0),
+            "tokens": st.get("tokens", {}), "pacer": st.get("pacer")}
+
+
+def serving_figures(nodes: dict, plan: dict, outs: list) -> dict[str, Any]:
+    """KV shipped per prefilled prompt token, and prompt tokens computed on decode replicas (0)."""
+    roles = {s["node"]: r["role"] for r in plan.get("replicas", []) for s in r["stages"]}
+    sent = sum(v["kv_bytes_sent"] for k, v in nodes.items() if roles.get(k) == "prefill")
+    prefilled = sum(sum(v["tokens"].get(x, 0) for x in ("prefill", "prefill_last")) for k, v in nodes.items()
+                    if roles.get(k) == "prefill" and v.get("layers") and v["layers"][0] == 0)
+    recomputed = sum(sum(v["tokens"].get(x, 0) for x in ("prefill", "prefill_last")) for k, v in nodes.items()
+                     if roles.get(k) == "decode")
+    return {"kv_bytes_per_prefilled_token": round(sent / prefilled, 3) if prefilled else None,
+            "decode_prompt_tokens_computed": recomputed}
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """Readable `--cluster` output: each prompt's text, then a small metrics table."""
+    lines = []
+    for i, res in enumerate(r["results"]):
+        lines.append(f"--- [{i}] {res['prompt']!r}")
+        lines.append(res.get("error") and f"ERROR: {res['error']}" or res["text"].strip())
+    m = r["metrics"]
+    lines.append("--- metrics")
+    rows = [("requests (failed)", f"{m['requests']} ({m['failed']})"),
+            ("TTFT mean / p99 (ms)", f"{m['ttft_ms_mean']} / {m['ttft_ms_p99']}"),
+            ("ITL mean / p50 / p99 (ms)", f"{m['itl_ms_mean']} / {m['itl_ms_p50']} / {m['itl_ms_p99']}"),
+            ("output tokens/s", f"{m['output_tokens_per_s']}"),
+            ("queue wait mean (ms)", f"{m['queue_wait_ms_mean']}")]
+    if m.get("acceptance_rate") is not None:
+        rows.append(("acceptance rate / mean length", f"{m['acceptance_rate']} / {m['mean_acceptance_length']}"))
+    rows += [(f"node {k} {','.join(v['roles']) or '-'} layers {v['layers'] or '-'}", f"{v['rss_mb']} MB")
+             for k, v in m.get("nodes", {}).items()]
+    width = max(len(a) for a, _ in rows)
+    lines += [f"{a:<{width}}  {b}" for a, b in rows]
+    return "\n".join(lines)
