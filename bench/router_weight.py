@@ -70,13 +70,19 @@ def report(load: str, rate: float, got: dict[str, dict[float, dict]]) -> None:
           f"wait x{mine[wa]['mean_wait_ms'] / theirs[wb]['mean_wait_ms']:.2f}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--clusters", default="bench-edge-8b,bench-fog-40-8b,bench-fog-70b")
-    ap.add_argument("--weights", default="10,30,100,300")
+def load_parser(doc: str, clusters: str) -> argparse.ArgumentParser:
+    """The options of a script that reruns bench/planner.py's loads: clusters, trace length, results."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--clusters", default=clusters)
     ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results", default=str(REPO / "bench" / "results" / "planner.json"))
+    return ap
+
+
+def main() -> None:
+    ap = load_parser(__doc__, "bench-edge-8b,bench-fog-40-8b,bench-fog-70b")
+    ap.add_argument("--weights", default="10,30,100,300")
+    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     weights = [float(x) for x in a.weights.split(",")]
     for name in a.clusters.split(","):

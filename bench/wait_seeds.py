@@ -15,7 +15,6 @@ Clusters run in parallel processes.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -25,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from router_weight import LOADS, loads_of  # noqa: E402
+from router_weight import LOADS, load_parser, loads_of  # noqa: E402
 
 from meshllm.config import load_cluster, plan_inputs  # noqa: E402
 from meshllm.sim import sweep  # noqa: E402
@@ -73,11 +72,8 @@ def report(name: str, got: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--clusters", default="bench-edge-8b,bench-fog-40-8b")
+    ap = load_parser(__doc__, "bench-edge-8b,bench-fog-40-8b")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--results", default=str(REPO / "bench" / "results" / "planner.json"))
     a = ap.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
     jobs = [(name, seeds, a.requests, a.results) for name in a.clusters.split(",")]
