@@ -6,11 +6,11 @@ from __future__ import annotations
 from meshllm.defaults import Role
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.weights import load_transformer
-from meshllm.mesh.protocol import Message, MsgType, make
+from meshllm.mesh.protocol import Message, MsgType, SpanKind, make
 from meshllm.partition.plan import Plan, Replica
 from meshllm.partition.plan import Stage as PlanStage
 from meshllm.roles.context import PlanContext
-from meshllm.roles.leader import Leader, Seq
+from meshllm.roles.leader import TOKEN_BUDGET, Leader, Seq
 from meshllm.roles.stage import Stage
 
 NODES = {"a": "127.0.0.1:7001", "b": "127.0.0.1:7003", "gw": "127.0.0.1:7005"}
@@ -87,6 +87,22 @@ def test_a_step_with_nothing_to_launch_still_sends_the_tokens() -> None:
     assert not leader.step()
     toks = [m for _, m in sent if m.type is MsgType.TOKENS]
     assert len(toks) == 1 and toks[0]["token_ids"] == [9] and toks[0]["finished"]
+
+
+def test_a_short_prompt_is_not_queued_behind_a_long_one() -> None:
+    """The step's prompt budget goes to the prompt with the fewest tokens left first (the
+    simulator's order, sim/router.prompt_priority): a 20-token prompt admitted after a 240-token
+    one is prefilled whole in the first micro-batch; the long one takes what the budget leaves."""
+    leader, sent = two_stage_leader()
+    long, short = seq(1), seq(2)
+    long.prompt, long.prompt_len = [5] * 240, 240
+    short.prompt, short.prompt_len = [6] * 20, 20
+    leader.admit(long)
+    leader.admit(short)
+    assert leader.step()
+    spans = {sp[0]: sp for sp in sent[0][1]["spans"]}
+    assert spans[2][2] == 20 and spans[2][3] == SpanKind.PREFILL_LAST  # all of the short prompt
+    assert spans[1][2] == TOKEN_BUDGET - 20 and spans[1][3] == SpanKind.PREFILL
 
 
 def test_tokens_go_out_before_a_launch_that_carries_a_prompt() -> None:

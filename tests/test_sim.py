@@ -108,6 +108,25 @@ def test_prefill_activations_cross_ports(demo):
     assert req.first_token == pytest.approx(lat + req.port_wait_s, rel=1e-6)
 
 
+def test_a_replica_takes_the_shortest_queued_prompt_first_with_aging(demo):
+    """While a prompt holds the pipeline, a long one and then a shorter one queue: the shorter one
+    starts first (router.prompt_priority). If it arrives more than (difference in tokens) /
+    PROMPT_AGING_TOKENS_PER_S seconds after the long one, the long one has aged past it."""
+    from meshllm.sim.router import PROMPT_AGING_TOKENS_PER_S
+
+    _, inp = demo
+    pre = replica(inp, 0, "prefill", ["fog-1"], (30,))
+    dec = replica(inp, 1, "decode", ["fog-2"], (30,))
+    busy = pre.prefill_s(3000)[0]  # the first prompt holds the pipeline this long
+    aged = (3000 - 2900) / PROMPT_AGING_TOKENS_PER_S
+    assert aged < 0.8 * busy
+    for gap, shorter_first in ((0.2 * aged, True), (1.5 * aged, False)):
+        _, long, short = Simulator([pre, dec], [Request(0, 0.0, 3000, 2), Request(1, 0.0, 3000, 2),
+                                                Request(2, gap, 2900, 2)]).run()
+        assert (short.prefill_start < long.prefill_start) is shorter_first, gap
+        assert min(short.prefill_start, long.prefill_start) == pytest.approx(busy)
+
+
 def test_mixed_replica_chunks_prompts_into_decode_steps(demo):
     _, inp = demo
     ring = replica(inp, 0, "mixed", ["fog-1", "fog-2"], (15, 15))

@@ -2,7 +2,8 @@
 
 The leader keeps the replica's sequences and, whenever the compute thread is free, builds the
 next micro-batch from them (`step`): every sequence ready to decode gets one row, then prompt
-chunks fill the token budget (chunked prefill, so a long prompt never stalls running decodes).
+chunks fill the token budget (chunked prefill, so a long prompt never stalls running decodes),
+fewest prompt tokens left first with aging (sim/router.prompt_priority, as the simulator orders them).
 Up to one micro-batch per stage is in flight (pipeline parallelism); sequences join and leave
 between micro-batches (iteration-level batching), so a new request never waits for an
 unrelated long one. The leader runs stage 0 itself, sends the hidden states on, and gets the
@@ -43,6 +44,7 @@ from meshllm.mesh.protocol import Message, MsgType, SpanKind, WireSpan, make
 from meshllm.roles.context import PlanContext
 from meshllm.roles.stage import Send, Stage, results_of
 from meshllm.roles.verifier import WAIT, Block, Verifier
+from meshllm.sim.router import prompt_priority
 
 log = logging.getLogger("meshllm.leader")
 
@@ -177,8 +179,8 @@ class Leader:
             ids.extend(tokens)
             s.busy, s.fed = True, s.fed + len(tokens)
         budget = TOKEN_BUDGET - len(ids)
-        for s in self.seqs.values():
-            chunk = s.next_chunk(budget) if s.id not in self.queue and not s.busy else []
+        for s in self._prompts(fl.sent):
+            chunk = s.next_chunk(budget)
             if not chunk:
                 continue
             if s.launched is None:
@@ -192,6 +194,12 @@ class Leader:
             if budget <= 0:
                 break
         return fl, ids
+
+    def _prompts(self, now: float) -> list[Seq]:
+        """Running sequences with prompt tokens left, in the order they get the step's prompt budget
+        (the simulator's order: sim/router.prompt_priority)."""
+        todo = [s for s in self.seqs.values() if s.fed < s.prompt_len and not s.busy and s.id not in self.queue]
+        return sorted(todo, key=lambda s: prompt_priority(s.prompt_len - s.fed, now - s.arrived))
 
     def _start_queued(self) -> None:
         """Move queued sequences into the running set while there is room."""

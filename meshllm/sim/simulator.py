@@ -5,6 +5,8 @@
   length and the workload's mean output length, never a request's own. As the gateway does, a
   request for a prefill replica gets its decode replica on arrival too, and counts in that
   replica's load from then on (so that requests routed meanwhile do not all pick it).
+- A replica takes its queued prompts fewest tokens first, with aging (router.prompt_priority,
+  the order roles/leader.py gives its prompt chunks).
 - Prefill replicas are pipelines: a prompt may enter every `occupancy` seconds (the slowest
   stage or link); it then runs stage by stage, and its activations cross each link as a real
   transfer on the ports (ports.py: full duplex, shared zone links), so they queue behind KV
@@ -46,7 +48,7 @@ from dataclasses import dataclass, field
 from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.sim.ports import PortBook
 from meshllm.sim.replica import SimReplica
-from meshllm.sim.router import ReplicaLoad, Router
+from meshllm.sim.router import ReplicaLoad, Router, prompt_priority
 
 
 @dataclass
@@ -136,10 +138,11 @@ class Simulator:
     def try_prefill(self, st: RepState) -> None:
         if not st.queue or self.now < st.load.next_prefill_at:
             return
-        req = st.queue[0]
+        i = self.next_prompt(st)
+        req = st.queue[i]
         if st.pending_kv > 0 and st.pending_kv + req.n_in > st.kv_cap:
             return  # back-pressure: wait for KV to leave (on_kv_sent kicks again)
-        st.queue.popleft()
+        del st.queue[i]
         stages, occ, _ = st.rep.prefill_stages(req.n_in)
         st.load.prefill_queued_s -= occ
         st.load.prefill_queued_tokens -= req.n_in
@@ -227,11 +230,18 @@ class Simulator:
         full = st.load.prefill_queued >= len(st.active)
         most = len(st.rep.members) if full else 1
         while st.queue and len(st.active) + len(st.prefilling) < st.load.max_batch and len(st.prefilling) < most:
-            req = st.queue.popleft()
+            i = self.next_prompt(st)
+            req = st.queue[i]
+            del st.queue[i]
             st.load.prefill_queued_s -= st.rep.prefill_s(req.n_in)[0]
             req.prefill_start = self.now
             req.wait_s += self.now - req.arrival
             st.prefilling.append([req, 0])
+
+    def next_prompt(self, st: RepState) -> int:
+        """Index in `st.queue` of the prompt to start next (router.prompt_priority)."""
+        q = st.queue
+        return min(range(len(q)), key=lambda i: (prompt_priority(q[i].n_in, self.now - q[i].arrival), i))
 
     def run_steps(self, st: RepState) -> None:
         """Start a run of identical steps: until a sequence finishes or the prompts are prefilled."""
