@@ -1,7 +1,7 @@
 """Router wait weight: how the wait goal of issue 8 moves with the router's one knob.
 
-Run:  python bench/router_weight.py [--clusters bench-edge-8b,bench-fog-40-8b,bench-fog-70b]
-      [--weights 10,30,100,300] [--requests 2000] [--seed 0]     (~6 min on 2 cores)
+Run:  python bench/router_weight.py [--clusters bench-edge-8b,bench-fog-40-8b,bench-fog-70b,bench-mesh-200]
+      [--weights 10,30,100,300] [--requests 2000] [--seed 0]     (~15 min on 2 cores, 8 without bench-mesh-200)
 
 The router (meshllm/sim/router.py) scores a candidate by estimated finish + ROUTE_WAIT_WEIGHT x
 its estimated waiting; every policy of bench/planner.py shares it with the default weight. Here,
@@ -80,7 +80,7 @@ def load_parser(doc: str, clusters: str) -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    ap = load_parser(__doc__, "bench-edge-8b,bench-fog-40-8b,bench-fog-70b")
+    ap = load_parser(__doc__, "bench-edge-8b,bench-fog-40-8b,bench-fog-70b,bench-mesh-200")
     ap.add_argument("--weights", default="10,30,100,300")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
