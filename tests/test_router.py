@@ -88,6 +88,28 @@ def test_kv_promised_to_a_decode_replica_counts_in_its_port_queue(inp):
     assert sim.loads[1].kv_pending_tokens == 0 and req.done > 0  # on the ports once shipped
 
 
+def test_the_gateway_books_shipped_kv_on_the_ports_it_routes_with(inp):
+    """At a request's first token its prompt's KV leaves the prefill replica: the gateway books
+    it on its PortBook (as the simulator books a shipment), and routes the next request with that
+    PortBook, so a decode replica whose port is busy receiving is passed over."""
+    import threading
+
+    from meshllm.roles.gateway import Gateway, Stream
+
+    reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "prefill", "fog-3"), rep(inp, 2, "decode", "fog-2"),
+            rep(inp, 3, "decode", "fog-4")]
+    gw = Gateway.__new__(Gateway)
+    gw._lock, gw.reps, gw._decoding, gw._routed = threading.Lock(), {r.id: r for r in reps}, {}, {}
+    gw.loads, gw.time_scale, gw.ports = loads_for(reps), 1.0, PortBook(inp.net)
+    gw.ready_replicas = lambda: [0, 1, 2, 3]
+    pre, dec = gw.route(2000, 32)
+    s = Stream(7, None, None, set(), pre, dec, 200_000, 10)  # a long prompt's KV: its ports stay busy
+    gw._ship(s)
+    assert gw.ports.wait_s(reps[pre].members[0].id, "tx", gw.clock()) > 1.0
+    assert gw.ports.wait_s(reps[dec].members[0].id, "rx", gw.clock()) > 1.0
+    assert gw.route(2000, 32) == (1 - pre, 5 - dec)  # the other prefill and the other decode replica
+
+
 def test_the_simulator_routes_with_this_router(inp):
     reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-2")]
     sim = Simulator(reps, [])

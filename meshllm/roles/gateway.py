@@ -91,6 +91,7 @@ class Gateway:
         self.time_scale = cfg.time_scale
         self.stall_s = STALL_TIMEOUT_S * cfg.time_scale
         self.reps: dict[int, SimReplica] = {}  # the plan's replicas as the router sees them
+        self.ports: PortBook | None = None  # the KV this gateway's requests ship, booked on the plan's ports
         self.ctx: PlanContext | None = None
         self.local_version = 0  # plan version this node itself has loaded
         self.tokenizer = None
@@ -131,6 +132,7 @@ class Gateway:
             old = self.ctx
             keep = {rid for rid in reps if ctx.unchanged(old, rid)}
             self.ctx, self.local_version, self.reps = ctx, ctx.version, reps
+            self.ports = PortBook(inp.net)
             self.loads = {rid: self.loads[rid] if rid in keep and rid in self.loads else
                           ReplicaLoad(max_batch=max(1, min(r.max_batch(), MAX_ACTIVE_SEQS))) for rid, r in reps.items()}
             self._decoding = {rid: n for rid, n in self._decoding.items() if rid in keep}
@@ -185,12 +187,27 @@ class Gateway:
                 reps = []  # a prefill replica needs a decode (or mixed) one to ship to
             if not any(r.role in ("prefill", "mixed") for r in reps):
                 raise RequestError("no replica is ready (the mesh is still planning or loading)")
-            router = Router(reps, PortBook(reps[0].inp.net))
-            now = time.monotonic() / self.time_scale  # the router's clock: emulated device seconds
+            router = Router(reps, self.ports or PortBook(reps[0].inp.net))
+            now = self.clock()
             pre = router.pick_prefill(self.loads, n_in, n_out, now)
             if router.reps[pre].role == "mixed":
                 return pre, pre
             return pre, pin if pin is not None else router.pick_decode(pre, self.loads, n_in, n_out, now)
+
+    def clock(self) -> float:
+        """The router's clock: emulated device seconds."""
+        return time.monotonic() / self.time_scale
+
+    def _ship(self, s: Stream) -> None:
+        """A sequence prefilled on another replica has its first token: its prompt's KV leaves the
+        prefill replica's stages now. Book it on the ports, as the simulator does, so that the next
+        requests see the decode replica's ports busy (until now it counted as promised KV)."""
+        with self._lock:
+            src, dst = self.reps.get(s.prefill_rid), self.reps.get(s.decode_rid)
+            if src is None or dst is None or src is dst or self.ports is None:
+                return
+            flows = Router([src, dst], self.ports).kv_flows(src, dst, s.n_in)
+            self.ports.transfers(flows, self.clock(), commit=True)
 
     def _book(self, s: Stream, phase: str, sign: int) -> None:
         """Keep the router's view: prompts queued for prefill, sequences decoding (and their
@@ -361,6 +378,7 @@ class Gateway:
             if s.next_index == s.offset_at_dispatch:  # this attempt's first token: its prefill is done
                 self._book(s, "prefill", -1)
                 self._book(s, "decode", +1)
+                self._ship(s)
             s.next_index += len(toks)
             s.emitted.extend(toks)
             s.loop.call_soon_threadsafe(s.queue.put_nowait, (toks, fin, reason, None))
