@@ -4,6 +4,7 @@ formulas themselves, and the planner's fast approximation against the exact M/M/
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -13,6 +14,7 @@ from meshllm.partition.dp import Member
 from meshllm.partition.inputs import LengthDist
 from meshllm.partition.queueing import erlang_c, md1_wait, mg1_wait, mgc_wait_approx, mm1_wait, mmc_wait
 from meshllm.shapes import model_args
+from meshllm.sim import router
 from meshllm.sim.replica import SimReplica
 from meshllm.sim.simulator import Request, Simulator
 from tests.planner_fixtures import small_inputs
@@ -32,8 +34,16 @@ def prefill_servers(c: int, dist: str) -> list[SimReplica]:
     return [SimReplica(i, "prefill", (Member(f"s{i}", DEVICE, "z"),), (32,), inp) for i in range(c)]
 
 
-def run(servers: list[SimReplica], rho: float, seed: int) -> tuple[float, float, float, float]:
-    """(mean wait in the prefill queue, arrival rate, E[S], squared CV of S) of a Poisson run."""
+@pytest.fixture
+def fcfs(monkeypatch):
+    """The textbook formulas are for first-come-first-served queues: infinite aging makes the
+    replicas' prompt order (router.prompt_priority) first come, first served."""
+    monkeypatch.setattr(router, "PROMPT_AGING_TOKENS_PER_S", 1e12)
+
+
+def run(servers: list[SimReplica], rho: float, seed: int, out: list | None = None) -> tuple[float, float, float, float]:
+    """(mean wait in the prefill queue, arrival rate, E[S], squared CV of S) of a Poisson run;
+    `out` receives the requests."""
     rng = random.Random(seed)
     lengths = [servers[0].inp.input_tokens.draw(rng) for _ in range(N_REQUESTS)]
     service = [servers[0].prefill_s(n)[1] for n in lengths]
@@ -44,6 +54,8 @@ def run(servers: list[SimReplica], rho: float, seed: int) -> tuple[float, float,
         t += rng.expovariate(lam)
         reqs.append(Request(i, t, n, 1))
     done = Simulator(servers, reqs).run()
+    if out is not None:
+        out.extend(done)
     return sum(r.prefill_start - r.arrival for r in done) / len(done), lam, mean_s, cs2
 
 
@@ -56,24 +68,47 @@ def test_formulas_on_known_values():
 
 
 @pytest.mark.parametrize("rho", [0.5, 0.7])
-def test_simulator_matches_mm1(rho):
+def test_simulator_matches_mm1(rho, fcfs):
     wait, lam, mean_s, cs2 = run(prefill_servers(1, "exponential"), rho, seed=0)
     assert cs2 == pytest.approx(1.0, abs=0.03)  # exponential service, as built
     assert wait == pytest.approx(mm1_wait(lam, mean_s), rel=0.05)
 
 
 @pytest.mark.parametrize("rho", [0.5, 0.7])
-def test_simulator_matches_md1(rho):
+def test_simulator_matches_md1(rho, fcfs):
     wait, lam, mean_s, cs2 = run(prefill_servers(1, "fixed"), rho, seed=1)
     assert cs2 == pytest.approx(0.0, abs=1e-9)
     assert wait == pytest.approx(md1_wait(lam, mean_s), rel=0.05)
 
 
-def test_simulator_matches_mmc_with_the_routers_least_work_choice():
+def test_simulator_matches_mmc_with_the_routers_least_work_choice(fcfs):
     """Three identical servers: the router sends each prompt where it starts first, which is the
     FCFS M/M/c queue (Erlang C)."""
     wait, lam, mean_s, _ = run(prefill_servers(3, "exponential"), 0.7, seed=2)
     assert wait == pytest.approx(mmc_wait(lam, mean_s, 3), rel=0.05)
+
+
+@pytest.mark.parametrize("rho", [0.5, 0.7])
+def test_shortest_first_matches_the_mg1_formula(rho, monkeypatch):
+    """Without aging the prompt order is non-preemptive shortest-job-first. Its M/G/1 mean wait
+    for a job of size x is W0 / ((1 - rho(<x)) (1 - rho(<=x))), W0 = lambda E[S^2] / 2, rho(<x) the
+    load of smaller jobs (Phipps 1956; equal sizes are served in arrival order); averaged over
+    the run's own jobs, it is well below the FCFS M/M/1 wait, as is the simulator's."""
+    monkeypatch.setattr(router, "PROMPT_AGING_TOKENS_PER_S", 0.0)
+    done: list = []
+    servers = prefill_servers(1, "exponential")
+    wait, lam, mean_s, _ = run(servers, rho, seed=3, out=done)
+    count = Counter(r.n_in for r in done)
+    service = {n: servers[0].prefill_s(n)[1] for n in count}
+    w0 = lam * sum(service[n] ** 2 * k for n, k in count.items()) / len(done) / 2
+    load_below, load_upto, acc = {}, {}, 0.0
+    for n in sorted(count):
+        load_below[n] = acc
+        acc += lam * service[n] * count[n] / len(done)
+        load_upto[n] = acc
+    expected = sum(w0 / ((1 - load_below[r.n_in]) * (1 - load_upto[r.n_in])) for r in done) / len(done)
+    assert wait == pytest.approx(expected, rel=0.05)
+    assert wait < 0.8 * mm1_wait(lam, mean_s)
 
 
 def test_fast_approximation_tracks_erlang_c():
