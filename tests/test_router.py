@@ -92,22 +92,19 @@ def test_the_gateway_books_shipped_kv_on_the_ports_it_routes_with(inp):
     """At a request's first token its prompt's KV leaves the prefill replica: the gateway books
     it on its PortBook (as the simulator books a shipment), and routes the next request with that
     PortBook, so a decode replica whose port is busy receiving is passed over."""
-    import threading
-
-    from meshllm.roles.gateway import Gateway, Stream
+    from meshllm.roles.gateway import RouterView, Stream
 
     reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "prefill", "fog-3"), rep(inp, 2, "decode", "fog-2"),
             rep(inp, 3, "decode", "fog-4")]
-    gw = Gateway.__new__(Gateway)
-    gw._lock, gw.reps, gw._decoding, gw._routed = threading.Lock(), {r.id: r for r in reps}, {}, {}
-    gw.loads, gw.time_scale, gw.ports = loads_for(reps), 1.0, PortBook(inp.net)
-    gw.ready_replicas = lambda: [0, 1, 2, 3]
-    pre, dec = gw.route(2000, 32)
+    view = RouterView()
+    view.replan({r.id: r for r in reps}, inp, set())
+    ready = {0, 1, 2, 3}
+    pre, dec = view.route(ready, 2000, 32)
     s = Stream(7, None, None, set(), pre, dec, 200_000, 10)  # a long prompt's KV: its ports stay busy
-    gw._ship(s)
-    assert gw.ports.wait_s(reps[pre].members[0].id, "tx", gw.clock()) > 1.0
-    assert gw.ports.wait_s(reps[dec].members[0].id, "rx", gw.clock()) > 1.0
-    assert gw.route(2000, 32) == (1 - pre, 5 - dec)  # the other prefill and the other decode replica
+    view.ship(s)
+    assert view.ports.wait_s(reps[pre].members[0].id, "tx", view.clock()) > 1.0
+    assert view.ports.wait_s(reps[dec].members[0].id, "rx", view.clock()) > 1.0
+    assert view.route(ready, 2000, 32) == (1 - pre, 5 - dec)  # the other prefill and the other decode replica
 
 
 def test_the_simulator_routes_with_this_router(inp):
@@ -120,27 +117,25 @@ def test_the_gateway_counts_a_request_at_its_decode_replica_from_routing_on(inp)
     """The live gateway's view for the router: a request prefilled on another replica counts in
     its decode replica's `waiting` as soon as it is routed there (requests routed during its
     prefill must see it, as in the simulator), then as decoding from its first token."""
-    import threading
-
-    from meshllm.roles.gateway import Gateway, Stream
+    from meshllm.roles.gateway import RouterView, Stream
 
     reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-3")]
-    gw = Gateway.__new__(Gateway)
-    gw._lock, gw.reps, gw._decoding, gw._routed = threading.Lock(), {r.id: r for r in reps}, {}, {}
+    gw = RouterView()
+    gw.replan({r.id: r for r in reps}, inp, set())
     gw.loads = {0: ReplicaLoad(max_batch=4), 1: ReplicaLoad(max_batch=2)}
     streams = [Stream(i, None, None, set(), 0, 1, 100, 10) for i in range(3)]
     for s in streams:
-        gw._book(s, "prefill", +1)
+        gw.book(s, "prefill", +1)
     assert (gw.loads[1].active, gw.loads[1].waiting) == (0, 3) and gw.loads[0].prefill_queued == 3
     assert gw.loads[1].kv_pending_tokens == 300  # their prompts' KV is still to come
     sim = Simulator(reps, [])  # the simulator books the same way on arrival
     sim.on_arrival(Request(0, 0.0, 100, 10))
     assert sim.loads[1].waiting == 1
     for s in streams:  # first tokens: prefill done, decoding (2 slots, 1 beyond them)
-        gw._book(s, "prefill", -1)
-        gw._book(s, "decode", +1)
+        gw.book(s, "prefill", -1)
+        gw.book(s, "decode", +1)
     assert (gw.loads[1].active, gw.loads[1].waiting) == (2, 1) and gw.loads[0].prefill_queued == 0
     assert gw.loads[1].kv_pending_tokens == 0
     for s in streams:
-        gw._book(s, "decode", -1)
+        gw.book(s, "decode", -1)
     assert (gw.loads[1].active, gw.loads[1].waiting) == (0, 0)

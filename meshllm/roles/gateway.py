@@ -3,7 +3,8 @@
 `Gateway` is the mesh side of the OpenAI-compatible HTTP API (roles/http_api.py serves it):
 - it tokenizes, picks a prefill (or mixed) replica and, for a prefill replica, the decode
   replica it hands off to, with the earliest-finish router the simulator uses
-  (meshllm/sim/router.py, one implementation), fed with what this gateway has dispatched;
+  (meshllm/sim/router.py, one implementation), fed with what this gateway has dispatched
+  (`RouterView`: the replicas, their loads, the KV shipped on a model of their ports);
 - it sends GENERATE_REQ to the replica's leader and collects TOKENS (from the prefill leader,
   then from the decode leader) in order, for the HTTP stream of that request;
 - a request that ends early (client gone, stop string, error) is released on its replicas;
@@ -83,6 +84,96 @@ class Stream:
     drafter: str = ""
 
 
+class RouterView:
+    """What the gateway's router knows of the plan's replicas: their timing (`reps`), what this
+    gateway has in flight on each (`loads`, kept by `book`), and the KV it has shipped between
+    them, booked on a model of the plan's ports (`ship`). Thread-safe: requests are routed from
+    the HTTP thread, tokens booked from the I/O thread."""
+
+    def __init__(self, time_scale: float = 1.0):
+        self.time_scale = time_scale
+        self.reps: dict[int, SimReplica] = {}  # the plan's replicas as the router sees them
+        self.ports: PortBook | None = None  # the KV this gateway's requests ship, booked on the plan's ports
+        self.loads: dict[int, ReplicaLoad] = {}  # replica -> what this gateway has in flight there
+        self._decoding: dict[int, int] = {}  # decode replica -> this gateway's sequences decoding there
+        self._routed: dict[int, int] = {}  # decode replica -> sequences routed there, still prefilling elsewhere
+        self._lock = threading.Lock()
+
+    def replan(self, reps: dict[int, SimReplica], inp, keep: set[int]) -> None:
+        """A new plan: its replicas; what is in flight on those in `keep` (unchanged) is kept."""
+        with self._lock:
+            self.reps, self.ports = reps, PortBook(inp.net)
+            self.loads = {rid: self.loads[rid] if rid in keep and rid in self.loads else
+                          ReplicaLoad(max_batch=max(1, min(r.max_batch(), MAX_ACTIVE_SEQS))) for rid, r in reps.items()}
+            self._decoding = {rid: n for rid, n in self._decoding.items() if rid in keep}
+            self._routed = {rid: n for rid, n in self._routed.items() if rid in keep}
+
+    def clock(self) -> float:
+        """The router's clock: emulated device seconds."""
+        return time.monotonic() / self.time_scale
+
+    def route(self, ready: set[int], n_in: int, n_out: int, pin: int | None = None) -> tuple[int, int]:
+        """(prefill replica, decode replica) for a request, by the simulator's earliest-finish
+        router over the `ready` replicas; the same id twice for a mixed replica. `pin` asks for a
+        decode replica (operators, benchmarks); it must be a ready decode or mixed replica."""
+        with self._lock:
+            if pin is not None and (pin not in ready or self.reps.get(pin) is None
+                                    or self.reps[pin].role not in DECODE_TARGETS):
+                raise RequestError(f"decode replica {pin} is not a ready decode replica of this plan")
+            reps = [r for rid, r in self.reps.items() if rid in ready]
+            if pin is not None and self.reps[pin].role == "mixed":
+                return pin, pin
+            if pin is not None:  # a pinned decode replica takes its prompts from a prefill replica
+                reps = [r for r in reps if r.role != "mixed"]
+            if not any(r.role in DECODE_TARGETS for r in reps):
+                reps = []  # a prefill replica needs a decode (or mixed) one to ship to
+            if not any(r.role in ("prefill", "mixed") for r in reps):
+                raise RequestError("no replica is ready (the mesh is still planning or loading)")
+            router = Router(reps, self.ports or PortBook(reps[0].inp.net))
+            now = self.clock()
+            pre = router.pick_prefill(self.loads, n_in, n_out, now)
+            if router.reps[pre].role == "mixed":
+                return pre, pre
+            return pre, pin if pin is not None else router.pick_decode(pre, self.loads, n_in, n_out, now)
+
+    def ship(self, s: Stream) -> None:
+        """A sequence prefilled on another replica has its first token: its prompt's KV leaves the
+        prefill replica's stages now. Book it on the ports, as the simulator does, so that the next
+        requests see the decode replica's ports busy (until now it counted as promised KV)."""
+        with self._lock:
+            src, dst = self.reps.get(s.prefill_rid), self.reps.get(s.decode_rid)
+            if src is None or dst is None or src is dst or self.ports is None:
+                return
+            flows = Router([src, dst], self.ports).kv_flows(src, dst, s.n_in)
+            self.ports.transfers(flows, self.clock(), commit=True)
+
+    def book(self, s: Stream, phase: str, sign: int) -> None:
+        """Keep the router's view: prompts queued for prefill, sequences decoding (and their
+        remaining tokens), per replica. A sequence prefilled on another replica counts in its
+        decode replica's `waiting` from the moment it is routed there, and its prompt's KV in that
+        replica's `kv_pending_tokens` (its ports will receive it) until its first token, so
+        requests routed while it prefills do not all pick the same decode replica (the simulator
+        does the same)."""
+        with self._lock:
+            pre, dec = self.loads.get(s.prefill_rid), self.loads.get(s.decode_rid)
+            if phase == "prefill":
+                if pre is not None and s.prefill_rid in self.reps:
+                    occupancy = self.reps[s.prefill_rid].prefill_s(s.n_in)[0]
+                    pre.prefill_queued_s = max(0.0, pre.prefill_queued_s + sign * occupancy)
+                    pre.prefill_queued = max(0, pre.prefill_queued + sign)  # a mixed replica's score needs these
+                    pre.prefill_queued_tokens = max(0, pre.prefill_queued_tokens + sign * s.n_in)
+                if dec is not None and s.decode_rid != s.prefill_rid:
+                    self._routed[s.decode_rid] = max(0, self._routed.get(s.decode_rid, 0) + sign)
+                    dec.kv_pending_tokens = max(0, dec.kv_pending_tokens + sign * s.n_in)  # its KV is still to come
+            elif phase == "decode" and dec is not None:
+                self._decoding[s.decode_rid] = self._decoding.get(s.decode_rid, 0) + sign
+                dec.tokens_left = s.n_out / 2  # mean remaining of a sequence in the batch
+            if dec is not None:
+                n = self._decoding.get(s.decode_rid, 0)
+                dec.active = min(n, dec.max_batch)
+                dec.waiting = max(0, n - dec.max_batch) + self._routed.get(s.decode_rid, 0)
+
+
 class Gateway:
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo, cfg: NodeConfig):
         self.t, self.members, self.me_info, self.cfg = transport, members, me, cfg
@@ -90,8 +181,7 @@ class Gateway:
         self.model_name = served_name(cfg.model)
         self.time_scale = cfg.time_scale
         self.stall_s = STALL_TIMEOUT_S * cfg.time_scale
-        self.reps: dict[int, SimReplica] = {}  # the plan's replicas as the router sees them
-        self.ports: PortBook | None = None  # the KV this gateway's requests ship, booked on the plan's ports
+        self.view = RouterView(cfg.time_scale)  # what the router knows of the replicas
         self.ctx: PlanContext | None = None
         self.local_version = 0  # plan version this node itself has loaded
         self.tokenizer = None
@@ -103,10 +193,7 @@ class Gateway:
         self._lock = threading.Lock()
         self._seq_prefix = random.SystemRandom().getrandbits(30) << 32
         self._seq_counter = itertools.count(1)
-        self._decoding: dict[int, int] = {}  # decode replica -> this gateway's sequences decoding there
-        self._routed: dict[int, int] = {}  # decode replica -> sequences routed there, still prefilling elsewhere
         self._send_pool = ThreadPoolExecutor(SEND_POOL_THREADS, thread_name_prefix=f"gw-send-{self.me}")
-        self.loads: dict[int, ReplicaLoad] = {}  # replica -> what this gateway has in flight there
         transport.on(MsgType.TOKENS, self._on_tokens)
 
     def load_model_info(self) -> None:
@@ -128,15 +215,10 @@ class Gateway:
         named = {s.node for r in ctx.plan.replicas for s in r.stages}
         inp = live_plan_inputs(self.cfg, [infos[n] for n in sorted(named) if n in infos])
         reps = {r.id: r for r in from_plan(inp, ctx.plan)} if named <= set(infos) else {}
+        keep = {rid for rid in reps if ctx.unchanged(self.ctx, rid)}
+        self.view.replan(reps, inp, keep)
         with self._lock:
-            old = self.ctx
-            keep = {rid for rid in reps if ctx.unchanged(old, rid)}
-            self.ctx, self.local_version, self.reps = ctx, ctx.version, reps
-            self.ports = PortBook(inp.net)
-            self.loads = {rid: self.loads[rid] if rid in keep and rid in self.loads else
-                          ReplicaLoad(max_batch=max(1, min(r.max_batch(), MAX_ACTIVE_SEQS))) for rid, r in reps.items()}
-            self._decoding = {rid: n for rid, n in self._decoding.items() if rid in keep}
-            self._routed = {rid: n for rid, n in self._routed.items() if rid in keep}
+            self.ctx, self.local_version = ctx, ctx.version
             stale = [s for s in self._streams.values() if s.prefill_rid not in keep or s.decode_rid not in keep]
         for s in stale:  # their replicas changed: resume them on the new plan (tokens() does it)
             s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"the mesh was re-planned "
@@ -168,73 +250,6 @@ class Gateway:
         return ready == {r.id for r in ctx.plan.replicas} and all(
             self.node_version(d) == ctx.version for d in drafters)
 
-    # -- routing ---------------------------------------------------------------------------------
-    def route(self, n_in: int, n_out: int, pin: int | None = None) -> tuple[int, int]:
-        """(prefill replica, decode replica) for a request, by the simulator's earliest-finish
-        router over the ready replicas; the same id twice for a mixed replica. `pin` asks for a
-        decode replica (operators, benchmarks); it must be a ready decode or mixed replica."""
-        ready = set(self.ready_replicas())
-        if pin is not None and (pin not in ready or self.reps.get(pin) is None
-                                or self.reps[pin].role not in DECODE_TARGETS):
-            raise RequestError(f"decode replica {pin} is not a ready decode replica of this plan")
-        with self._lock:
-            reps = [r for rid, r in self.reps.items() if rid in ready]
-            if pin is not None and self.reps[pin].role == "mixed":
-                return pin, pin
-            if pin is not None:  # a pinned decode replica takes its prompts from a prefill replica
-                reps = [r for r in reps if r.role != "mixed"]
-            if not any(r.role in DECODE_TARGETS for r in reps):
-                reps = []  # a prefill replica needs a decode (or mixed) one to ship to
-            if not any(r.role in ("prefill", "mixed") for r in reps):
-                raise RequestError("no replica is ready (the mesh is still planning or loading)")
-            router = Router(reps, self.ports or PortBook(reps[0].inp.net))
-            now = self.clock()
-            pre = router.pick_prefill(self.loads, n_in, n_out, now)
-            if router.reps[pre].role == "mixed":
-                return pre, pre
-            return pre, pin if pin is not None else router.pick_decode(pre, self.loads, n_in, n_out, now)
-
-    def clock(self) -> float:
-        """The router's clock: emulated device seconds."""
-        return time.monotonic() / self.time_scale
-
-    def _ship(self, s: Stream) -> None:
-        """A sequence prefilled on another replica has its first token: its prompt's KV leaves the
-        prefill replica's stages now. Book it on the ports, as the simulator does, so that the next
-        requests see the decode replica's ports busy (until now it counted as promised KV)."""
-        with self._lock:
-            src, dst = self.reps.get(s.prefill_rid), self.reps.get(s.decode_rid)
-            if src is None or dst is None or src is dst or self.ports is None:
-                return
-            flows = Router([src, dst], self.ports).kv_flows(src, dst, s.n_in)
-            self.ports.transfers(flows, self.clock(), commit=True)
-
-    def _book(self, s: Stream, phase: str, sign: int) -> None:
-        """Keep the router's view: prompts queued for prefill, sequences decoding (and their
-        remaining tokens), per replica. A sequence prefilled on another replica counts in its
-        decode replica's `waiting` from the moment it is routed there, and its prompt's KV in that
-        replica's `kv_pending_tokens` (its ports will receive it) until its first token, so
-        requests routed while it prefills do not all pick the same decode replica (the simulator
-        does the same)."""
-        with self._lock:
-            pre, dec = self.loads.get(s.prefill_rid), self.loads.get(s.decode_rid)
-            if phase == "prefill":
-                if pre is not None and s.prefill_rid in self.reps:
-                    occupancy = self.reps[s.prefill_rid].prefill_s(s.n_in)[0]
-                    pre.prefill_queued_s = max(0.0, pre.prefill_queued_s + sign * occupancy)
-                    pre.prefill_queued = max(0, pre.prefill_queued + sign)  # a mixed replica's score needs these
-                    pre.prefill_queued_tokens = max(0, pre.prefill_queued_tokens + sign * s.n_in)
-                if dec is not None and s.decode_rid != s.prefill_rid:
-                    self._routed[s.decode_rid] = max(0, self._routed.get(s.decode_rid, 0) + sign)
-                    dec.kv_pending_tokens = max(0, dec.kv_pending_tokens + sign * s.n_in)  # its KV is still to come
-            elif phase == "decode" and dec is not None:
-                self._decoding[s.decode_rid] = self._decoding.get(s.decode_rid, 0) + sign
-                dec.tokens_left = s.n_out / 2  # mean remaining of a sequence in the batch
-            if dec is not None:
-                n = self._decoding.get(s.decode_rid, 0)
-                dec.active = min(n, dec.max_batch)
-                dec.waiting = max(0, n - dec.max_batch) + self._routed.get(s.decode_rid, 0)
-
     # -- requests ---------------------------------------------------------------------------------
     async def submit(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
                      seed: int, spec_mode: str | None = None, gamma: int | None = None,
@@ -262,7 +277,7 @@ class Gateway:
         prefill leader. A resumed attempt's prompt is the request's prompt plus its output so
         far, and its token indices continue from there."""
         ids, left = s.prompt + s.emitted, s.n_out - len(s.emitted)
-        pre, dec = self.route(len(ids), left, s.settings["pin"])
+        pre, dec = self.view.route(set(self.ready_replicas()), len(ids), left, s.settings["pin"])
         ctx, st = self.ctx, s.settings
         drafter = self.pick_drafter() if st["mode"] != "off" else ""
         seq = self._seq_prefix | next(self._seq_counter)
@@ -271,7 +286,7 @@ class Gateway:
         s.leaders = {ctx.leader(pre), ctx.leader(dec)} | ({ctx.address(drafter)} if drafter else set())
         with self._lock:
             self._streams[seq] = s
-        self._book(s, "prefill", +1)
+        self.view.book(s, "prefill", +1)
         stop = sorted(self.tokenizer.eos_ids)
         msgs = [(ctx.leader(pre), make(MsgType.GENERATE_REQ, seq=seq, prompt_token_ids=ids, max_tokens=left,
                                        sampling=st["sampling"], stop_ids=stop, decode_replica=dec,
@@ -376,9 +391,9 @@ class Gateway:
         while s.next_index in s.pending:  # in order, each index once (a duplicate is overwritten)
             toks, fin, reason = s.pending.pop(s.next_index)
             if s.next_index == s.offset_at_dispatch:  # this attempt's first token: its prefill is done
-                self._book(s, "prefill", -1)
-                self._book(s, "decode", +1)
-                self._ship(s)
+                self.view.book(s, "prefill", -1)
+                self.view.book(s, "decode", +1)
+                self.view.ship(s)
             s.next_index += len(toks)
             s.emitted.extend(toks)
             s.loop.call_soon_threadsafe(s.queue.put_nowait, (toks, fin, reason, None))
@@ -393,7 +408,7 @@ class Gateway:
             known = self._streams.pop(s.seq, None) is not None
         if not known:
             return
-        self._book(s, "decode" if s.next_index > s.offset_at_dispatch else "prefill", -1)
+        self.view.book(s, "decode" if s.next_index > s.offset_at_dispatch else "prefill", -1)
         if count:
             self.metrics.finished(status, s.spec)
         targets = set(s.leaders) if release else set()
