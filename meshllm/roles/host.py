@@ -15,7 +15,6 @@ not change, and otherwise loads only its own layer range.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +35,7 @@ from meshllm.partition.plan import Plan, PlanError
 from meshllm.roles.context import PlanContext
 from meshllm.roles.dispatch import DataPlane
 from meshllm.roles.pacer import pacer_factory
+from meshllm.roles.shard import ShardHolder, rss_mb
 from meshllm.roles.verifier import draft_topic
 from meshllm.roles.weights_fetch import MeshWeights
 
@@ -62,9 +62,7 @@ class RoleHost:
         self.coordinator_of: Callable[[], str] | None = None  # who this node obeys (set by the Node)
         self.ready_version = 0  # plan version whose stage is loaded and serving
         self.stage = self.leader = self.acks = None
-        self._shard_key: tuple | None = None
-        self._model = None
-        self._weights_mb = 0.0
+        self.shard = ShardHolder(self.me, cfg, self.weights)  # the weights held for this node's part
         self.listeners: list[Callable[[PlanContext], None]] = []  # e.g. the gateway
         self.data = DataPlane(self)  # every data-plane message, handed to the role that takes it
         transport.on(MsgType.PLAN, self._on_plan)
@@ -137,7 +135,7 @@ class RoleHost:
             elif self.me in ctx.plan.drafters and self.cfg.speculation.mode != "off":
                 self._build_drafter()
             else:
-                self._warm_spare(ctx)
+                self.shard.warm_spare(ctx.version)
         self.ready_version = ctx.version
         self._refresh(force=True)
         for fn in self.listeners:
@@ -161,7 +159,7 @@ class RoleHost:
         from meshllm.roles.verifier import Verifier
 
         layers = replica.stages[index].layers
-        model = self._load_shard(layers)
+        model = self.shard.load(layers)
         pacer = self.pacer_factory(layers, self.cfg.weights_dtype) if self.pacer_factory else None
         self.stage = Stage(ctx, model, self.send, pacer)
         if index == 0:
@@ -180,29 +178,14 @@ class RoleHost:
                 self.t.subscribe_topic(topic(CAPACITY_TOPIC))
 
     def _build_drafter(self) -> None:
-        """Hold the W4A16 (or W8A16) draft, quantized from the target at the cluster's group size."""
-        from meshllm.engine.quant import quantize_model
-        from meshllm.engine.weights import release_freed_memory
+        """Hold the draft and serve drafts with it."""
         from meshllm.roles.branches import BRANCH_KV_SHARE
         from meshllm.roles.drafter import Drafter
 
-        if self._shard_key != ("draft", self.cfg.draft):
-            t0 = time.perf_counter()
-            self._model = None
-            full = self._load_shard((0, None))
-            quant = self.cfg.draft.quant
-            if quant == "random":  # same shape, weights of no use: the verifier rejects ~everything
-                from meshllm.engine.weights import randomize_weights
-
-                randomize_weights(full, seed=1234)
-            self._model = full if quant in ("fp32", "random") else quantize_model(full, quant, self.cfg.draft.group_size)
-            self._shard_key = ("draft", self.cfg.draft)
-            release_freed_memory()
-            log.info("%s: %s g%d draft ready in %.1f s (resident %.0f MB)", self.me, self.cfg.draft.quant,
-                     self.cfg.draft.group_size, time.perf_counter() - t0, rss_mb())
-        pacer = self.pacer_factory((0, self._model.args.n_layers), DRAFT_DTYPE[self.cfg.draft.quant]) \
+        model = self.shard.draft()
+        pacer = self.pacer_factory((0, model.args.n_layers), DRAFT_DTYPE[self.cfg.draft.quant]) \
             if self.pacer_factory else None
-        self.drafter = Drafter(self.me, self._model, self.send, self._publish_draft, pacer, self.cfg.time_scale,
+        self.drafter = Drafter(self.me, model, self.send, self._publish_draft, pacer, self.cfg.time_scale,
                                BRANCH_KV_SHARE * self.cfg.device.memory_bytes)
 
     def _publish_draft(self, msg: Message, rid: int) -> None:
@@ -224,49 +207,6 @@ class RoleHost:
             return True
         p = self.members.get(node)
         return p is not None and p.state is PeerState.ALIVE
-
-    def _load_shard(self, layers: tuple[int, int | None]):
-        """The target's layers [a, b): the shard held already, carved out of a larger shard held
-        (a warm spare, or a stage whose range shrank: no file read), or loaded from the model."""
-        key = (self.model_spec, tuple(layers))
-        if key == self._shard_key:
-            return self._model
-        from meshllm.engine.weights import load_transformer, release_freed_memory, weight_bytes
-
-        t0 = time.perf_counter()
-        held = self._model if self._shard_key and self._shard_key[0] == self.model_spec else None
-        a, b = layers[0], layers[1] if layers[1] is not None else (held.args.n_layers if held else None)
-        if held is not None and b is not None and held.start <= a < b <= held.end \
-                and (a > 0 or held.has_embed) and (b < held.args.n_layers or held.has_head):
-            self._model = held.sub_shard(a, b)  # the rest of `held` is freed with it
-            how = "carved from the layers held"
-        else:
-            self._model = None  # free the old shard before loading the new one
-            self._model = load_transformer(self.weights.source(a, b), a, b)  # fetched from a peer if not here
-            how = "loaded"
-        del held
-        release_freed_memory()
-        self._shard_key = (self.model_spec, (a, self._model.end))
-        self._weights_mb = weight_bytes(self._model) / 1e6
-        log.info("%s: layers [%d, %d) of %s %s in %.1f s (resident %.0f MB)", self.me, a, self._model.end,
-                 self.model_spec, how, time.perf_counter() - t0, rss_mb())
-        return self._model
-
-    def _warm_spare(self, ctx: PlanContext) -> None:
-        """A node the plan leaves without a role loads the whole target when its memory allows,
-        so that a re-plan that gives it a stage after a failure does not wait for the model file
-        (the shard is carved out of it: see _load_shard)."""
-        if self.cfg.roles is not None and not {Role.PREFILL, Role.DECODE} & set(self.cfg.roles):
-            return
-        if self.weights.missing() is not None:
-            return  # no model file here: only the layers a plan gives this node are fetched
-        from meshllm.config import resolve_args
-        from meshllm.partition.cost import model_costs
-
-        need = model_costs(resolve_args(self.model_spec), "fp32").weight_bytes
-        if self.cfg.device.memory_bytes >= need * 1.2 and self._shard_key is None:
-            self._load_shard((0, None))
-            log.info("%s: holding the whole model as a warm spare for plan v%d", self.me, ctx.version)
 
     def _describe(self, ctx: PlanContext) -> str:
         mine = ctx.mine
@@ -311,7 +251,7 @@ class RoleHost:
         if self.stage is not None:
             st = self.stage
             out["stage"] = {"replica": st.replica.id, "index": st.index, "layers": list(st.layers),
-                            "weights_mb": round(self._weights_mb, 1),
+                            "weights_mb": round(self.shard.weights_mb, 1),
                             "kv_bytes_sent": st.kv_bytes_sent, "kv_bytes_received": st.kv_bytes_received,
                             "tokens": {k.name.lower(): v for k, v in st.tokens_computed.items()},
                             "kv_cache_bytes": st.cache.nbytes()}
@@ -339,12 +279,3 @@ class RoleHost:
             return [str(mine[0].role)]
         return ["drafter"] if self.me in self.ctx.plan.drafters else []
 
-
-def rss_mb() -> float:
-    """This process's resident memory in MB (psutil; /proc fallback)."""
-    try:
-        import psutil
-
-        return psutil.Process(os.getpid()).memory_info().rss / 1e6
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return 0.0

@@ -17,7 +17,7 @@ Wire (types in mesh/protocol.py):
   disk announces the names it serves in its heartbeat load (`has_model`) and answers on its own
   `weights` Worker (never the I/O thread) from the memory-mapped file, sending each chunk only to
   the address membership knows for the requesting node id; see that module for the details.
-- **Fetching** (`MeshWeights.source`, called by RoleHost._load_shard on its compute thread): ask a
+- **Fetching** (`MeshWeights.source`, called by ShardHolder.load (roles/shard.py) on the compute thread): ask a
   peer announcing the model for the index (else every live peer), then pull the missing tensors
   with a window of requests in flight (`FlowControl`: chunks of ~40 ms of link time, 64 KiB-4 MiB,
   and enough bytes in flight to cover the round trip plus QUEUE_S, so a 100 Mbit/s link stays full
@@ -305,7 +305,7 @@ class _Pull:
 # -- the node's side ----------------------------------------------------------------------------
 class MeshWeights:
     """This node's part in weights over the mesh: it serves its model file's tensors to peers and,
-    when it has no file, gives RoleHost._load_shard a cache holding its layer range, fetched first."""
+    when it has no file, gives ShardHolder.load a cache holding its layer range, fetched first."""
 
     def __init__(self, t: Transport, cfg: NodeConfig, members: Membership | None):
         self.t, self.cfg, self.members = t, cfg, members

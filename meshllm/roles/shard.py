@@ -1,0 +1,102 @@
+"""The weights this node holds for its part in the plan: a layer range of the target, the whole
+target as a warm spare, or the quantized draft. Runs on the node's compute thread.
+
+A new layer range is carved out of the shard held when it lies inside it (a warm spare, or a
+stage whose range shrank: no file read); otherwise the old shard is freed first and the range
+is loaded from the model file, or fetched from a peer that has it (roles/weights_fetch.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from meshllm.defaults import Role
+from meshllm.node_config import NodeConfig
+from meshllm.roles.weights_fetch import MeshWeights
+
+log = logging.getLogger("meshllm.shard")
+
+
+class ShardHolder:
+    def __init__(self, me: str, cfg: NodeConfig, weights: MeshWeights):
+        self.me, self.cfg, self.weights, self.model_spec = me, cfg, weights, cfg.model
+        self.key: tuple | None = None  # (model, (first layer, end)) or ("draft", spec) of `model`
+        self.model = None  # the Transformer shard held
+        self.weights_mb = 0.0
+
+    def load(self, layers: tuple[int, int | None]):
+        """The target's layers [a, b): the shard held already, carved out of a larger shard held,
+        or loaded from the model."""
+        key = (self.model_spec, tuple(layers))
+        if key == self.key:
+            return self.model
+        from meshllm.engine.weights import load_transformer, release_freed_memory, weight_bytes
+
+        t0 = time.perf_counter()
+        held = self.model if self.key and self.key[0] == self.model_spec else None
+        a, b = layers[0], layers[1] if layers[1] is not None else (held.args.n_layers if held else None)
+        if held is not None and b is not None and held.start <= a < b <= held.end \
+                and (a > 0 or held.has_embed) and (b < held.args.n_layers or held.has_head):
+            self.model = held.sub_shard(a, b)  # the rest of `held` is freed with it
+            how = "carved from the layers held"
+        else:
+            self.model = None  # free the old shard before loading the new one
+            self.model = load_transformer(self.weights.source(a, b), a, b)  # fetched from a peer if not here
+            how = "loaded"
+        del held
+        release_freed_memory()
+        self.key = (self.model_spec, (a, self.model.end))
+        self.weights_mb = weight_bytes(self.model) / 1e6
+        log.info("%s: layers [%d, %d) of %s %s in %.1f s (resident %.0f MB)", self.me, a, self.model.end,
+                 self.model_spec, how, time.perf_counter() - t0, rss_mb())
+        return self.model
+
+    def draft(self):
+        """The W4A16 (or W8A16) draft, quantized from the whole target at the cluster's group size."""
+        spec = self.cfg.draft
+        if self.key == ("draft", spec):
+            return self.model
+        from meshllm.engine.quant import quantize_model
+        from meshllm.engine.weights import release_freed_memory
+
+        t0 = time.perf_counter()
+        self.model = None
+        full = self.load((0, None))
+        if spec.quant == "random":  # same shape, weights of no use: the verifier rejects ~everything
+            from meshllm.engine.weights import randomize_weights
+
+            randomize_weights(full, seed=1234)
+        self.model = full if spec.quant in ("fp32", "random") else quantize_model(full, spec.quant, spec.group_size)
+        self.key = ("draft", spec)
+        release_freed_memory()
+        log.info("%s: %s g%d draft ready in %.1f s (resident %.0f MB)", self.me, spec.quant, spec.group_size,
+                 time.perf_counter() - t0, rss_mb())
+        return self.model
+
+    def warm_spare(self, version: int) -> None:
+        """A node the plan leaves without a role loads the whole target when its memory allows,
+        so that a re-plan that gives it a stage after a failure does not wait for the model file
+        (the shard is carved out of it: see `load`)."""
+        if self.cfg.roles is not None and not {Role.PREFILL, Role.DECODE} & set(self.cfg.roles):
+            return
+        if self.weights.missing() is not None:
+            return  # no model file here: only the layers a plan gives this node are fetched
+        from meshllm.config import resolve_args
+        from meshllm.partition.cost import model_costs
+
+        need = model_costs(resolve_args(self.model_spec), "fp32").weight_bytes
+        if self.cfg.device.memory_bytes >= need * 1.2 and self.key is None:
+            self.load((0, None))
+            log.info("%s: holding the whole model as a warm spare for plan v%d", self.me, version)
+
+
+def rss_mb() -> float:
+    """This process's resident memory in MB (psutil; /proc fallback)."""
+    try:
+        import psutil
+
+        return psutil.Process(os.getpid()).memory_info().rss / 1e6
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return 0.0
