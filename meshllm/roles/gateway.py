@@ -129,7 +129,7 @@ class RouterView:
                 reps = []  # a prefill replica needs a decode (or mixed) one to ship to
             if not any(r.role in ("prefill", "mixed") for r in reps):
                 raise RequestError("no replica is ready (the mesh is still planning or loading)")
-            router = Router(reps, self.ports or PortBook(reps[0].inp.net))
+            router = Router(reps, self.ports)  # set with the replicas, by replan
             now = self.clock()
             pre = router.pick_prefill(self.loads, n_in, n_out, now)
             if router.reps[pre].role == "mixed":
@@ -142,7 +142,7 @@ class RouterView:
         requests see the decode replica's ports busy (until now it counted as promised KV)."""
         with self._lock:
             src, dst = self.reps.get(s.prefill_rid), self.reps.get(s.decode_rid)
-            if src is None or dst is None or src is dst or self.ports is None:
+            if src is None or dst is None or src is dst:
                 return
             flows = Router([src, dst], self.ports).kv_flows(src, dst, s.n_in)
             self.ports.transfers(flows, self.clock(), commit=True)
