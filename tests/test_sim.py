@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -136,6 +137,44 @@ def test_mixed_replica_chunks_prompts_into_decode_steps(demo):
     assert sum(n for r in reqs for _, n in r.gaps) == sum(r.n_out - 1 for r in reqs)
     free = ring.free_chunk(6, 80, 50)
     assert free >= 16 and ring.decode_iter_s(6, 80, free, 50) <= ring.decode_iter_s(6, 80) * 1.02
+
+
+def test_a_mixed_replica_prefills_whole_only_when_that_waits_less(demo):
+    """A long prompt reaching a 3-stage mixed replica that decodes one sequence rides along its
+    steps in chunks: pausing that sequence for the whole prefill would add more waiting than the
+    prompt's own chunking delay (the old rule, "whole once as many prompts wait as sequences
+    decode", paused it for all of it). With nothing decoding, a prompt goes whole."""
+    _, inp = demo
+    ring = replica(inp, 0, "mixed", ["fog-1", "fog-2", "fog-3"], (10, 10, 10))
+    ctx = inp.mix.decode_ctx
+    assert not ring.goes_whole(1, ctx, 1, 1000, 1000)
+    assert ring.goes_whole(0, ctx, 1, 1000, 1000)  # nothing decodes: nobody pauses
+    lone = Simulator([ring], [Request(0, 0.0, 1000, 2)]).run()[0]
+    decoding, prompt = Simulator([ring], [Request(0, 0.0, 20, 3000), Request(1, 5.0, 1000, 2)]).run()
+    _, lat = ring.prefill_s(1000)
+    assert prompt.first_token - prompt.arrival > lone.first_token  # chunked: later than alone ...
+    assert decoding.paused_s + prompt.wait_s < lat  # ... but both together wait less than one whole pause
+    assert decoding.paused_s < 0.5 * lat  # whole, it would pause all of lat
+
+
+def test_the_router_expects_a_prompt_to_wait_for_the_next_micro_batch_launch(demo):
+    """`join_wait_s`, the wait the router counts for a prompt reaching a busy mixed replica, is
+    what the simulator makes it wait: short prompts arriving at random while 1 or 3 sequences
+    decode start at the next micro-batch launch (min(stages, batch) per step)."""
+    _, inp = demo
+    for ids in (["fog-1"], ["fog-1", "fog-2"], ["fog-1", "fog-2", "fog-3"]):
+        rep = replica(inp, 0, "mixed", ids, tuple(30 // len(ids) for _ in ids))
+        for b in (1, 3):
+            rng, t = random.Random(1), 0.5
+            reqs = [Request(i, 0.0, 20, 4000) for i in range(b)]
+            for i in range(b, b + 200):
+                t += rng.expovariate(4.0)
+                reqs.append(Request(i, t, 8, 1))
+            out = Simulator([rep], reqs).run()
+            pre = statistics.fmean(r.prefill_start - r.arrival for r in out[b:])
+            ctx = 20 + t / 2 / rep.decode_iter_s(b, 500)  # the decoding sequences' mean context meanwhile
+            assert 0.8 < pre / rep.join_wait_s(b, ctx) < 1.7, (ids, b)
+    assert rep.join_wait_s(0, 100) == 0.0  # an idle replica starts a prompt at once
 
 
 def test_a_sequence_joins_the_next_micro_batch_not_the_next_iteration(demo):

@@ -98,6 +98,27 @@ class SimReplica:
         prompt tokens if that is more."""
         return max(self.free_chunk(batch, context, prompt), -(-backlog // DRAIN_STEPS))
 
+    def join_wait_s(self, batch: int, context: float) -> float:
+        """Mean wait of a prompt that reaches a mixed replica decoding `batch` sequences: it starts
+        with the next micro-batch launched, and min(stages, batch) launch per step."""
+        return self.decode_iter_s(batch, context) / (2 * min(len(self.members), batch)) if batch else 0.0
+
+    def goes_whole(self, batch: int, context: float, queued: int, head: int, backlog: int) -> bool:
+        """Whether a mixed replica decoding `batch` sequences prefills its next prompt (`head`
+        tokens, `queued` prompts waiting with it, `backlog` prompt tokens in all) whole in one step
+        rather than in chunks riding along its decode steps: whichever adds less waiting. Whole,
+        every decoding sequence pauses for the prompt's prefill; in chunks, the prompt (and every
+        prompt queued behind it) is done later than alone, and each step is a little longer."""
+        if batch < 1:
+            return True
+        lat = self.prefill_s(head)[1]
+        chunk = min(head, self.chunk_tokens(batch, context, head, backlog))
+        steps = -(-head // chunk)
+        base = self.decode_iter_s(batch, context)
+        step = self.decode_iter_s(batch, context, chunk, head / 2 + chunk / 2)
+        chunked = queued * max(0.0, steps * step - lat) + batch * steps * (step - base)
+        return batch * lat < chunked
+
     def kv_capacity_tokens(self) -> float:
         """KV tokens (whole model depth) that fit beside the weights, limited by the fullest stage."""
         mc, k = self.inp.mc, len(self.members)

@@ -136,20 +136,22 @@ class Router:
 
     def mixed_score(self, rep: SimReplica, load: ReplicaLoad, n_in: int, n_out: float, now: float) -> float:
         """A mixed replica prefills its prompts in chunks riding along its decode steps (as many
-        tokens per step as `chunk_tokens` gives), or, when as many prompts wait as sequences
-        decode, whole; either way the decoding sequences wait for the steps' extra time."""
+        tokens per step as `chunk_tokens` gives), or whole when that waits less
+        (`SimReplica.goes_whole`); either way the decoding sequences wait for the steps' extra
+        time, and the prompt waits for the next micro-batch launch (`join_wait_s`)."""
         _, lat = rep.prefill_s(n_in)
         b, ctx = load.active, rep.inp.mix.decode_ctx
         tokens = load.prefill_queued_tokens + n_in
-        if load.prefill_queued + 1 >= b:
+        if rep.goes_whole(b, ctx, load.prefill_queued + 1, n_in, tokens):
             ttft, pause = now + lat * tokens / n_in, b * lat
         else:
             chunk = min(tokens, rep.chunk_tokens(b, ctx, n_in, tokens))
             steps, base = tokens / chunk, rep.decode_iter_s(b, ctx)
             step = rep.decode_iter_s(b, ctx, chunk, n_in)
             ttft, pause = now + steps * step, b * steps * (step - base)
+        join = rep.join_wait_s(b, ctx)  # for the next micro-batch launch
         rest, slot_wait = self.decode_cost(rep, load, n_out)
-        return ttft + rest + self.w * (max(0.0, ttft - now - lat) + slot_wait + pause)
+        return ttft + join + rest + self.w * (join + max(0.0, ttft - now - lat) + slot_wait + pause)
 
     def prefill_score(self, rep: SimReplica, load: ReplicaLoad, n_in: int, n_out: float, now: float,
                       decode_rest: float) -> float:
