@@ -41,7 +41,7 @@ def test_tokens_go_to_the_gateway_after_the_next_micro_batch_is_launched() -> No
     gateway's work (in the same process: its Python holds the GIL during the launch). A request's
     first token goes before it: the request's TTFT would otherwise wait for a stage-0 forward."""
     leader, sent = two_stage_leader()
-    leader.admit(seq(1))
+    leader.batch.admit(seq(1))
     assert leader.step() and [m.type for _, m in sent] == [MsgType.ACTIVATIONS]  # the prompt
     leader.on_results(results(1, [[1, [9], [1.0]]]))
     assert len(sent) == 1, "results alone send nothing yet"
@@ -63,8 +63,8 @@ def test_a_last_token_goes_out_before_the_next_launch() -> None:
     leader, sent = two_stage_leader()
     short, long = seq(1), seq(2)
     short.max_tokens = 2
-    leader.admit(short)
-    leader.admit(long)
+    leader.batch.admit(short)
+    leader.batch.admit(long)
     assert leader.step()  # both prompts
     leader.on_results(results(1, [[1, [9], [1.0]], [2, [19], [1.0]]]))
     assert leader.step()  # their first tokens, then both decodes
@@ -81,7 +81,7 @@ def test_a_step_with_nothing_to_launch_still_sends_the_tokens() -> None:
     leader, sent = two_stage_leader()
     s = seq(2)
     s.max_tokens = 1
-    leader.admit(s)
+    leader.batch.admit(s)
     leader.step()
     leader.on_results(results(1, [[2, [9], [1.0]]]))  # the first token is the last: nothing follows
     assert not leader.step()
@@ -97,8 +97,8 @@ def test_a_short_prompt_is_not_queued_behind_a_long_one() -> None:
     long, short = seq(1), seq(2)
     long.prompt, long.prompt_len = [5] * 240, 240
     short.prompt, short.prompt_len = [6] * 20, 20
-    leader.admit(long)
-    leader.admit(short)
+    leader.batch.admit(long)
+    leader.batch.admit(short)
     assert leader.step()
     spans = {sp[0]: sp for sp in sent[0][1]["spans"]}
     assert spans[2][2] == 20 and spans[2][3] == SpanKind.PREFILL_LAST  # all of the short prompt
@@ -108,12 +108,12 @@ def test_a_short_prompt_is_not_queued_behind_a_long_one() -> None:
 def test_tokens_go_out_before_a_launch_that_carries_a_prompt() -> None:
     """A prompt chunk makes a long step: the tokens ready before it do not wait for it."""
     leader, sent = two_stage_leader()
-    leader.admit(seq(1))
+    leader.batch.admit(seq(1))
     leader.step()
     leader.on_results(results(1, [[1, [9], [1.0]]]))
     leader.step()  # seq 1's first token, then its first decode
     leader.on_results(results(2, [[1, [11], [1.0]]]))  # a middle token: it would wait for a decode launch
-    leader.admit(seq(2))  # its prompt joins the next micro-batch beside seq 1's decode row
+    leader.batch.admit(seq(2))  # its prompt joins the next micro-batch beside seq 1's decode row
     assert leader.step()
     assert [m.type for _, m in sent[3:]] == [MsgType.TOKENS, MsgType.ACTIVATIONS]
     assert sent[3][1]["token_ids"] == [11] and sorted(sp[0] for sp in sent[4][1]["spans"]) == [1, 2]
@@ -133,7 +133,7 @@ def test_a_prefill_stage_sends_the_micro_batch_on_before_it_ships_the_kv() -> No
                     lambda a, m: sent_a.append((a, m)), max_context=256)
     s = seq(1)
     s.decode_rid = 1
-    leader.admit(s)
+    leader.batch.admit(s)
     assert leader.step()
     assert [(a, m.type) for a, m in sent_a] == [(nodes["b"], MsgType.ACTIVATIONS), (nodes["c"], MsgType.KV_TRANSFER)]
     assert sent_a[1][1]["layers"] == [0, 2]

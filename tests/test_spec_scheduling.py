@@ -263,14 +263,14 @@ def test_branch_kv_slots_stay_within_the_drafters_memory_budget():
     the drafter's budget (BRANCH_KV_SHARE of the device's memory on a node); a fork that would
     go over it is not made, and a branch freed gives its bytes back."""
     d, s, sent = started_drafter()
-    one = d.cache.slot_bytes(d._capacity(s))
+    one = d.cache.slot_bytes(s.capacity(d.model.args.max_seq_len))
     d.branches.budget = one  # room for exactly one branch slot
     d._rows = lambda mains, branches: [(m, None) for m in mains]  # branches wait: they are not drafted
     for _ in range(12):
         d.step()
         assert d.branches.held_bytes() <= one and len(s.branches) <= 1
     assert len(s.branches) == 1 and d.stats["branches_over_budget"] > 0
-    assert d.branches.held_bytes() == one == d.cache.slot_bytes(d._capacity(s))
+    assert d.branches.held_bytes() == one == d.cache.slot_bytes(s.capacity(d.model.args.max_seq_len))
     d.branches.drop(s)
     assert d.branches.held_bytes() == 0 and sorted(d.cache.seq_ids()) == [s.slot]
     d.branches.budget = 0  # no room at all: no fork

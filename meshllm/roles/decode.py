@@ -53,7 +53,7 @@ class KvAcks:
             s.prefilled_at, s.prefill_s = at, ms / 1000
         early = self._early.pop(seq, (0.0, {}))[1]
         s.missing_kv = set(self.nodes) - {node for node, length in early.items() if length == s.fed}
-        self.leader.admit(s)
+        self.leader.batch.admit(s)
         if at is None:
             self.leader.stats["migrated_in"] = self.leader.stats.get("migrated_in", 0) + 1
         if s.drafter and self.leader.verifier is not None:
@@ -119,7 +119,7 @@ class Balancer:
 
     def publish_capacity(self) -> None:
         lead = self.leader
-        active = lead.active()
+        active = lead.batch.active()
         self._publish(make(MsgType.CAPACITY, node=lead.stage.ctx.me, replica=lead.rid,
                            free_slots=max(0, MAX_ACTIVE_SEQS - active), queue=len(lead.queue),
                            plan_version=lead.ctx.version, active=active))
@@ -145,7 +145,7 @@ class Balancer:
         active, rid, _ = min(live)
         movable = [s for s in self.leader.seqs.values() if s.id not in self.leader.queue and not s.busy
                    and not s.missing_kv and s.out]
-        if self.leader.active() - active >= MIGRATE_GAP and movable:
+        if self.leader.batch.active() - active >= MIGRATE_GAP and movable:
             self.migrate(movable[0], rid)
             self.peers[rid] = (self.peers[rid][0], active + 1, self.peers[rid][2] - 1)
 

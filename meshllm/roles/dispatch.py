@@ -95,7 +95,7 @@ class DataPlane:
         s = seq_from_generate(msg, h.ctx, leader.rid, args.vocab_size, args.max_seq_len)
         if s.id in leader.seqs or s.id in h.stage.cache:  # a second Seq would break its KV's batches
             raise ProtocolError(f"seq {s.id} is already running on replica {leader.rid}")
-        leader.admit(s)
+        leader.batch.admit(s)
 
     def _on_handoff(self, msg: Message, reply: Callable) -> None:
         h = self.h

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -123,11 +123,62 @@ class Session:
     def branching(self) -> bool:
         return self.mode == "async" and self.params.greedy and self.started
 
+    def capacity(self, max_seq_len: int) -> int:
+        """Draft KV positions the session may need: prompt, output, and two blocks ahead."""
+        return min(len(self.prompt) + self.max_tokens + 2 * self.gamma + 2, max_seq_len)
+
     def can_draft(self) -> bool:
         limit = MAX_OUTSTANDING[self.mode] if self.pipeline else 1
         if not self.started or len(self.blocks) >= limit:
             return self.fed < len(self.prompt)  # a new session prefills its prompt meanwhile
         return len(self.committed) + len(self.stream) < self.max_tokens + self.gamma
+
+
+class BlockSender:
+    """Numbers a session's draft blocks and publishes each as a DRAFT on its decode replica's
+    topic; publishes again a block whose verdict has not come in `resend_s`."""
+
+    def __init__(self, me: str, publish: Callable[[Message, int], None], stats: dict, resend_s: float):
+        self.me, self.publish, self.stats, self.resend_s = me, publish, stats, resend_s
+
+    def ready(self, s: Session) -> None:
+        """Publish every complete block of the stream: after each earlier block and its guessed
+        bonus, gamma drafts (a gamma that shrank, or an adopted branch, can leave several)."""
+        while len(s.stream) - s.block_start() >= s.gamma:
+            start = s.block_start()
+            s.blocks.append(self.send(s, len(s.prompt) + len(s.committed) + start,
+                                      extend_hash(s.hash, s.stream[:start]), s.stream[start:start + s.gamma],
+                                      s.qs[start:start + s.gamma]))
+
+    def send(self, s: Session, start: int, h: int, tokens: list[int], qs: list,
+             branch_tokens: list[int] | None = None) -> OutBlock:
+        """Number and publish a block of `s` drafted after its first `start` tokens (hash `h` of
+        their output part): of its stream, or of a branch whose whole sequence is `branch_tokens`."""
+        b = OutBlock(s.next_no, start, h, tokens, qs, time.monotonic(), branch=branch_tokens is not None)
+        s.next_no += 1
+        self.stats["blocks"] += 1
+        self.publish(self.message(s, b, branch_tokens), s.rid)
+        return b
+
+    def message(self, s: Session, b: OutBlock, tokens: list[int] | None = None) -> Message:
+        greedy = s.params.greedy
+        q_ids = torch.zeros((0, 0), dtype=torch.int32) if greedy else torch.tensor([q[0] for q in b.qs], dtype=torch.int32)
+        q_p = torch.zeros((0, 0), dtype=torch.float16) if greedy else torch.tensor([q[1] for q in b.qs]).half()
+        after = (tokens or s.tokens)[b.start - 1]
+        return make(MsgType.DRAFT, tensors={"q_ids": q_ids, "q_p": q_p}, tenant=self.me, seq=s.seq, block=b.no,
+                    start=b.start, after=after, hash=b.hash, tokens=b.tokens, plan_version=0, branch=b.branch)
+
+    def resend(self, sessions: Iterable[Session], now: float) -> None:
+        for s in sessions:
+            for b in s.blocks:
+                if now - b.sent > self.resend_s:
+                    b.sent = now
+                    self.stats["resent"] += 1
+                    self.publish(self.message(s, b), s.rid)
+
+    def next_wake_s(self, sessions: Iterable[Session]) -> float | None:
+        sent = [b.sent for s in sessions for b in s.blocks]
+        return max(0.0, min(sent) + self.resend_s - time.monotonic()) if sent else None
 
 
 class Drafter:
@@ -144,10 +195,9 @@ class Drafter:
         self.stats = {"steps": 0, "blocks": 0, "resent": 0, "resyncs": 0, "lookahead_deferred": 0, "verdicts": 0,
                       "pipelined_verdicts": 0}
         self.step_s: dict[int, float] = {}  # rows (one token each) -> measured step seconds
-        self.branches = Branches(self.cache, self.stats, self._capacity, branch_kv_bytes)  # None: no limit
-
-    def _capacity(self, s: Session) -> int:
-        return min(len(s.prompt) + s.max_tokens + 2 * s.gamma + 2, self.model.args.max_seq_len)
+        self.branches = Branches(self.cache, self.stats, lambda s: s.capacity(model.args.max_seq_len),
+                                 branch_kv_bytes)  # None: no limit
+        self.sender = BlockSender(me, publish, self.stats, self.resend_s)
 
     # -- messages ---------------------------------------------------------------------------------
     def on_session(self, msg: Message, vocab: int, default_gamma: int) -> None:
@@ -164,7 +214,7 @@ class Drafter:
         s = Session(seq, prompt, msg["max_tokens"], SamplingParams(t, k, p), seed, msg["decode_replica"], gamma,
                     bool(msg["adaptive"]), msg["mode"], str(msg["gateway"]), slot=seq)
         self.sessions[seq] = s
-        self.cache.allocate(seq, self._capacity(s))
+        self.cache.allocate(seq, s.capacity(self.model.args.max_seq_len))
         self.since = self.since or time.monotonic()
 
     def on_verdict(self, msg: Message) -> None:
@@ -192,7 +242,7 @@ class Drafter:
         if done is not None:
             self.stats["verdicts"] += 1
             self.stats["pipelined_verdicts"] += s.mode == "async" and s.pipeline  # drafting ahead of it
-            self._learn(s, done, msg["accepted"], time.monotonic())
+            learn(s, done, msg["accepted"], time.monotonic())
         kept = done is not None and s.stream[:len(tokens)] == tokens  # the bonus guess came true
         s.committed += tokens
         s.hash = extend_hash(s.hash, tokens)
@@ -202,7 +252,7 @@ class Drafter:
             s.blocks = [b for b in s.blocks if b.no != done.no]
         elif branch is not None:  # a choice it branched to came true: that branch is the stream now
             self.branches.adopt(s, branch)
-            self._publish_ready(s)
+            self.sender.ready(s)
         else:
             self._rollback(s, len(s.prompt) + len(s.committed) - 1)
 
@@ -225,19 +275,8 @@ class Drafter:
         br.tokens.append(int(logits.argmax(-1)[0]))
         br.runner.append(choices(logits, br.tokens[-1]))
         if len(br.tokens) - br.base == br.gamma:
-            br.block = self._send_block(s, br.base, extend_hash(0, br.tokens[len(s.prompt):br.base]),
+            br.block = self.sender.send(s, br.base, extend_hash(0, br.tokens[len(s.prompt):br.base]),
                                         br.tokens[br.base:], [([], [])] * br.gamma, br.tokens)
-
-    def _learn(self, s: Session, b: OutBlock, accepted: int, now: float) -> None:
-        """Acceptance and round-trip estimates for adaptive gamma."""
-        rejected = 1 if accepted < len(b.tokens) else 0
-        s.alpha = ewma(s.alpha, accepted / max(1, accepted + rejected))
-        if not b.branch:  # a branch's block waited for the verdict before it: no round trip
-            s.rtt_s = ewma(s.rtt_s, now - b.sent)
-        if s.adaptive and s.draft_s:
-            s.gamma, pipe = choose_drafting(min(s.alpha, 0.98), s.draft_s, 0.0, s.rtt_s, s.mode == "async",
-                                            rescue=s.rescue or 0.0)
-            s.pipeline = s.mode == "async" and pipe
 
     def replan(self, unchanged: Callable[[int], bool]) -> None:
         """A new plan: sessions whose decode replica changed are over (their requests failed)."""
@@ -255,7 +294,8 @@ class Drafter:
     def step(self) -> bool:
         """One batched draft forward over every session that may draft; True if any did."""
         now = time.monotonic()
-        self._resend(now)
+        self._expire(now)
+        self.sender.resend(self.sessions.values(), now)
         for s in self.sessions.values():
             self.branches.grow(s)
         ready = self._rows([s for s in self.sessions.values()
@@ -332,51 +372,15 @@ class Drafter:
         s.stream.append(tok)
         s.qs.append(q)
         s.runner.append(choices(logits, tok) if s.params.greedy else (1.0, ()))
-        self._publish_ready(s)
+        self.sender.ready(s)
 
-    def _publish_ready(self, s: Session) -> None:
-        """Publish every complete block of the stream: after each earlier block and its guessed
-        bonus, gamma drafts (a gamma that shrank, or an adopted branch, can leave several)."""
-        while len(s.stream) - s.block_start() >= s.gamma:
-            self._publish(s, s.block_start())
-
-    def _publish(self, s: Session, start: int) -> None:
-        s.blocks.append(self._send_block(s, len(s.prompt) + len(s.committed) + start,
-                                         extend_hash(s.hash, s.stream[:start]), s.stream[start:start + s.gamma],
-                                         s.qs[start:start + s.gamma]))
-
-    def _send_block(self, s: Session, start: int, h: int, tokens: list[int], qs: list,
-                    branch_tokens: list[int] | None = None) -> OutBlock:
-        """Number and publish a block of `s` drafted after its first `start` tokens (hash `h` of
-        their output part): of its stream, or of a branch whose whole sequence is `branch_tokens`."""
-        b = OutBlock(s.next_no, start, h, tokens, qs, time.monotonic(), branch=branch_tokens is not None)
-        s.next_no += 1
-        self.stats["blocks"] += 1
-        self.publish(self._message(s, b, branch_tokens), s.rid)
-        return b
-
-    def _message(self, s: Session, b: OutBlock, tokens: list[int] | None = None) -> Message:
-        greedy = s.params.greedy
-        q_ids = torch.zeros((0, 0), dtype=torch.int32) if greedy else torch.tensor([q[0] for q in b.qs], dtype=torch.int32)
-        q_p = torch.zeros((0, 0), dtype=torch.float16) if greedy else torch.tensor([q[1] for q in b.qs]).half()
-        after = (tokens or s.tokens)[b.start - 1]
-        return make(MsgType.DRAFT, tensors={"q_ids": q_ids, "q_p": q_p}, tenant=self.me, seq=s.seq, block=b.no,
-                    start=b.start, after=after, hash=b.hash, tokens=b.tokens, plan_version=0, branch=b.branch)
-
-    def _resend(self, now: float) -> None:
+    def _expire(self, now: float) -> None:
         for s in [s for s in self.sessions.values() if now - s.heard > self.idle_s]:
             log.warning("%s: session %d heard nothing for %.0f s; dropped", self.me, s.seq, now - s.heard)
             self.end(s.seq)  # its verifier and its gateway are gone: memory stays bounded
-        for s in self.sessions.values():
-            for b in s.blocks:
-                if now - b.sent > self.resend_s:
-                    b.sent = now
-                    self.stats["resent"] += 1
-                    self.publish(self._message(s, b), s.rid)
 
     def next_wake_s(self) -> float | None:
-        sent = [b.sent for s in self.sessions.values() for b in s.blocks]
-        return max(0.0, min(sent) + self.resend_s - time.monotonic()) if sent else None
+        return self.sender.next_wake_s(self.sessions.values())
 
     def load(self) -> dict:
         """Sessions, draft steps, busy time (cumulative: callers difference two readings for a
@@ -390,3 +394,14 @@ class Drafter:
             out["pacer"] = self.pacer.summary()
         return out
 
+
+def learn(s: Session, b: OutBlock, accepted: int, now: float) -> None:
+    """Acceptance and round-trip estimates for adaptive gamma."""
+    rejected = 1 if accepted < len(b.tokens) else 0
+    s.alpha = ewma(s.alpha, accepted / max(1, accepted + rejected))
+    if not b.branch:  # a branch's block waited for the verdict before it: no round trip
+        s.rtt_s = ewma(s.rtt_s, now - b.sent)
+    if s.adaptive and s.draft_s:
+        s.gamma, pipe = choose_drafting(min(s.alpha, 0.98), s.draft_s, 0.0, s.rtt_s, s.mode == "async",
+                                        rescue=s.rescue or 0.0)
+        s.pipeline = s.mode == "async" and pipe

@@ -1,7 +1,7 @@
 """The leader of a replica: stage 0 plus the scheduler of its micro-batches (Orca-style).
 
 The leader keeps the replica's sequences and, whenever the compute thread is free, builds the
-next micro-batch from them (`step`): every sequence ready to decode gets one row, then prompt
+next micro-batch from them (`step`; its `Batcher` chooses the rows): every sequence ready to decode gets one row, then prompt
 chunks fill the token budget (chunked prefill, so a long prompt never stalls running decodes),
 fewest prompt tokens left first with aging (sim/router.prompt_priority, as the simulator orders them).
 Up to one micro-batch per stage is in flight (pipeline parallelism); sequences join and leave
@@ -100,30 +100,16 @@ class InFlight:
     blocks: dict[int, Block] = field(default_factory=dict)  # VERIFY spans: seq -> its block
 
 
-class Leader:
-    """Scheduler of one replica, on its stage-0 node's compute thread."""
+class Batcher:
+    """The leader's scheduling policy: what goes into its replica's next micro-batch. Every
+    sequence ready to decode gets one row (a drafted one, its block to verify), spread over as
+    many micro-batches as the pipeline has stages; then prompt chunks fill the TOKEN_BUDGET,
+    fewest prompt tokens left first with aging. It works on the leader's sequence table and
+    queue (the same objects)."""
 
-    def __init__(self, stage: Stage, send: Send, max_context: int,
-                 on_prefilled: Callable[[PlanContext, Seq, bool], None] | None = None):
-        self.stage, self.ctx, self._send = stage, stage.ctx, send
-        self.rid, self.role = stage.replica.id, stage.replica.role
-        self.n_stages = len(stage.replica.stages)
-        self.max_context = max_context
-        # prefill replicas: hand the sequence off (roles/prefill.py), under the plan in force now
-        self.on_prefilled = on_prefilled
-        self.seqs: dict[int, Seq] = {}
-        self.queue: list[int] = []  # sequences not yet started, in arrival order
-        self.in_flight: dict[int, InFlight] = {}
-        self._batch_ids = itertools.count(1)
-        self.stats = {"micro_batches": 0, "rows": 0, "finished": 0, "aborted": 0}
-        # decode replicas: (prefill ms, handoff ms) of recent sequences; handoff = from the prefill
-        # replica having the first token to this replica holding all the KV and the token (one host's
-        # monotonic clock: meaningful in emulation and benchmarks)
-        self.handoffs: deque[tuple[float, float]] = deque(maxlen=64)
-        self.verifier: Verifier | None = None  # decode and mixed replicas (roles/host.py sets it)
-        self.outbox = Outbox(send)  # TOKENS for the gateways, sent when `step` says
+    def __init__(self, seqs: dict[int, Seq], queue: list[int], n_stages: int):
+        self.seqs, self.queue, self.n_stages = seqs, queue, n_stages
 
-    # -- admission ------------------------------------------------------------------------------
     def admit(self, s: Seq) -> None:
         self.seqs[s.id] = s
         self.queue.append(s.id)
@@ -131,49 +117,23 @@ class Leader:
     def active(self) -> int:
         return sum(1 for s in self.seqs.values() if s.id not in self.queue)
 
-    # -- the scheduler --------------------------------------------------------------------------
-    def step(self) -> bool:
-        """Launch the next micro-batch if the pipeline has room; True if one was launched. The
-        tokens the last results produced (`Outbox`) go out after a launch of decode or verify rows
-        only (a gateway in this process would otherwise hold up that short step on the critical
-        path of every token), but before a launch that carries prompt rows (a long step: a token
-        must not wait for it) and before any launch when a request's first or last token is among
-        them (its TTFT or end would otherwise wait for the launch's stage-0 forward; once per
-        request, so the pipeline barely notices)."""
-        try:
-            self._expire()
-            if len(self.in_flight) >= self.n_stages:
-                return False
-            fl, ids = self._build()
-            if not fl.spans:
-                return False
-            long_step = any(sp.kind in (SpanKind.PREFILL, SpanKind.PREFILL_LAST) for sp in fl.spans)
-            if long_step or self.outbox.urgent():
-                self.outbox.flush()
-            self._launch(fl, ids)
-            return True
-        finally:
-            self.outbox.flush()
-
-    def next_wake_s(self) -> float | None:
-        """Seconds until the scheduler must look again without any message (a drafter's deadline)."""
-        return self.verifier.next_deadline(time.monotonic()) if self.verifier else None
-
-    def _build(self) -> tuple[InFlight, list[int]]:
+    def build(self, verifier: Verifier | None) -> tuple[InFlight, list[int]]:
+        """The next micro-batch's spans and token ids (empty when nothing is ready); `verifier`:
+        the replica's, if it verifies drafts."""
         fl, ids = InFlight([], time.monotonic()), []
         self._start_queued()
         ready = [s for s in self.seqs.values() if s.id not in self.queue and s.ready_to_decode()]
-        if self.verifier is not None:  # oldest draft blocks first; plain steps (key 0) before them
-            ready.sort(key=lambda s: self.verifier.oldest(s) if s.drafter else 0.0)
+        if verifier is not None:  # oldest draft blocks first; plain steps (key 0) before them
+            ready.sort(key=lambda s: verifier.oldest(s) if s.drafter else 0.0)
         per_batch = max(1, math.ceil(len(ready) / self.n_stages))  # spread over the pipeline
         for s in ready:
             if len(fl.spans) >= per_batch or len(ids) >= TOKEN_BUDGET:
                 break
-            block = self.verifier.take(s, fl.sent, len(fl.blocks)) if s.drafter and self.verifier else None
+            block = verifier.take(s, fl.sent, len(fl.blocks)) if s.drafter and verifier else None
             if block is WAIT:
                 continue
             tokens = [s.out[-1]] + (block.tokens if block else [])
-            fl.spans.append(self._span(s, len(tokens), SpanKind.VERIFY if block else SpanKind.DECODE))
+            fl.spans.append(span_of(s, len(tokens), SpanKind.VERIFY if block else SpanKind.DECODE))
             if block:
                 fl.blocks[s.id] = block
             ids.extend(tokens)
@@ -186,7 +146,7 @@ class Leader:
             if s.launched is None:
                 s.launched = time.monotonic()
             last = s.fed + len(chunk) == s.prompt_len
-            fl.spans.append(self._span(s, len(chunk), SpanKind.PREFILL_LAST if last else SpanKind.PREFILL))
+            fl.spans.append(span_of(s, len(chunk), SpanKind.PREFILL_LAST if last else SpanKind.PREFILL))
             ids.extend(chunk)
             s.fed += len(chunk)
             s.busy = last
@@ -208,9 +168,58 @@ class Leader:
             s = self.seqs[self.queue.pop(0)]
             s.queued_s += now - s.arrived
 
-    def _span(self, s: Seq, n: int, kind: SpanKind) -> WireSpan:
-        p = s.params
-        return WireSpan(s.id, s.fed, n, kind, s.offset + len(s.out), p.temperature, p.top_k, p.top_p, s.seed)
+
+class Leader:
+    """Scheduler of one replica, on its stage-0 node's compute thread."""
+
+    def __init__(self, stage: Stage, send: Send, max_context: int,
+                 on_prefilled: Callable[[PlanContext, Seq, bool], None] | None = None):
+        self.stage, self.ctx, self._send = stage, stage.ctx, send
+        self.rid, self.role = stage.replica.id, stage.replica.role
+        self.n_stages = len(stage.replica.stages)
+        self.max_context = max_context
+        # prefill replicas: hand the sequence off (roles/prefill.py), under the plan in force now
+        self.on_prefilled = on_prefilled
+        self.seqs: dict[int, Seq] = {}
+        self.queue: list[int] = []  # sequences not yet started, in arrival order
+        self.batch = Batcher(self.seqs, self.queue, self.n_stages)  # what goes into the next micro-batch
+        self.in_flight: dict[int, InFlight] = {}
+        self._batch_ids = itertools.count(1)
+        self.stats = {"micro_batches": 0, "rows": 0, "finished": 0, "aborted": 0}
+        # decode replicas: (prefill ms, handoff ms) of recent sequences; handoff = from the prefill
+        # replica having the first token to this replica holding all the KV and the token (one host's
+        # monotonic clock: meaningful in emulation and benchmarks)
+        self.handoffs: deque[tuple[float, float]] = deque(maxlen=64)
+        self.verifier: Verifier | None = None  # decode and mixed replicas (roles/host.py sets it)
+        self.outbox = Outbox(send)  # TOKENS for the gateways, sent when `step` says
+
+    # -- the scheduler --------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Launch the next micro-batch if the pipeline has room; True if one was launched. The
+        tokens the last results produced (`Outbox`) go out after a launch of decode or verify rows
+        only (a gateway in this process would otherwise hold up that short step on the critical
+        path of every token), but before a launch that carries prompt rows (a long step: a token
+        must not wait for it) and before any launch when a request's first or last token is among
+        them (its TTFT or end would otherwise wait for the launch's stage-0 forward; once per
+        request, so the pipeline barely notices)."""
+        try:
+            self._expire()
+            if len(self.in_flight) >= self.n_stages:
+                return False
+            fl, ids = self.batch.build(self.verifier)
+            if not fl.spans:
+                return False
+            long_step = any(sp.kind in (SpanKind.PREFILL, SpanKind.PREFILL_LAST) for sp in fl.spans)
+            if long_step or self.outbox.urgent():
+                self.outbox.flush()
+            self._launch(fl, ids)
+            return True
+        finally:
+            self.outbox.flush()
+
+    def next_wake_s(self) -> float | None:
+        """Seconds until the scheduler must look again without any message (a drafter's deadline)."""
+        return self.verifier.next_deadline(time.monotonic()) if self.verifier else None
 
     def _launch(self, fl: InFlight, ids: list[int]) -> None:
         spans = fl.spans
@@ -345,7 +354,7 @@ class Leader:
 
     def load(self) -> dict:
         """What the gateway's router and `--status` see of this replica."""
-        return {"replica": self.rid, "role": str(self.role), "queued": len(self.queue), "active": self.active(),
+        return {"replica": self.rid, "role": str(self.role), "queued": len(self.queue), "active": self.batch.active(),
                 "in_flight": len(self.in_flight), "max_active": MAX_ACTIVE_SEQS, **self.stats,
                 "handoffs": list(self.handoffs), **({"spec": self.verifier.load()} if self.verifier else {})}
 
@@ -379,6 +388,11 @@ class Outbox:
         out, self.items = self.items, []
         for address, m in out:
             self._send(address, m)
+
+
+def span_of(s: Seq, n: int, kind: SpanKind) -> WireSpan:
+    p = s.params
+    return WireSpan(s.id, s.fed, n, kind, s.offset + len(s.out), p.temperature, p.top_k, p.top_p, s.seed)
 
 
 def finish_reason(s: Seq, last: int, max_context: int, extra: int = 0) -> str | None:
