@@ -143,12 +143,14 @@ def test_a_mixed_replica_prefills_whole_only_when_that_waits_less(demo):
     """A long prompt reaching a 3-stage mixed replica that decodes one sequence rides along its
     steps in chunks: pausing that sequence for the whole prefill would add more waiting than the
     prompt's own chunking delay (the old rule, "whole once as many prompts wait as sequences
-    decode", paused it for all of it). With nothing decoding, a prompt goes whole."""
+    decode", paused it for all of it). With nothing decoding, or a queue of prompts, it goes whole."""
     _, inp = demo
     ring = replica(inp, 0, "mixed", ["fog-1", "fog-2", "fog-3"], (10, 10, 10))
     ctx = inp.mix.decode_ctx
     assert not ring.goes_whole(1, ctx, 1, 1000, 1000)
     assert ring.goes_whole(0, ctx, 1, 1000, 1000)  # nothing decodes: nobody pauses
+    assert ring.goes_whole(1, ctx, 2, 1000, 2000)  # a queue drains faster whole
+    assert not ring.goes_whole(3, ctx, 2, 1000, 2000)  # fewer prompts than sequences: chunks
     lone = Simulator([ring], [Request(0, 0.0, 1000, 2)]).run()[0]
     decoding, prompt = Simulator([ring], [Request(0, 0.0, 20, 3000), Request(1, 5.0, 1000, 2)]).run()
     _, lat = ring.prefill_s(1000)

@@ -27,12 +27,12 @@
   are booked on the ports when the run ends (work-conserving: they delay KV arriving later).
 - Mixed replicas never ship KV; they prefill in chunks that ride along their decode steps
   (chunked prefill, as vLLM and Sarathi-Serve do): one prompt at a time, as many of its
-  tokens per step as the compute a memory-bound step leaves idle (`free_chunk`), unless the
-  whole prompt at once adds less waiting (`SimReplica.goes_whole`: every decoding sequence
-  pauses for its prefill, against the prompt and those queued behind it finishing later in
-  chunks; on bench-edge-8b at its 1 req/s, meshllm's mean wait fell from 31.6 to 23.6 ms
-  against the earlier rule "whole once as many prompts wait as sequences decode"). A prompt
-  starts only when a decode slot is free for it.
+  tokens per step as the compute a memory-bound step leaves idle (`free_chunk`), unless at
+  least as many prompts wait as sequences decode: then whole prompts at once (every decoding
+  sequence waits the extra step time, but fewer requests wait than when the prompts queue).
+  A lone prompt beside one decoding sequence goes whichever way adds less waiting
+  (`SimReplica.goes_whole`; on bench-edge-8b at its 1 req/s, meshllm's mean wait fell from
+  31.6 to 23.4 ms with it). A prompt starts only when a decode slot is free for it.
 - Waiting time (BRIEF): the prefill queue + port and link queueing (activations and KV) +
   waiting for a decode slot + decode pauses for other requests' prefills. It is what the
   request's end-to-end latency has beyond its own compute and transfers at idle ports.
@@ -228,8 +228,8 @@ class Simulator:
         return bool(st.waiting) or (not st.prefilling and bool(st.queue))
 
     def start_prompts(self, st: RepState) -> None:
-        """Mixed: one prompt in progress, riding along the decode steps; or, when that adds less
-        waiting (`SimReplica.goes_whole`), whole prompts, as many as the pipeline has stages."""
+        """Mixed: one prompt in progress, riding along the decode steps; or whole prompts, as many
+        as the pipeline has stages (when: `SimReplica.goes_whole`)."""
         full = bool(st.queue) and st.rep.goes_whole(len(st.active), st.rep.inp.mix.decode_ctx, st.load.prefill_queued,
                                                     st.queue[self.next_prompt(st)].n_in, st.load.prefill_queued_tokens)
         most = len(st.rep.members) if full else 1
