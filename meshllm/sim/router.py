@@ -136,8 +136,8 @@ class Router:
 
     def mixed_score(self, rep: SimReplica, load: ReplicaLoad, n_in: int, n_out: float, now: float) -> float:
         """A mixed replica prefills its prompts in chunks riding along its decode steps (as many
-        tokens per step as `chunk_tokens` gives), or whole when that waits less
-        (`SimReplica.goes_whole`); either way the decoding sequences wait for the steps' extra
+        tokens per step as `chunk_tokens` gives), or whole (`SimReplica.goes_whole`: once as many
+        prompts wait as sequences decode); either way the decoding sequences wait for the steps' extra
         time, and the prompt waits for the next micro-batch launch (`join_wait_s`)."""
         _, lat = rep.prefill_s(n_in)
         b, ctx = load.active, rep.inp.mix.decode_ctx
