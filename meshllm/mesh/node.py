@@ -62,7 +62,7 @@ class Node:
         if keys is not None:
             self.transport.every(AUTH_RELOAD_S, self._reload_keys)
         self.host = RoleHost(self.transport, cfg, self.members)
-        self.mesh = MeshAgent(self.transport, self.members, self.me, self.host.status)
+        self.mesh = MeshAgent(self.transport, self.members, self.me, self.host.figures.status)
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
         self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None
         self.coordinator = Coordinator(self.transport, self.members, self.me, cfg, lambda: self.host.max_seen,

@@ -53,8 +53,6 @@ class RoleHost:
         self.drafter = None
         self._draft_topic: bytes | None = None
         self._epoch = 0  # plan version at which the current roles were built
-        self._snapshot: dict[str, Any] = {}
-        self._snapshot_at = 0.0
         self.balancer = None  # decode replicas' leaders: capacity and session moves (roles/decode.py)
         self.ctx: PlanContext | None = None
         self.offered = 0  # newest plan version received (applied or being applied)
@@ -65,6 +63,7 @@ class RoleHost:
         self.shard = ShardHolder(self.me, cfg, self.weights)  # the weights held for this node's part
         self.listeners: list[Callable[[PlanContext], None]] = []  # e.g. the gateway
         self.data = DataPlane(self)  # every data-plane message, handed to the role that takes it
+        self.figures = HostFigures(self)  # what heartbeats and --status say of this node
         transport.on(MsgType.PLAN, self._on_plan)
 
     def start(self) -> None:
@@ -107,7 +106,7 @@ class RoleHost:
             raise ProtocolError(f"PLAN v{version}: no address for {sorted(missing)}")
         self.offered = version
         ctx = PlanContext(version, plan, addresses, self.me)
-        log.info("%s: plan v%d from %s: %s", self.me, version, coordinator, self._describe(ctx))
+        log.info("%s: plan v%d from %s: %s", self.me, version, coordinator, describe(ctx, self.me))
         self.worker.submit(lambda: self.apply(ctx))
 
     def apply(self, ctx: PlanContext) -> None:
@@ -137,7 +136,7 @@ class RoleHost:
             else:
                 self.shard.warm_spare(ctx.version)
         self.ready_version = ctx.version
-        self._refresh(force=True)
+        self.figures.refresh(force=True)
         for fn in self.listeners:
             fn(ctx)
 
@@ -208,19 +207,12 @@ class RoleHost:
         p = self.members.get(node)
         return p is not None and p.state is PeerState.ALIVE
 
-    def _describe(self, ctx: PlanContext) -> str:
-        mine = ctx.mine
-        if mine is None:
-            return "drafter" if self.me in ctx.plan.drafters else "no stage"
-        r, i = mine
-        return f"{r.role} replica {r.id}, stage {i + 1}/{len(r.stages)}, layers {list(r.stages[i].layers)}"
-
     # -- data plane (compute thread) ------------------------------------------------------------
     def send(self, address: str, msg: Message) -> None:
         self.t.send(address, msg)
 
     def _step(self) -> bool:
-        self._refresh()
+        self.figures.refresh()
         if self.leader is not None:
             if self.balancer is not None:
                 self.balancer.rebalance()
@@ -233,49 +225,68 @@ class RoleHost:
         t = role.next_wake_s() if role is not None else None
         return SNAPSHOT_S if t is None else min(t, SNAPSHOT_S)
 
-    # -- reporting -------------------------------------------------------------------------------
-    def load(self) -> dict[str, Any]:
-        """This node's serving figures, from any thread: the compute thread's latest snapshot
-        (reading its live structures from the I/O thread would race with it)."""
-        return {**self._snapshot, "plan_version": self.ready_version, "rss_mb": round(rss_mb(), 1),
-                **self.weights.announce()}
 
-    def _refresh(self, force: bool = False) -> None:
+class HostFigures:
+    """What heartbeats and `--status` say of a node's part in the plan: a snapshot of its roles'
+    figures, taken on the compute thread (reading their live structures from the I/O thread
+    would race with it) at most every SNAPSHOT_S."""
+
+    def __init__(self, host: RoleHost):
+        self.host = host
+        self._snapshot: dict[str, Any] = {}
+        self._snapshot_at = 0.0
+
+    def load(self) -> dict[str, Any]:
+        """This node's serving figures, from any thread: the compute thread's latest snapshot."""
+        h = self.host
+        return {**self._snapshot, "plan_version": h.ready_version, "rss_mb": round(rss_mb(), 1),
+                **h.weights.announce()}
+
+    def refresh(self, force: bool = False) -> None:
         """Compute thread: snapshot the figures (at most every SNAPSHOT_S) and, on a decode
         replica's leader, publish its capacity."""
         now = time.monotonic()
         if not force and now - self._snapshot_at < SNAPSHOT_S:
             return
         self._snapshot_at = now
-        out: dict[str, Any] = {}
-        if self.stage is not None:
-            st = self.stage
+        h, out = self.host, {}
+        if h.stage is not None:
+            st = h.stage
             out["stage"] = {"replica": st.replica.id, "index": st.index, "layers": list(st.layers),
-                            "weights_mb": round(self.shard.weights_mb, 1),
+                            "weights_mb": round(h.shard.weights_mb, 1),
                             "kv_bytes_sent": st.kv_bytes_sent, "kv_bytes_received": st.kv_bytes_received,
                             "tokens": {k.name.lower(): v for k, v in st.tokens_computed.items()},
                             "kv_cache_bytes": st.cache.nbytes()}
             if st.pacer is not None:
                 out["stage"]["pacer"] = st.pacer.summary()
-        if self.leader is not None:
-            out["leader"] = self.leader.load()
-            if self.balancer is not None:
-                self.balancer.publish_capacity()
-        if self.drafter is not None:
-            out["drafter"] = self.drafter.load()
-        if self.weights.stats is not None:
-            out["weights_fetch"] = self.weights.stats
+        if h.leader is not None:
+            out["leader"] = h.leader.load()
+            if h.balancer is not None:
+                h.balancer.publish_capacity()
+        if h.drafter is not None:
+            out["drafter"] = h.drafter.load()
+        if h.weights.stats is not None:
+            out["weights_fetch"] = h.weights.stats
         self._snapshot = out
 
     def status(self) -> dict[str, Any]:
         """What `--status` and the heartbeats say of this node's part in the plan."""
-        return {"plan_version": self.ready_version, "roles": self.roles(), "load": self.load()}
+        return {"plan_version": self.host.ready_version, "roles": self.roles(), "load": self.load()}
 
     def roles(self) -> list[str]:
-        if self.ctx is None:
+        ctx = self.host.ctx
+        if ctx is None:
             return []
-        mine = self.ctx.mine
+        mine = ctx.mine
         if mine is not None:
             return [str(mine[0].role)]
-        return ["drafter"] if self.me in self.ctx.plan.drafters else []
+        return ["drafter"] if self.host.me in ctx.plan.drafters else []
 
+
+def describe(ctx: PlanContext, me: str) -> str:
+    """This node's part in a plan, for the log."""
+    mine = ctx.mine
+    if mine is None:
+        return "drafter" if me in ctx.plan.drafters else "no stage"
+    r, i = mine
+    return f"{r.role} replica {r.id}, stage {i + 1}/{len(r.stages)}, layers {list(r.stages[i].layers)}"
