@@ -228,11 +228,10 @@ class Simulator:
         return bool(st.waiting) or (not st.prefilling and bool(st.queue))
 
     def start_prompts(self, st: RepState) -> None:
-        """Mixed: one prompt in progress, riding along the decode steps; or whole prompts, as many
-        as the pipeline has stages (when: `SimReplica.goes_whole`)."""
-        full = bool(st.queue) and st.rep.goes_whole(len(st.active), st.rep.inp.mix.decode_ctx, st.load.prefill_queued,
-                                                    st.queue[self.next_prompt(st)].n_in, st.load.prefill_queued_tokens)
-        most = len(st.rep.members) if full else 1
+        """Mixed: one prompt in progress, riding along the decode steps; or, when at least as many
+        prompts wait as sequences decode, whole prompts, as many as the pipeline has stages (a
+        lone prompt starts alone either way; run_steps decides whether it goes whole)."""
+        most = len(st.rep.members) if st.load.prefill_queued >= len(st.active) else 1
         while st.queue and len(st.active) + len(st.prefilling) < st.load.max_batch and len(st.prefilling) < most:
             i = self.next_prompt(st)
             req = st.queue[i]
