@@ -102,6 +102,18 @@ class KVCache:
         slot.v[li, :, start_pos:end] = v.transpose(0, 1)
         return slot.k[li, :, :end], slot.v[li, :, :end]
 
+    def decode_slab(self, seq_id: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a one-token step at `pos`: views (n_local, nkv, pos + 1, hd) of the slot's K and V
+        over all its layers, room for position `pos` made; the forward writes that position of
+        each layer itself (the batched decode path of model.Attention)."""
+        slot = self._slot(seq_id)
+        if pos != slot.length:
+            raise ValueError(f"sequence {seq_id}: span starts at {pos} but the cache holds "
+                             f"{slot.length} positions")
+        if pos + 1 > slot.k.shape[2]:
+            self._grow(slot, pos + 1)
+        return slot.k[:, :, :pos + 1], slot.v[:, :, :pos + 1]
+
     def commit(self, spans) -> None:
         for s in spans:
             self._slot(s.seq_id).length = s.start_pos + s.n_tokens
