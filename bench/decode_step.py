@@ -5,9 +5,10 @@ Run:  python bench/decode_step.py [--steps 16] [--rounds 3] [--profile] [--hints
 This is the in-process ceiling of batched decode (bench/pipeline.py (b) prints the same ratio
 for 64 steps beside the mesh's): n x t(1 row) / t(n rows). Printed for n = 8 and 32, in
 alternating rounds of
-- "batched": one-token fp32 rows attend through `Attention._decode` (the engine's path);
+- "batched": one-token fp32 rows attend through their K/V slab (`KVCache.decode_slab`, the
+  engine's path);
 - "per-span": the same forward with each row attending through `attend` one span at a time
-  (the path `Attention._decode` replaced; the values are bit-identical, tests/test_model.py).
+  (the path the slab replaced for such rows; the values are bit-identical, tests/test_model.py).
 With --profile, the torch profiler's top ops of 8-row steps on the batched path (where the
 time goes: on the CPUs measured so far, the linear layers).
 With --hints, the same step times for each weight layout of the linear layers on a randomly
@@ -54,12 +55,12 @@ def step_ms(model, n: int, steps: int) -> float:
 
 
 def per_span_context():
-    """Transformer._context without the decode slabs: every row attends through `attend`."""
+    """Transformer._context without the K/V slabs: every row attends through `attend`."""
     batched = engine_model.Transformer._context
 
     def context(self, spans, cache):
         ctx = batched(self, spans, cache)
-        ctx.decode_slabs = None
+        ctx.slabs = [None] * len(spans)
         return ctx
 
     return batched, context

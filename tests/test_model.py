@@ -168,38 +168,50 @@ def test_registry_and_bad_ranges():
         Transformer(model_args("tiny"), 3, 2)
 
 
-def _decode_steps(model: Transformer, lengths: list[int], steps: int) -> list:
+def _decode_steps(model: Transformer, lengths: list[int], steps: int, chunk: int = 0) -> list:
     """Logits of greedy one-token steps of len(lengths) sequences in one batch, each first
-    prefilled with `lengths[i]` tokens into a slot of capacity 4 (so decoding grows it)."""
+    prefilled with `lengths[i]` tokens into a slot of capacity 4 (so decoding grows it); with
+    `chunk`, every step also carries `chunk` prompt tokens of one more sequence (a mixed batch)."""
     g = torch.Generator().manual_seed(5)
     cache, toks = model.new_cache(), []
     for s, n in enumerate(lengths):
         cache.allocate(s, capacity=4)
         ids = torch.randint(0, model.args.vocab_size, (n,), generator=g)
         toks.append(int(model(ids, [SeqSpan(s, 0, n)], cache)[-1].argmax()))
+    extra = len(lengths)
+    cache.allocate(extra, capacity=4)
+    prompt = torch.randint(0, model.args.vocab_size, (steps * chunk,), generator=g)
     out = []
-    for _ in range(steps):
-        logits = model(torch.tensor(toks), [SeqSpan(s, cache.length(s), 1) for s in range(len(lengths))], cache)
+    for i in range(steps):
+        spans = [SeqSpan(s, cache.length(s), 1) for s in range(len(lengths))]
+        x = torch.tensor(toks)
+        if chunk:  # the prompt chunk in the middle of the batch
+            spans.insert(1, SeqSpan(extra, i * chunk, chunk))
+            x = torch.cat([x[:1], prompt[i * chunk:(i + 1) * chunk], x[1:]])
+        logits = model(x, spans, cache)
         out.append(logits)
-        toks = logits.argmax(-1).tolist()
+        rows = [0] + list(range(1 + chunk, len(x))) if chunk else list(range(len(x)))
+        toks = logits[rows].argmax(-1).tolist()
     return out
 
 
-def test_batched_decode_is_bit_identical_to_the_per_span_path(smollm2, monkeypatch):
-    """Attention._decode (one-token fp32 rows) must give exactly the values of `attend`'s
-    per-span path, for sequences of different lengths whose slots grow while decoding."""
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_one_token_rows_are_bit_identical_to_the_per_span_path(smollm2, monkeypatch, chunk):
+    """One-token fp32 rows attend through their K/V slab (`KVCache.decode_slab`); that must give
+    exactly the values of `attend`'s per-span path, for sequences of different lengths whose
+    slots grow while decoding, alone and beside a prompt chunk in the same batch."""
     from meshllm.engine import model as model_mod
 
-    fast = _decode_steps(smollm2, [3, 9, 17], 6)
+    fast = _decode_steps(smollm2, [3, 9, 17], 6, chunk)
     orig = model_mod.Transformer._context
 
-    def generic_context(self, spans, cache):
+    def per_span_context(self, spans, cache):
         ctx = orig(self, spans, cache)
-        ctx.decode_slabs = None
+        ctx.slabs = [None] * len(spans)
         return ctx
 
-    monkeypatch.setattr(model_mod.Transformer, "_context", generic_context)
-    slow = _decode_steps(smollm2, [3, 9, 17], 6)
+    monkeypatch.setattr(model_mod.Transformer, "_context", per_span_context)
+    slow = _decode_steps(smollm2, [3, 9, 17], 6, chunk)
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
 
 
@@ -227,4 +239,4 @@ def test_a_batched_decode_step_costs_few_torch_calls_per_sequence(tiny_model):
         return Count.n
 
     per_seq_layer = (calls(9) - calls(1)) / (8 * tiny_model.args.n_layers)
-    assert per_seq_layer <= 20, per_seq_layer  # 15.75 with Attention._decode, 27.4 with `attend` per span
+    assert per_seq_layer <= 20, per_seq_layer  # ~16 through the K/V slab, 27.4 with `attend` per span

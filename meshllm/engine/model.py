@@ -97,33 +97,26 @@ class Attention(nn.Module):
         q = apply_rope(q.view(T, self.n_heads, self.hd), ctx.cos, ctx.sin)  # (T, nh, hd)
         k = apply_rope(k.view(T, self.n_kv, self.hd), ctx.cos, ctx.sin)  # (T, nkv, hd)
         v = v.view(T, self.n_kv, self.hd)
-        if ctx.decode_slabs is not None:
-            return self.wo(self._decode(q, k, v, ctx))
-        outs = []
-        for span, (lo, hi), mask in zip(ctx.spans, ctx.row_ranges, ctx.masks):
-            kc, vc = ctx.cache.write(self.layer_id, span.seq_id, span.start_pos, k[lo:hi], v[lo:hi])
-            # kc, vc: (nkv, L, hd) with L = start_pos + n_tokens
-            outs.append(attend(q[lo:hi].transpose(0, 1), kc, vc, mask))
-        return self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
-
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: _BatchContext) -> torch.Tensor:
-        """`attend`'s one-token case for a batch of fp32 decode rows (row i = sequence i), with
-        the fewest torch calls per sequence: each sequence's K/V for all of this shard's layers
-        come as one slab (n_local, nkv, L, hd), so a layer costs a select, not a slice chain.
-        The same kernels in the same order as `attend`, so the values are bit-identical."""
-        li = self.layer_id - ctx.cache.start
-        g = self.n_heads // self.n_kv
-        qg = q.view(q.shape[0], self.n_kv, g, self.hd)
-        out = torch.empty(q.shape[0], self.n_kv, g, self.hd)
-        scale = self.hd ** -0.5
-        for i, (kk, vv) in enumerate(ctx.decode_slabs):
-            kc, vc = kk[li], vv[li]  # (nkv, L, hd); the new position is the last
-            kc[:, -1] = k[i]
-            vc[:, -1] = v[i]
-            s = torch.bmm(qg[i], kc.transpose(1, 2))
+        out = torch.empty(T, self.n_heads * self.hd, dtype=q.dtype)
+        out_g, q_g = out.view(T, self.n_kv, -1, self.hd), q.view(T, self.n_kv, -1, self.hd)
+        li, scale = self.layer_id - ctx.cache.start, self.hd ** -0.5
+        for span, (lo, hi), mask, slab in zip(ctx.spans, ctx.row_ranges, ctx.masks, ctx.slabs):
+            if slab is None:
+                kc, vc = ctx.cache.write(self.layer_id, span.seq_id, span.start_pos, k[lo:hi], v[lo:hi])
+                # kc, vc: (nkv, L, hd) with L = start_pos + n_tokens
+                out[lo:hi] = attend(q[lo:hi].transpose(0, 1), kc, vc, mask)
+                continue
+            # `attend`'s one-token case for an fp32 row with the fewest torch calls: the slab holds
+            # this sequence's K/V for all of the shard's layers (n_local, nkv, L, hd), so a layer
+            # costs a select, not a slice chain; the same kernels in the same order as `attend`,
+            # so the values are bit-identical (tests/test_model.py)
+            kc, vc = slab[0][li], slab[1][li]  # the new position is the last
+            kc[:, -1] = k[lo]
+            vc[:, -1] = v[lo]
+            s = torch.bmm(q_g[lo], kc.transpose(1, 2))  # query heads grouped by their KV head
             s.mul_(scale)
-            torch.bmm(s.softmax(-1), vc, out=out[i])
-        return out.view(q.shape[0], self.n_heads * self.hd)
+            torch.bmm(s.softmax(-1), vc, out=out_g[lo])
+        return self.wo(out)
 
 
 class FeedForward(nn.Module):
@@ -190,9 +183,9 @@ class _BatchContext:
     cos: torch.Tensor  # (T, hd/2)
     sin: torch.Tensor
     cache: KVCache
-    # when every span is one fp32 token: per span, its K and V slabs for all local layers,
-    # (n_local, nkv, start_pos + 1, hd), room for the new position made (Attention._decode)
-    decode_slabs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # per span: for one fp32 token, its K and V slabs for all local layers (n_local, nkv,
+    # start_pos + 1, hd), room for the new position made (Attention.forward); else None
+    slabs: list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
 class Transformer(nn.Module):
@@ -253,9 +246,8 @@ class Transformer(nn.Module):
         if self._rope is None:
             self._rope = rope_tables(self.args, self.args.max_seq_len)
         cos, sin = self._rope
-        slabs = None
-        if cache.dtype == torch.float32 and all(s.n_tokens == 1 for s in spans):
-            slabs = [cache.decode_slab(s.seq_id, s.start_pos) for s in spans]
+        fp32 = cache.dtype == torch.float32
+        slabs = [cache.decode_slab(s.seq_id, s.start_pos) if fp32 and s.n_tokens == 1 else None for s in spans]
         return _BatchContext(spans, rows, masks, cos[positions], sin[positions], cache, slabs)
 
     @torch.inference_mode()
