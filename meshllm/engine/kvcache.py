@@ -90,10 +90,7 @@ class KVCache:
 
         Returns views (nkv, start_pos + t, hd) of that layer's K and V.
         """
-        slot = self._slot(seq_id)
-        if start_pos != slot.length:
-            raise ValueError(f"sequence {seq_id}: span starts at {start_pos} but the cache holds "
-                             f"{slot.length} positions")
+        slot = self._slot_at(seq_id, start_pos)
         end = start_pos + k.shape[0]
         if end > slot.k.shape[2]:
             self._grow(slot, end)
@@ -105,11 +102,8 @@ class KVCache:
     def decode_slab(self, seq_id: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For a one-token step at `pos`: views (n_local, nkv, pos + 1, hd) of the slot's K and V
         over all its layers, room for position `pos` made; the forward writes that position of
-        each layer itself (the batched decode path of model.Attention)."""
-        slot = self._slot(seq_id)
-        if pos != slot.length:
-            raise ValueError(f"sequence {seq_id}: span starts at {pos} but the cache holds "
-                             f"{slot.length} positions")
+        each layer itself (model.Attention's one-token rows)."""
+        slot = self._slot_at(seq_id, pos)
         if pos + 1 > slot.k.shape[2]:
             self._grow(slot, pos + 1)
         return slot.k[:, :, :pos + 1], slot.v[:, :, :pos + 1]
@@ -159,6 +153,14 @@ class KVCache:
             return self._slots[seq_id]
         except KeyError:
             raise KeyError(f"sequence {seq_id} has no KV slot") from None
+
+    def _slot_at(self, seq_id: int, start_pos: int) -> _Slot:
+        """The slot a span starting at `start_pos` extends: it must hold exactly that many positions."""
+        slot = self._slot(seq_id)
+        if start_pos != slot.length:
+            raise ValueError(f"sequence {seq_id}: span starts at {start_pos} but the cache holds "
+                             f"{slot.length} positions")
+        return slot
 
     @staticmethod
     def _grow(slot: _Slot, needed: int) -> None:
