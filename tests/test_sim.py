@@ -244,6 +244,15 @@ def test_stability_rule_separates_low_and_overload(demo):
     assert not stable(simulate(reps, trace, 5000.0))
 
 
+def test_stability_rule_rejects_a_long_wait_plateau():
+    # a steady state whose wait neither grows nor backs up, but is 10 idle service times long
+    # (mixed-dp on bench-edge-8b kept 38 s at 18 req/s, 14 service times): not sustained
+    reqs = [Request(i, 0.1 * i, 8, 4, done=0.1 * i + 11.0, wait_s=10.0) for i in range(400)]
+    assert stable(reqs)  # growth and backlog tests alone accept it
+    assert not stable(reqs, idle_service_s=1.0)
+    assert stable(reqs, idle_service_s=2.5)  # 4 service times: a queue an operator may run at
+
+
 def test_metrics_percentiles():
     assert weighted_quantiles([(3.0, 1), (1.0, 98), (2.0, 1)], (0.5, 0.99, 1.0)) == [1.0, 2.0, 3.0]
     r = Request(0, 0.0, 10, 3, prefill_start=0.5, first_token=1.0, done=3.0, wait_s=0.5, gaps=[(1.0, 2)])
