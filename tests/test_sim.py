@@ -361,3 +361,27 @@ def test_each_prefill_stage_ships_its_kv_when_it_is_done(demo):
     # stage's went out when that stage was done
     assert req.kv_ready == pytest.approx(stages[0] + 2 * half, abs=1e-3)
     assert req.kv_ready < req.first_token + 2 * half - 0.5 * stages[1]
+
+
+def test_a_mixed_replica_drains_a_backlog_of_prompts_faster_than_a_lone_prompt(demo, monkeypatch):
+    """Chunks ride along decode steps at 1/LONE_DRAIN_STEPS of a lone prompt per step, but at
+    1/DRAIN_STEPS of the backlog once more prompts wait: each step the backlog lasts delays them
+    all. Six sequences decode when a burst of four long prompts arrives (fewer than the batch, so
+    they go in chunks): the whole waiting (the prompts' and the decodes' pauses) is lower than at
+    the lone prompt's pace."""
+    from meshllm.sim import replica as sim_replica
+
+    assert sim_replica.DRAIN_STEPS < sim_replica.LONE_DRAIN_STEPS
+    _, inp = demo
+    ring = replica(inp, 0, "mixed", ["fog-1", "fog-2"], (15, 15))
+    ctx = inp.mix.decode_ctx
+    assert ring.chunk_tokens(6, ctx, 800, 800, 1) < ring.chunk_tokens(6, ctx, 800, 3200, 4) >= 3200 // 8
+
+    def waited() -> float:
+        ring.cache.clear()
+        reqs = [Request(i, 0.0, 20, 3000) for i in range(6)] + [Request(6 + i, 2.0, 800, 4) for i in range(4)]
+        return sum(r.wait_s for r in Simulator([ring], reqs).run())
+
+    drained = waited()
+    monkeypatch.setattr(sim_replica, "DRAIN_STEPS", sim_replica.LONE_DRAIN_STEPS)
+    assert drained < waited()

@@ -25,7 +25,8 @@ from meshllm.partition.replica import (
 CTX_BUCKET = 64  # tokens: step times are cached per context rounded to this (attention is a small term)
 CHUNK_BUCKET = 16  # tokens: prompt chunks are rounded down to this in the cache (a free chunk stays free)
 MIN_CHUNK = 16  # prompt tokens per step a mixed replica prefills at least (progress on a compute-bound step)
-DRAIN_STEPS = 16  # ... and at least 1/DRAIN_STEPS of its queued prompt tokens (its backlog drains)
+LONE_DRAIN_STEPS = 16  # ... and at least 1/LONE_DRAIN_STEPS of a lone prompt's tokens,
+DRAIN_STEPS = 8  # or 1/DRAIN_STEPS of the queued prompt tokens when more prompts wait (the backlog drains)
 
 
 @dataclass
@@ -92,11 +93,17 @@ class SimReplica:
                                                       (key[2] + 0.5) * CTX_BUCKET, 4 * mean_in, mean_in / 2)
         return max(MIN_CHUNK, min(got, prompt))
 
-    def chunk_tokens(self, batch: int, context: float, prompt: int, backlog: int) -> int:
+    def chunk_tokens(self, batch: int, context: float, prompt: int, backlog: int, queued: int = 1) -> int:
         """Prompt tokens a mixed replica prefills per decode step (the simulator's policy, which
-        the router predicts): what rides free, or 1/DRAIN_STEPS of the `backlog` of queued
-        prompt tokens if that is more."""
-        return max(self.free_chunk(batch, context, prompt), -(-backlog // DRAIN_STEPS))
+        the router predicts): what rides free, or a share of the `backlog` of queued prompt tokens
+        if that is more: 1/LONE_DRAIN_STEPS of it for a lone prompt, 1/DRAIN_STEPS when `queued`
+        prompts wait in all, since every step a backlog lasts then delays them all. (One share for
+        both: 1/16 waited 0.49x / 0.52-0.58x Splitwise's wait on bench-fog-40-8b at 50 % / 70 % of
+        its saturation, 1/8 0.38x / 0.39-0.42x but 0.83-0.90x instead of 0.75-0.78x at
+        bench-edge-8b's own low rate, where a prompt is mostly alone; with the two shares, 0.38x /
+        0.42-0.47x and 0.75-0.77x.)"""
+        share = DRAIN_STEPS if queued > 1 else LONE_DRAIN_STEPS
+        return max(self.free_chunk(batch, context, prompt), -(-backlog // share))
 
     def join_wait_s(self, batch: int, context: float) -> float:
         """Mean wait of a prompt that reaches a mixed replica decoding `batch` sequences: it starts
@@ -118,7 +125,7 @@ class SimReplica:
         if queued < batch or queued > 1:
             return queued >= batch
         lat = self.prefill_s(head)[1]
-        chunk = min(head, self.chunk_tokens(batch, context, head, backlog))
+        chunk = min(head, self.chunk_tokens(batch, context, head, backlog, queued))
         steps = -(-head // chunk)
         base = self.decode_iter_s(batch, context)
         step = self.decode_iter_s(batch, context, chunk, head / 2 + chunk / 2)

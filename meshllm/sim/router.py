@@ -145,7 +145,7 @@ class Router:
         if rep.goes_whole(b, ctx, load.prefill_queued + 1, n_in, tokens):
             ttft, pause = now + lat * tokens / n_in, b * lat
         else:
-            chunk = min(tokens, rep.chunk_tokens(b, ctx, n_in, tokens))
+            chunk = min(tokens, rep.chunk_tokens(b, ctx, n_in, tokens, load.prefill_queued + 1))
             steps, base = tokens / chunk, rep.decode_iter_s(b, ctx)
             step = rep.decode_iter_s(b, ctx, chunk, n_in)
             ttft, pause = now + steps * step, b * steps * (step - base)

@@ -262,7 +262,8 @@ class Simulator:
             pos = chunk / 2 + sum(x * x for x in lefts) / (2 * chunk)  # attention of separate prompts
         elif st.prefilling:
             req, done = st.prefilling[0]
-            chunk = min(req.n_in - done, st.rep.chunk_tokens(b, ctx, req.n_in, st.load.prefill_queued_tokens))
+            chunk = min(req.n_in - done, st.rep.chunk_tokens(b, ctx, req.n_in, st.load.prefill_queued_tokens,
+                                                              st.load.prefill_queued))
             iters, pos = min(iters, math.ceil((req.n_in - done) / chunk)), done + chunk
         if chunk and not b and len(st.prefilling) == 1 and st.prefilling[0][1] == 0:
             step, micro = st.rep.prefill_s(chunk)[1], 1  # a whole prompt alone
