@@ -18,11 +18,15 @@ the one results are reported on):
    mean wait over JUDGE_REQUESTS requests, the planner's cost). If none is eligible, the highest
    saturation wins;
 4. a winner that is not a baseline's grouping must confirm it: on CONFIRM_SEEDS more traces, with
-   runs CONFIRM_SCALE x as long, its mean saturation must reach the best baseline grouping's on
-   the same traces; else the next eligible candidate is tried (at most CONFIRM_TOP of them),
-   and then the best baseline grouping wins. A short run on one trace picked a plan 3% below
-   mixed-dp on bench-edge-8b; so meshllm is never below the baselines it is compared with
-   except by the sweep's noise on traces it was not judged on.
+   runs CONFIRM_SCALE x as long (as long as the reported sweep's: N >= 2000), its mean
+   saturation must reach the best baseline grouping's on the same traces; else the next
+   eligible candidate is tried (at most CONFIRM_TOP of them), and then the best baseline
+   grouping wins. A short run on one trace picked a plan 3% below mixed-dp on bench-edge-8b;
+   and shorter confirming runs (N 1200) hid a decode backlog: on bench-mesh-200 they put a plan
+   with five prefill replicas 11% above mixed-dp's grouping (8.41 against 7.55 req/s), which
+   at N = 2000 on the same two traces was 4% below it (7.80 against 8.16). So meshllm is
+   never below the baselines it is compared with except by the sweep's noise on traces it was
+   not judged on.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ HEADROOM = 1.25  # an eligible plan sustains at least this x the planned rate
 JUDGE_MARGIN = 0.02  # a plan of its own must out-sustain the operator's groupings by this much (the
 # final check on more traces guards the rest: 0.05 shut out bench-fog-40-8b's best plan at 1.045)
 CONFIRM_SEEDS = (JUDGE_SEED + 1, JUDGE_SEED + 2)  # more traces of its own, for the final check
-CONFIRM_SCALE = 2  # the final check's runs are this x longer
+CONFIRM_SCALE = sweep.SWEEP_REQUESTS / JUDGE_SWEEP_REQUESTS  # the final check's runs are this x longer
 CONFIRM_TOP = 2  # eligible candidates checked at most before the best baseline grouping wins
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
 
@@ -115,7 +119,7 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     if not ops:
         return cands[order[0]]
     best_op = max(op_idx, key=lambda i: (sat[i], -i))
-    longer = sweep_requests * CONFIRM_SCALE
+    longer = round(sweep_requests * CONFIRM_SCALE)
     for i in order[:CONFIRM_TOP]:
         if i in op_idx:
             return cands[i]
