@@ -4,7 +4,7 @@ Run:  python bench/planner.py [--quick] [--out bench/results] [--seed 0] [--clus
 
 Per cluster (clusters/bench-*.yaml, and saturation only for the small example clusters), side by
 side from one run, all policies on the same trace, router and simulator (meshllm/sim/):
-- the physical bound (every stage-capable device busy on useful FLOPs) and each policy's
+- the physical bound (every stage-capable device busy on useful FLOPs, memory bandwidth checked) and each policy's
   saturation rate (the N-vs-2N stability rule of meshllm/sim/sweep.py, averaged over `--seeds`
   traces, 3 by default: on one trace it is noisy) as a fraction of it;
 - at 50 / 70 % of tuned Splitwise's saturation and 50 / 70 / 90 % of the best baseline's:
@@ -37,7 +37,7 @@ from meshllm.config import load_cluster, plan_inputs  # noqa: E402
 from meshllm.partition.grouping import greedy_genes  # noqa: E402
 from meshllm.partition.plan import PlanInfeasible, plan_cluster, planner_evaluator  # noqa: E402
 from meshllm.sim import sweep  # noqa: E402
-from meshllm.sim.metrics import bound_rate_per_s, metrics  # noqa: E402
+from meshllm.sim.metrics import bound_rate_per_s, decode_memory_rate_per_s, metrics  # noqa: E402
 
 BENCH = ("bench-edge-8b", "bench-fog-40-8b", "bench-fog-70b", "bench-mesh-200", "bench-six-7b")
 SMALL = ("demo", "failure", "mesh-six", "multi-tenant", "wan")
@@ -76,13 +76,16 @@ def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_
     t0 = time.perf_counter()
     pols = sweep.build_policies(inp, seed, names, sweep_requests=sweep_n)
     planner_s = time.perf_counter() - t0
-    bound = bound_rate_per_s(inp, [(a, b) for _, a, b in sweep.make_trace(inp, 2000, seed)])
+    lengths = [(a, b) for _, a, b in sweep.make_trace(inp, 2000, seed)]
+    bound = bound_rate_per_s(inp, lengths)
+    memory = decode_memory_rate_per_s(inp, lengths)  # the roofline's other cap (metrics.py)
     # the stability rule on one trace is noisy (one policy: 16.0 to 18.3 req/s over four traces), so a
     # policy's saturation is the mean over `seeds` traces (seed, seed + 1, ...)
     runs = {p: [sweep.saturation_rate(pol.replicas, inp, seed + k, sweep_n) for k in range(seeds)]
             if pol.replicas and p in SWEPT else [0.0] for p, pol in pols.items()}
     sat = {p: sum(xs) / len(xs) for p, xs in runs.items()}
-    res = dict(name=name, model=cfg.model, devices=len(cfg.nodes), rate=inp.rate_per_s, bound=bound, sat=sat,
+    res = dict(name=name, model=cfg.model, devices=len(cfg.nodes), rate=inp.rate_per_s, bound=bound,
+               bound_decode_memory=memory, sat=sat,
                sat_runs=runs,
                planner_s=planner_s, replicas={p: len(pol.replicas) for p, pol in pols.items()},
                idle={p: len(pol.idle) for p, pol in pols.items()}, loads={})
@@ -113,6 +116,9 @@ def verdict(ok: bool) -> str:
 def print_cluster(res: dict) -> None:
     print(f"\n## {res['name']}: {res['devices']} devices, {res['model']}, file rate {res['rate']:g} req/s, "
           f"bound {res['bound']:.3f} req/s, policies built in {res['planner_s']:.1f} s")
+    if "bound_decode_memory" in res:
+        print(f"bound   all FLOPs at the devices' compute; decode at their memory-bound best step alone would allow "
+              f"{res['bound_decode_memory']:.3f} req/s ({res['bound_decode_memory'] / res['bound']:.2f}x)")
     print(f"{'policy':12s} {'replicas':>8s} {'idle':>5s} {'sat req/s':>10s} {'of bound':>9s}  per trace")
     for p, s in res["sat"].items():
         shown = (f"{s:10.3f} {s / res['bound']:9.3f}  " + " ".join(f"{x:.3f}" for x in res["sat_runs"][p])

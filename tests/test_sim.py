@@ -286,6 +286,28 @@ def test_bound_is_compute_over_request_flops(demo):
     assert got == pytest.approx(total / request_flops(inp.mc, 16, 32))  # small model: every device holds it
 
 
+def test_bound_is_capped_by_memory_bandwidth_where_decode_is_memory_bound(demo):
+    """Chunked prefill overlaps a memory-bound decode step, so the bound is the lower of all the
+    FLOPs at the devices' compute and the decode FLOPs at each device's best decode step; at a
+    bandwidth of 1 MB/s the second binds, and its best step is the largest batch that fits
+    beside one layer."""
+    from meshllm.partition.replica import MAX_DECODE_BATCH
+    from meshllm.sim.metrics import decode_flops_cap, decode_memory_rate_per_s, flops_rate_per_s
+
+    _, inp = demo
+    lengths = [(16, 32)] * 10
+    assert bound_rate_per_s(inp, lengths) == flops_rate_per_s(inp, lengths) < decode_memory_rate_per_s(inp, lengths)
+    slow = replace(inp, nodes=tuple(replace(n, device=replace(n.device, memory_bandwidth_gbps=1e-3))
+                                    for n in inp.nodes))
+    got = bound_rate_per_s(slow, lengths)
+    assert got == decode_memory_rate_per_s(slow, lengths) < 1e-3 * flops_rate_per_s(slow, lengths)
+    mc, ctx, dev = slow.mc, slow.mix.decode_ctx, slow.members[0].device
+    batch = min(MAX_DECODE_BATCH, (dev.memory_bytes - mc.layer_bytes) // (ctx * mc.kv_bytes_per_token))
+    flops = batch * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * ctx)
+    step = (mc.layer_bytes + batch * ctx * mc.kv_bytes_per_token) / (dev.memory_bandwidth_gbps * 1e9 * 0.7)
+    assert decode_flops_cap(slow, 0, ctx) == pytest.approx(flops / step)
+
+
 def test_simulate_policies_schema_and_determinism():
     cfg = load_cluster(REPO / "clusters/failure.yaml")
     a = simulate_policies(plan_inputs(cfg), rate=20.0, seed=3, sweep_requests=300)

@@ -9,7 +9,19 @@ useful FLOPs (cost.request_flops, averaged over the trace), at the achieved comp
 cost.py. A device that cannot hold the whole model must pass activations to a neighbour for
 every token it works on, so its port at line rate caps it too: at most port bytes/s /
 activation bytes token-passes per second, each through at most as many layers as it holds.
-No plan can beat it; each policy's saturation is reported as a fraction of it.
+Memory bandwidth caps it too, in the roofline of cost.py: a decode step streams the weights
+of its layers and the KV of its batch, so a device does decode FLOPs at most at its best
+step's rate (`decode_flops_cap`: over the layer counts n it can hold, the largest batch whose
+KV fits beside n layers, at most the runtime's MAX_DECODE_BATCH). A step that is memory-bound
+leaves compute idle, which chunked prefill fills, so the two phases overlap on a device: the
+rate is bounded by all the FLOPs at the devices' compute, and separately by the decode FLOPs
+at those decode caps (`decode_memory_rate_per_s`), not by a time-share of the two (one that
+split each device's time between the phases came out at 636 req/s on mesh-six, where
+meshllm's simulated saturation is 911). On every cluster in clusters/ the decode-memory rate
+is 1.2-4.9x the FLOPs one, so the FLOPs bound binds. Every relaxation is on the bound's side
+(the KV of a sequence at its mean decode context, no embedding or head weights, no pipeline
+bubbles, links or KV shipping). No plan can beat it; each policy's saturation is reported as
+a fraction of it.
 """
 
 from __future__ import annotations
@@ -17,9 +29,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from meshllm.partition.cost import flops_per_s, request_flops
+from meshllm.partition.cost import flops_per_s, prefill_work, request_flops, roofline
 from meshllm.partition.dp import memory_cap_layers
 from meshllm.partition.inputs import PlanInputs
+from meshllm.partition.replica import MAX_DECODE_BATCH
 from meshllm.sim.simulator import Request
 
 
@@ -78,10 +91,43 @@ def device_flops_cap(inp: PlanInputs, i: int, ctx: float) -> float:
     return min(cap, passes * held * (mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * ctx))
 
 
-def bound_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
-    """Requests/s at which every stage-capable device is busy on useful FLOPs (module docstring)."""
-    if not inp.members or not lengths:
-        return 0.0
+def decode_flops_cap(inp: PlanInputs, i: int, ctx: float) -> float:
+    """Decode FLOP/s device i can do at most: its best decode step (module docstring), every
+    sequence at `ctx` tokens of context."""
+    mc, dev = inp.mc, inp.members[i].device
+    per_token = mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * ctx
+    best = 0.0
+    for n in range(1, min(mc.n_layers, memory_cap_layers(mc, dev, False, False, 0.0)) + 1):
+        batch = min(MAX_DECODE_BATCH, math.floor((dev.memory_bytes - n * mc.layer_bytes)
+                                                 / (n * ctx * mc.kv_bytes_per_token)))
+        if batch < 1:
+            break
+        flops = batch * n * per_token
+        best = max(best, flops / float(roofline(flops, n * (mc.layer_bytes + batch * ctx * mc.kv_bytes_per_token),
+                                                dev)))
+    return best
+
+
+def flops_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
+    """Requests/s at which every stage-capable device is busy at its compute (or port)."""
     per_req = sum(request_flops(inp.mc, n_in, n_out) for n_in, n_out in lengths) / len(lengths)
     ctx = inp.mix.decode_ctx
     return sum(device_flops_cap(inp, i, ctx) for i in range(len(inp.members))) / per_req
+
+
+def decode_memory_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
+    """Requests/s at which every stage-capable device decodes at its best decode step."""
+    mc = inp.mc
+    pre = sum(prefill_work(mc, mc.n_layers, n_in, True)[0] for n_in, _ in lengths)
+    dec = (sum(request_flops(mc, n_in, n_out) for n_in, n_out in lengths) - pre) / len(lengths)
+    if dec <= 0:
+        return math.inf
+    return sum(decode_flops_cap(inp, i, inp.mix.decode_ctx) for i in range(len(inp.members))) / dec
+
+
+def bound_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
+    """Requests/s at which every stage-capable device is busy on useful FLOPs at its roofline
+    (module docstring)."""
+    if not inp.members or not lengths:
+        return 0.0
+    return min(flops_rate_per_s(inp, lengths), decode_memory_rate_per_s(inp, lengths))
