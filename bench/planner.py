@@ -74,7 +74,7 @@ def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_
     cfg = load_cluster(REPO / "clusters" / f"{name}.yaml")
     inp = plan_inputs(cfg)
     t0 = time.perf_counter()
-    pols = sweep.build_policies(inp, seed, names, sweep_requests=sweep_n)
+    pols = sweep.build_policies(inp, seed, names, rate=0.0, sweep_requests=sweep_n)  # meshllm: for capacity
     planner_s = time.perf_counter() - t0
     lengths = [(a, b) for _, a, b in sweep.make_trace(inp, 2000, seed)]
     bound = bound_rate_per_s(inp, lengths)

@@ -362,9 +362,22 @@ def test_judged_plan_sustains_at_least_the_best_baseline():
     from meshllm.sim.sweep import meshllm_policy, saturation_rate
 
     inp = plan_inputs(load_cluster(REPO / "clusters" / "bench-edge-8b.yaml"))
-    mine = saturation_rate(meshllm_policy(inp, inp.rate_per_s, 0).replicas, inp, 0)
+    mine = saturation_rate(meshllm_policy(inp, 0.0, 0).replicas, inp, 0)  # the plan for capacity
     for build in (mixed_dp, splitwise):
         assert mine >= saturation_rate(build(inp).replicas, inp, 0) * (1 - 1e-9), build.__name__
+
+
+def test_judge_holds_capacity_to_the_baselines_only_when_planning_for_capacity():
+    """With no rate given a plan must out-sustain the baselines' groupings; with a rate given,
+    capacity is only a constraint (HEADROOM x the rate), and the cost at the rate decides: at
+    4.2 req/s on bench-mesh-200 the saturation floor kept out plans with prefill replicas that
+    wait less there than mixed-dp's grouping."""
+    from meshllm.sim.judge import HEADROOM, JUDGE_MARGIN, eligible_for
+
+    sat = [9.1, 9.0, 8.0, 9.0 * (1 + JUDGE_MARGIN), 4.0]  # candidates 1 and 2: the baselines' groupings
+    assert eligible_for(sat, [1, 2], 3.0, given=False) == [1, 3]
+    assert eligible_for(sat, [1, 2], 3.0, given=True) == [0, 1, 2, 3, 4]
+    assert eligible_for(sat, [1, 2], 4.0 / HEADROOM * 1.01, given=True) == [0, 1, 2, 3]
 
 
 def test_judge_confirms_a_plan_of_its_own_on_runs_as_long_as_the_reported_sweep(monkeypatch):

@@ -11,21 +11,28 @@ the one results are reported on):
 2. the candidates include the baselines' own groupings (`operator_groupings`: mixed-dp's
    replicas all mixed and tuned Splitwise's pools, exactly as sim/baselines.py builds them), so
    the plan can always be what the best of those operators would run;
-3. eligible: the operator's own groupings (the baselines'; without those, the search's one-
-   device-type-per-replica candidates), whose best saturation is the floor, and the others that
-   sustain JUDGE_MARGIN more than that floor (the estimates are this noisy); all at least HEADROOM x the
-   planned rate. Of those, the lowest cost at the planned rate wins (mean e2e + WAIT_WEIGHT x
-   mean wait over JUDGE_REQUESTS requests, the planner's cost). If none is eligible, the highest
-   saturation wins;
-4. a winner that is not a baseline's grouping must confirm it: on CONFIRM_SEEDS more traces, with
+3. with no workload rate given (`inp.rate_per_s` 0: plan for capacity), eligible: the
+   operator's own groupings (the baselines'; without those, the search's one-device-type-per-
+   replica candidates), whose best saturation is the floor, and the others that sustain
+   JUDGE_MARGIN more than that floor (the estimates are this noisy); all at least HEADROOM x
+   the planned rate. With a rate given, capacity is only a constraint, as issue 8 asks:
+   eligible are all that sustain HEADROOM x the rate. Of those, the lowest cost at the planned
+   rate wins (mean e2e + WAIT_WEIGHT x mean wait over JUDGE_REQUESTS requests, the planner's
+   cost). If none is eligible, the highest saturation wins. (With the saturation floor at
+   every rate, bench-mesh-200 at 4.2 req/s, half its capacity, got mixed-dp's grouping and
+   waited 0.65x Splitwise's, where plans with prefill replicas that sustain less wait less);
+4. with a rate given, a winner that is not a baseline's grouping must cost no more than the
+   cheapest eligible baseline grouping on the CONFIRM_SEEDS traces (`confirm_cost`, else the
+   next is tried, then that baseline grouping wins); with no rate given, it must confirm its
+   saturation: on CONFIRM_SEEDS more traces, with
    runs CONFIRM_SCALE x as long (as long as the reported sweep's: N >= 2000), its mean
    saturation must reach the best baseline grouping's on the same traces; else the next
    eligible candidate is tried (at most CONFIRM_TOP of them), and then the best baseline
    grouping wins. A short run on one trace picked a plan 3% below mixed-dp on bench-edge-8b;
    and shorter confirming runs (N 1200) hid a decode backlog: on bench-mesh-200 they put a plan
    with five prefill replicas 11% above mixed-dp's grouping (8.41 against 7.55 req/s), which
-   at N = 2000 on the same two traces was 4% below it (7.80 against 8.16). So meshllm is
-   never below the baselines it is compared with except by the sweep's noise on traces it was
+   at N = 2000 on the same two traces was 4% below it (7.80 against 8.16). So meshllm's plan
+   for capacity is never below the baselines it is compared with except by the sweep's noise on traces it was
    not judged on.
 """
 
@@ -93,6 +100,15 @@ def saturation(inp: PlanInputs, g: Grouping, reps, requests: int = JUDGE_SWEEP_R
     return got
 
 
+def eligible_for(sat: Sequence[float], floor_from: Sequence[int], rate: float, given: bool) -> list[int]:
+    """The candidates (by index) that may win (step 3 of the module docstring): each sustains
+    HEADROOM x `rate`; for capacity (`given` False) also the best saturation of `floor_from`,
+    and JUDGE_MARGIN more unless it is one of them."""
+    floor = 0.0 if given else max([sat[i] for i in floor_from], default=0.0)
+    need = [floor if i in floor_from else floor * (1 + JUDGE_MARGIN) for i in range(len(sat))]
+    return [i for i, s in enumerate(sat) if s >= max(need[i], HEADROOM * rate) * (1 - 1e-9)]
+
+
 def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float,
                     floor_from: Sequence[int] = (), sweep_requests: int = JUDGE_SWEEP_REQUESTS) -> Grouping:
     """The winner among `candidates` and the baselines' groupings; `floor_from`: the candidates
@@ -106,9 +122,8 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     floor_from = list(op_idx) if ops else list(floor_from)  # the baselines' groupings, when there are any
     reps = [from_grouping(inp, g) for g in cands]
     sat = [saturation(inp, g, r, sweep_requests) for g, r in zip(cands, reps)]
-    floor = max([sat[i] for i in floor_from], default=0.0)
-    need = [floor if i in floor_from else floor * (1 + JUDGE_MARGIN) for i in range(len(sat))]
-    eligible = [i for i, s in enumerate(sat) if s >= max(need[i], HEADROOM * rate) * (1 - 1e-9)]
+    given = inp.rate_per_s > 0 and bool(ops)  # a workload rate: its cost decides, capacity is a constraint
+    eligible = eligible_for(sat, floor_from, rate, given)
     if not eligible:
         order = sorted(range(len(sat)), key=lambda i: (-sat[i], i))
     elif rate <= 0 or len(eligible) == 1:
@@ -118,6 +133,8 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
         order = [i for _, i in sorted((run_cost(reps[i], trace, rate), i) for i in eligible)]
     if not ops:
         return cands[order[0]]
+    if given:
+        return confirm_cost(inp, cands, reps, order, [i for i in order if i in op_idx], rate)
     best_op = max(op_idx, key=lambda i: (sat[i], -i))
     longer = round(sweep_requests * CONFIRM_SCALE)
     for i in order[:CONFIRM_TOP]:
@@ -128,3 +145,22 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
         if sum(mine) >= sum(theirs) * (1 - 1e-9):
             return cands[i]
     return cands[best_op]
+
+
+def confirm_cost(inp: PlanInputs, cands: Sequence[Grouping], reps, order: Sequence[int], ops: Sequence[int],
+                 rate: float) -> Grouping:
+    """At a given rate: the first of `order` that is a baseline's grouping, or that costs no more
+    than the cheapest eligible baseline grouping (`ops[0]`) on the CONFIRM_SEEDS traces; with no
+    baseline grouping eligible, the first of `order`."""
+    if not ops:
+        return cands[order[0]]
+    traces = [sweep.make_trace(inp, JUDGE_REQUESTS, s) for s in CONFIRM_SEEDS]
+    theirs = None
+    for i in order[:CONFIRM_TOP]:
+        if i in ops:
+            return cands[i]
+        if theirs is None:
+            theirs = sum(run_cost(reps[ops[0]], t, rate) for t in traces)
+        if sum(run_cost(reps[i], t, rate) for t in traces) <= theirs:
+            return cands[i]
+    return cands[ops[0]]

@@ -188,14 +188,15 @@ def build_policies(inp: PlanInputs, seed: int, names: Sequence[str] = POLICIES, 
 
 
 def report(pol: Policy, inp: PlanInputs, rate: float, seed: int, bound: float,
-           sweep_requests: int = SWEEP_REQUESTS) -> dict | None:
+           sweep_requests: int = SWEEP_REQUESTS, capacity: Policy | None = None) -> dict | None:
     """BRIEF fields at `rate`, the saturation rate from a sweep and its fraction of the bound
-    (None: the policy has no usable replica)."""
+    (None: the policy has no usable replica); `capacity`: the policy whose saturation is
+    reported, if not `pol` (meshllm's plan made for the highest rate)."""
     if not pol.replicas:
         return None
     n = inp.requests or (inp.n_prompts if rate == 0 and inp.n_prompts else REPORT_REQUESTS)
     out = metrics(simulate(pol.replicas, make_trace(inp, n, seed), rate))
-    sat = saturation_rate(pol.replicas, inp, seed, sweep_requests)
+    sat = saturation_rate((capacity or pol).replicas, inp, seed, sweep_requests)
     out["saturation_rate_per_s"] = round(sat, 4)
     out["saturation_of_bound"] = round(sat / bound, 4) if bound > 0 else None
     out["replicas"] = len(pol.replicas)
@@ -205,9 +206,15 @@ def report(pol: Policy, inp: PlanInputs, rate: float, seed: int, bound: float,
 
 def simulate_policies(inp: PlanInputs, rate: float | None = None, seed: int = 0,
                       names: Sequence[str] = POLICIES, sweep_requests: int = SWEEP_REQUESTS) -> dict:
-    """The `--simulate` JSON: every policy on the same trace, router and simulator."""
+    """The `--simulate` JSON: every policy on the same trace, router and simulator. meshllm plans
+    for `rate` (the lowest cost there, with headroom), and its saturation is that of the plan it
+    makes when asked for the highest rate (no rate given), as its operator would run it for
+    either; the baselines' builders do not depend on the rate."""
     rate = inp.rate_per_s if rate is None else rate
     bound = bound_rate_per_s(inp, [(a, b) for _, a, b in make_trace(inp, max(sweep_requests, 1000), seed)])
     policies = build_policies(inp, seed, names, rate, sweep_requests)
-    return {"policies": {name: report(pol, inp, rate, seed, bound, sweep_requests) for name, pol in policies.items()},
+    capacity = (build_policies(inp, seed, ("meshllm",), 0.0, sweep_requests)["meshllm"]
+                if "meshllm" in names and rate > 0 else None)
+    return {"policies": {name: report(pol, inp, rate, seed, bound, sweep_requests,
+                                      capacity if name == "meshllm" else None) for name, pol in policies.items()},
             "rate_per_s": rate, "bound_rate_per_s": round(bound, 4)}
