@@ -14,7 +14,7 @@ side from one run, all policies on the same trace, router and simulator (meshllm
 - the goals of issue 8, each MET or NOT MET with its figure;
 - the GA's gain over greedy type-ordered packing (analytic capacity; greedy's simulated rows at
   the loads show it in the simulator).
-Then the planner's time against cluster size (subsets of the 200-device cluster).
+Then the planner's time against cluster size (subsets of the 200-device cluster; best of three runs).
 Writes bench/results/planner_<cluster>.png (wait and TTFT vs rate), planner_time_vs_size.png and
 planner.json. `--quick`: one cluster, three policies, shorter runs (a smoke test, ~1 min).
 """
@@ -47,6 +47,7 @@ SWEPT = ("meshllm",) + BASELINES  # greedy: its analytic capacity only (the GA's
 LOADS = (0.5, 0.7, 0.9)
 BOUND_GOAL, BOUND_MOONSHOT = 0.93, 0.97
 SIZES = (12, 25, 50, 100, 200)
+TIME_REPEATS = 3  # the planner's time is the best of this many runs: the box is shared with other jobs
 COLS = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mean_e2e_ms")
 
 
@@ -173,10 +174,13 @@ def planner_time_vs_size(seed: int, sizes: tuple[int, ...]) -> list[tuple[int, s
         links = tuple(ln for ln in base.links if set(ln.zones) <= zones)
         for model in ("llama-3-8b", "llama-2-70b"):
             cfg = replace(base, nodes=nodes, links=links, model=model)
-            t0 = time.perf_counter()
             try:
-                plan_cluster(plan_inputs(cfg), seed=seed, log=False)
-                out.append((n, model, time.perf_counter() - t0))
+                took = []
+                for _ in range(TIME_REPEATS):
+                    t0 = time.perf_counter()
+                    plan_cluster(plan_inputs(cfg), seed=seed, log=False)
+                    took.append(time.perf_counter() - t0)
+                out.append((n, model, min(took)))
             except PlanInfeasible:
                 out.append((n, model, None))
     return out
@@ -284,13 +288,17 @@ def main() -> int:
         print(f"\n(all clusters: {time.perf_counter() - t0:.0f} s with {a.jobs} processes; saturation: mean of "
               f"{seeds} trace(s))")
     times = planner_time_vs_size(a.seed, SIZES[:2] if a.quick else SIZES)
-    print("\n## planner time vs cluster size (one process, this machine; both GA phases + DP)")
+    print("\n## planner time vs cluster size (one process, this machine; both GA phases + DP; best of "
+          f"{TIME_REPEATS} runs)")
     print(f"{'devices':>8s} {'model':>12s} {'planner s':>10s}")
     for n, model, t in times:
         print(f"{n:8d} {model:>12s} {('infeasible' if t is None else f'{t:.2f}'):>10s}")
     plot_times(times, out)
-    if not a.quick and not a.times_only:
-        (out / "planner.json").write_text(json.dumps({"clusters": results, "times": times}, indent=1, default=str))
+    saved = out / "planner.json"
+    if a.times_only and saved.exists():  # keep the clusters' figures, replace the times
+        results = json.loads(saved.read_text())["clusters"]
+    if not a.quick and (results or not a.times_only):
+        saved.write_text(json.dumps({"clusters": results, "times": times}, indent=1, default=str))
     return 0
 
 

@@ -16,9 +16,11 @@ the one results are reported on):
    replica candidates), whose best saturation is the floor, and the others that sustain
    JUDGE_MARGIN more than that floor (the estimates are this noisy); all at least HEADROOM x
    the planned rate. With a rate given, capacity is only a constraint, as issue 8 asks:
-   eligible are all that sustain HEADROOM x the rate. Of those, the lowest cost at the planned
-   rate wins (mean e2e + WAIT_WEIGHT x mean wait over JUDGE_REQUESTS requests, the planner's
-   cost). If none is eligible, the highest saturation wins. (With the saturation floor at
+   eligible are all that sustain HEADROOM x the rate. Of those, with a rate given, the lowest
+   cost at the rate wins (mean e2e + WAIT_WEIGHT x mean wait over JUDGE_REQUESTS requests, the
+   planner's cost); for capacity, the highest saturation (issue 8: with no rate, maximise the
+   rate at which the latency target holds, which the stability rule's wait cap keeps). If none
+   is eligible, the highest saturation wins. (With the saturation floor at
    every rate, bench-mesh-200 at 4.2 req/s, half its capacity, got mixed-dp's grouping and
    waited 0.65x Splitwise's, where plans with prefill replicas that sustain less wait less);
 4. with a rate given, a winner that is not a baseline's grouping must cost no more than the
@@ -122,11 +124,12 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     floor_from = list(op_idx) if ops else list(floor_from)  # the baselines' groupings, when there are any
     reps = [from_grouping(inp, g) for g in cands]
     sat = [saturation(inp, g, r, sweep_requests) for g, r in zip(cands, reps)]
-    given = inp.rate_per_s > 0 and bool(ops)  # a workload rate: its cost decides, capacity is a constraint
+    for_capacity = inp.rate_per_s <= 0  # no workload rate: the highest saturation wins
+    given = not for_capacity and bool(ops)  # a workload rate: its cost decides, capacity is a constraint
     eligible = eligible_for(sat, floor_from, rate, given)
     if not eligible:
         order = sorted(range(len(sat)), key=lambda i: (-sat[i], i))
-    elif rate <= 0 or len(eligible) == 1:
+    elif for_capacity or len(eligible) == 1:
         order = sorted(eligible, key=lambda i: (-sat[i], i))
     else:
         trace = sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
