@@ -16,26 +16,26 @@ the one results are reported on):
    replica candidates), whose best saturation is the floor, and the others that sustain
    JUDGE_MARGIN more than that floor (the estimates are this noisy); all at least HEADROOM x
    the planned rate. With a rate given, capacity is only a constraint, as issue 8 asks:
-   eligible are all that sustain HEADROOM x the rate. Of those, with a rate given, the lowest
-   cost at the rate wins (mean e2e + WAIT_WEIGHT x mean wait over JUDGE_REQUESTS requests, the
-   planner's cost); for capacity, the highest saturation (issue 8: with no rate, maximise the
-   rate at which the latency target holds, which the stability rule's wait cap keeps). If none
-   is eligible, the highest saturation wins. (With the saturation floor at
-   every rate, bench-mesh-200 at 4.2 req/s, half its capacity, got mixed-dp's grouping and
-   waited 0.65x Splitwise's, where plans with prefill replicas that sustain less wait less);
+   eligible are all that sustain HEADROOM x the rate (with the saturation floor at every
+   rate, bench-mesh-200 at 4.2 req/s, half its capacity, got mixed-dp's grouping and waited
+   0.65x Splitwise's, where plans with prefill replicas that sustain less wait less). Of
+   those, with a rate given, the lowest cost at the rate wins (mean e2e + WAIT_WEIGHT x mean
+   wait over JUDGE_REQUESTS requests, the planner's cost); for capacity, the highest
+   saturation (issue 8: with no rate, maximise the rate at which the latency target holds,
+   which the stability rule's wait cap keeps). If none is eligible, the highest saturation
+   wins;
 4. with a rate given, a winner that is not a baseline's grouping must cost no more than the
    cheapest eligible baseline grouping on the CONFIRM_SEEDS traces (`confirm_cost`, else the
    next is tried, then that baseline grouping wins); with no rate given, it must confirm its
-   saturation: on CONFIRM_SEEDS more traces, with
-   runs CONFIRM_SCALE x as long (as long as the reported sweep's: N >= 2000), its mean
-   saturation must reach the best baseline grouping's on the same traces; else the next
-   eligible candidate is tried (at most CONFIRM_TOP of them), and then the best baseline
-   grouping wins. A short run on one trace picked a plan 3% below mixed-dp on bench-edge-8b;
+   saturation: on CONFIRM_SEEDS more traces, with runs CONFIRM_SCALE x as long (as long as
+   the reported sweep's: N >= 2000), its mean saturation must reach the best baseline
+   grouping's on the same traces; else the next eligible candidate is tried (at most
+   CONFIRM_TOP of them), and then the best baseline grouping wins. A short run on one trace picked a plan 3% below mixed-dp on bench-edge-8b;
    and shorter confirming runs (N 1200) hid a decode backlog: on bench-mesh-200 they put a plan
    with five prefill replicas 11% above mixed-dp's grouping (8.41 against 7.55 req/s), which
    at N = 2000 on the same two traces was 4% below it (7.80 against 8.16). So meshllm's plan
-   for capacity is never below the baselines it is compared with except by the sweep's noise on traces it was
-   not judged on.
+   for capacity is never below the baselines it is compared with except by the sweep's noise
+   on traces it was not judged on.
 """
 
 from __future__ import annotations
