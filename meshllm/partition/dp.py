@@ -38,6 +38,7 @@ EXACT_ORDER_MAX = 4  # devices the planner orders exhaustively; split_replica(ex
 DP_MAX_STAGES = 8  # above this, threshold_split finds the same optimum faster
 SAME_ZONE_RTT_MS = 1.0  # assumed when the cluster file gives no link for a zone pair
 GB = 1e9
+_KINDS: dict[tuple, int] = {}  # Member.key -> Member.kind
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,11 @@ class Member:
         """Members with equal keys are interchangeable for planning."""
         d = self.device
         return (d.name, self.zone, d.memory_gb, d.compute_tflops, d.memory_bandwidth_gbps, d.network_mbps)
+
+    @functools.cached_property
+    def kind(self) -> int:
+        """A small int naming `key` (process-wide): cheap to hash in the split caches."""
+        return _KINDS.setdefault(self.key, len(_KINDS))
 
 
 @dataclass(frozen=True)
@@ -126,19 +132,15 @@ def min_bottleneck_split(table: np.ndarray, links: Sequence[float]) -> tuple[flo
     k, n_layers = table.shape
     if k > n_layers:
         return None
-    j = np.arange(1, n_layers + 1)[:, None]  # layers covered so far
-    n = j.T  # layers of the newest stage
-    prev = j - n
-    valid = prev >= 1
-    prev_idx = np.where(valid, prev - 1, 0)
-    f = table[0].copy()
+    prev_idx = _prev_index(n_layers)
+    f = np.append(table[0], np.inf)
     back = []
     for i in range(1, k):
         cand = np.maximum(f[prev_idx], table[i][None, :])
-        cand[~valid] = np.inf
         arg = cand.argmin(axis=1)
-        f = cand[np.arange(n_layers), arg]
+        f = np.append(cand.min(axis=1), np.inf)
         back.append(arg)
+    f = f[:-1]
     if not np.isfinite(f[-1]):
         return None
     counts, left = [], n_layers
@@ -150,35 +152,35 @@ def min_bottleneck_split(table: np.ndarray, links: Sequence[float]) -> tuple[flo
     return max(float(f[-1]), max(links, default=0.0)), tuple(reversed(counts))
 
 
+@functools.lru_cache(maxsize=16)
+def _prev_index(n_layers: int) -> np.ndarray:
+    """[j - 1, n - 1] -> the index into f (padded with +inf at n_layers) of the j - n layers
+    covered before a newest stage of n layers; n_layers (the +inf) where j - n < 1."""
+    j = np.arange(1, n_layers + 1)[:, None]  # layers covered so far
+    prev = j - j.T
+    return np.where(prev >= 1, prev - 1, n_layers)
+
+
 def threshold_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
-    """Same optimum as the DP, in O(k L log(k L)): rows are non-decreasing in n, so a bottleneck T
-    is reachable iff every position can take >= 1 layer within T and their capacities sum to >= L.
-    Binary search T over the table's values; used for long replicas (> DP_MAX_STAGES)."""
+    """Same optimum as the DP, in O(k L): rows are non-decreasing in n, so a bottleneck T is
+    reachable iff every position can take >= 1 layer within T (T >= the largest first column
+    entry) and their capacities sum to >= L (T >= the L-th smallest entry of the table). The least
+    such T is the larger of the two, a table value; used for long replicas (> DP_MAX_STAGES)."""
     k, n_layers = table.shape
     if k > n_layers:
         return None
-    cand = np.unique(table[np.isfinite(table)])
-    caps = lambda t: (table <= t).sum(axis=1)  # noqa: E731
-    if cand.size == 0 or not _reachable(caps(cand[-1]), n_layers):
+    first = float(table[:, 0].max())
+    lth = float(np.partition(table, n_layers - 1, axis=None)[n_layers - 1])
+    t = max(first, lth)
+    if not math.isfinite(t):
         return None
-    lo, hi = 0, cand.size - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _reachable(caps(cand[mid]), n_layers):
-            hi = mid
-        else:
-            lo = mid + 1
-    counts = caps(cand[lo]).astype(int)
+    counts = (table <= t).sum(axis=1)
     excess = int(counts.sum()) - n_layers
     for i in range(k - 1, -1, -1):  # give back layers from the end, keeping >= 1 each
         take = min(excess, counts[i] - 1)
         counts[i] -= take
         excess -= take
-    return max(float(cand[lo]), max(links, default=0.0)), tuple(int(c) for c in counts)
-
-
-def _reachable(caps: np.ndarray, n_layers: int) -> bool:
-    return bool(caps.min() >= 1 and caps.sum() >= n_layers)
+    return max(t, max(links, default=0.0)), tuple(int(c) for c in counts)
 
 
 def best_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
@@ -193,7 +195,7 @@ def candidate_orders(members: Sequence[Member], exact_max: int = EXACT_ORDER_MAX
     if k <= exact_max:
         seen: dict[tuple, tuple[int, ...]] = {}
         for perm in itertools.permutations(range(k)):
-            seen.setdefault(tuple(members[i].key for i in perm), perm)
+            seen.setdefault(tuple(members[i].kind for i in perm), perm)
         return list(seen.values())
     zone_compute: dict[str, float] = {}
     for m in members:
@@ -217,25 +219,33 @@ class Splitter:
         self._hops: dict[tuple, float] = {}
 
     def row(self, m: Member, first: bool, last: bool) -> np.ndarray:
-        key = (m.key, first, last)
+        key = (m.kind, first, last)
         got = self._rows.get(key)
         if got is None:
             got = self._rows[key] = cost_row(self.mc, m.device, first, last, self.wp)
         return got
 
     def hop(self, a: Member, b: Member) -> float:
-        key = (a.key, b.key)
+        key = (a.kind, b.kind)
         got = self._hops.get(key)
         if got is None:
             got = self._hops[key] = self.net.hop_s(a, b, self.wp.tokens * self.mc.act_bytes_per_token)
         return got
 
-    def split(self, members: Sequence[Member], exact_max: int = EXACT_ORDER_MAX) -> Split | Infeasible:
-        """Best order and split of `members`, or the reason none fits."""
+    def split(self, members: Sequence[Member], exact_max: int = EXACT_ORDER_MAX,
+              orders: Sequence[tuple[int, ...]] | None = None) -> Split | Infeasible:
+        """Best order and split of `members`, or the reason none fits (`orders`: the candidate
+        orders, if already listed)."""
         best: Split | None = None
         k = len(members)
-        for order in candidate_orders(members, exact_max):
-            table = np.stack([self.row(members[i], p == 0, p == k - 1) for p, i in enumerate(order)])
+        middle = np.stack([self.row(m, False, False) for m in members]) if k > 2 else None
+        for order in candidate_orders(members, exact_max) if orders is None else orders:
+            if middle is None:
+                table = np.stack([self.row(members[i], p == 0, p == k - 1) for p, i in enumerate(order)])
+            else:  # every stage but the first and the last costs its middle row
+                table = middle[list(order)]
+                table[0] = self.row(members[order[0]], True, False)
+                table[-1] = self.row(members[order[-1]], False, True)
             links = [self.hop(members[a], members[b]) for a, b in itertools.pairwise(order)]
             got = best_split(table, links)
             if got is not None and (best is None or got[0] < best.bottleneck_s):

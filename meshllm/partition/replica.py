@@ -33,10 +33,9 @@ from meshllm.partition.cost import (
     prefill_work,
     roofline_at,
     span_work,
-    stage_prefill_s,
     transfer_s,
 )
-from meshllm.partition.dp import Infeasible, Member, Net, Split, Splitter, Workpoint
+from meshllm.partition.dp import Infeasible, Member, Net, Split, Splitter, Workpoint, candidate_orders
 
 MAX_DECODE_BATCH = 256  # sequences a replica decodes concurrently at most (runtime limit)
 DECODE_REF_BATCH = 16  # batch the DP's decode split is optimised for
@@ -116,11 +115,6 @@ def ordered(members: Sequence[Member], split: Split) -> list[Member]:
     return [members[i] for i in split.order]
 
 
-def hops_s(net: Net, seq: Sequence[Member], nbytes: float) -> list[float]:
-    """Link seconds between consecutive stages, each carrying `nbytes` of activations."""
-    return [net.hop_s(a, b, nbytes) for a, b in zip(seq, seq[1:])]
-
-
 def ring_s(net: Net, seq: Sequence[Member], n_seqs):
     """The link from the last stage back to the first, carrying the sampled token ids of a decode
     step (none for a one-stage replica). Elementwise in `n_seqs`."""
@@ -136,13 +130,10 @@ def port_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], tokens:
     """Seconds the busiest port direction needs per request: activations of `tokens` tokens to the
     next stage (tx) and from the previous one (rx), plus kv_tx / kv_rx tokens of KV of each
     device's own layers."""
-    worst, k = 0.0, len(seq)
-    for i, (m, n) in enumerate(zip(seq, counts, strict=True)):
-        act = tokens * mc.act_bytes_per_token
-        tx = act * (i < k - 1) + kv_tx * n * mc.kv_bytes_per_token
-        rx = act * (i > 0) + kv_rx * n * mc.kv_bytes_per_token
-        worst = max(worst, transfer_s(max(tx, rx), m.device.network_mbps))
-    return worst
+    p, act = pipe_arrays(seq, counts), tokens * mc.act_bytes_per_token
+    tx = act * (1.0 - p["last"]) + kv_tx * p["n"] * mc.kv_bytes_per_token
+    rx = act * (1.0 - p["first"]) + kv_rx * p["n"] * mc.kv_bytes_per_token
+    return max(0.0, float(transfer_s(np.maximum(tx, rx), p["port"]).max()))
 
 
 def capped(rate: float, seconds: float) -> float:
@@ -152,8 +143,8 @@ def capped(rate: float, seconds: float) -> float:
 def prefill_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net, mix: Mix) -> RoleFit:
     seq = ordered(members, split)
     occupancy, latency = pipeline_s(*prefill_stage_s(mc, seq, split.counts, net, mix.mean_in))
-    ship = max(transfer_s(n * mix.mean_in * mc.kv_bytes_per_token, m.device.network_mbps)
-               for m, n in zip(seq, split.counts))
+    p = pipe_arrays(seq, split.counts)
+    ship = float(transfer_s(p["n"] * mix.mean_in * mc.kv_bytes_per_token, p["port"]).max())
     compute = 1.0 / occupancy
     ports = port_s(mc, seq, split.counts, mix.mean_in, mix.mean_in, 0.0)
     return RoleFit(split, capped(compute, ports), compute * mix.mean_in, 1, compute, occupancy, latency, ship)
@@ -161,29 +152,30 @@ def prefill_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Ne
 
 def decode_concurrency(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], mix: Mix) -> int:
     """Sequences of full mean length whose KV fits in every stage's free memory."""
-    n_seq = MAX_DECODE_BATCH
-    for i, (m, n) in enumerate(zip(seq, counts, strict=True)):
-        free = m.device.memory_bytes - mc.stage_weight_bytes(n, i == 0, i == len(seq) - 1)
-        n_seq = min(n_seq, math.floor(free / (n * mc.kv_bytes_per_token * (mix.mean_in + mix.mean_out))))
-    return max(0, n_seq)
+    p = pipe_arrays(seq, counts)
+    free = p["memory"] - mc.stage_weight_bytes(p["n"], p["first"], p["last"])
+    fits = np.floor(free / (p["n"] * mc.kv_bytes_per_token * (mix.mean_in + mix.mean_out)))
+    return max(0, min(MAX_DECODE_BATCH, int(fits.min())))
 
 
 def prefill_stage_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], net: Net,
                     tokens: float) -> tuple[list[float], list[float]]:
     """(seconds per stage, seconds per link) of one prompt of `tokens` tokens."""
-    k = len(seq)
-    stages = [float(stage_prefill_s(mc, m.device, n, tokens, i == k - 1)) for i, (m, n) in enumerate(zip(seq, counts))]
-    return stages, hops_s(net, seq, tokens * mc.act_bytes_per_token)
+    p = pipe_arrays(seq, counts, net)
+    stages = roofline_at(*prefill_work(mc, p["n"], tokens, p["last"]), p["flop_s"], p["byte_s"])
+    hops = p["half_rtt"] + transfer_s(tokens * mc.act_bytes_per_token, p["mbps"])
+    return stages.ravel().tolist(), hops.ravel().tolist()
 
 
 _PIPES: dict[tuple, dict] = {}
 PIPE_CACHE = 4096  # pipelines whose arrays are kept (the GA re-costs the same replica many times)
 
 
-def pipe_arrays(seq: Sequence[Member], counts: Sequence[int], net: Net) -> dict:
-    """Per-stage numpy columns of a pipeline (layers, last flag, FLOP/s, bytes/s) and per-link ones
-    (rtt/2, Mb/s), so a step is costed for all stages and chunk sizes at once. Cached."""
-    key = (tuple(seq), tuple(counts), id(net))
+def pipe_arrays(seq: Sequence[Member], counts: Sequence[int], net: Net | None = None) -> dict:
+    """Per-stage numpy columns of a pipeline (layers, first and last flags, FLOP/s, bytes/s,
+    memory bytes, port Mb/s) and, with `net`, per-link ones (rtt/2, Mb/s), so a step is costed for
+    all stages and chunk sizes at once. Cached by the members' kinds (what the columns depend on)."""
+    key = (tuple(m.kind for m in seq), tuple(counts), id(net))
     got = _PIPES.get(key)
     if got is not None:
         return got
@@ -191,12 +183,14 @@ def pipe_arrays(seq: Sequence[Member], counts: Sequence[int], net: Net) -> dict:
         _PIPES.clear()
     k = len(seq)
     col = lambda xs: np.array(xs, dtype=float).reshape(len(xs), 1)  # noqa: E731
-    links = [net.rtt_mbps(a.zone, c.zone)[0] / 2000.0 for a, c in zip(seq, seq[1:])]
     got = _PIPES[key] = {
-        "n": col(counts), "last": col([i == k - 1 for i in range(k)]),
+        "n": col(counts), "first": col([i == 0 for i in range(k)]), "last": col([i == k - 1 for i in range(k)]),
         "flop_s": col([flops_per_s(m.device) for m in seq]), "byte_s": col([bytes_per_s(m.device) for m in seq]),
-        "half_rtt": col(links), "mbps": col([hop_mbps(net, a, c) for a, c in zip(seq, seq[1:])]),
+        "memory": col([m.device.memory_bytes for m in seq]), "port": col([m.device.network_mbps for m in seq]),
         "net": net}  # keeps `net` alive, so its id is not reused while the entry exists
+    if net is not None:
+        got["half_rtt"] = col([net.rtt_mbps(a.zone, c.zone)[0] / 2000.0 for a, c in zip(seq, seq[1:])])
+        got["mbps"] = col([hop_mbps(net, a, c) for a, c in zip(seq, seq[1:])])
     return got
 
 
@@ -278,12 +272,10 @@ def decode_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net
 def mixed_compute_req_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], mix: Mix) -> float:
     """Requests/s of a mixed replica whose compute is fully used (chunked prefill fills the decode
     steps' idle compute): the busiest stage's FLOPs per request at its achieved FLOP/s."""
-    k, worst = len(seq), 0.0
-    for i, (m, n) in enumerate(zip(seq, counts)):
-        pre, _ = prefill_work(mc, n, mix.mean_in, i == k - 1)
-        dec, _ = decode_work(mc, n, max(0.0, mix.mean_out - 1), mix.decode_ctx, i == k - 1)
-        worst = max(worst, (pre + dec) / flops_per_s(m.device))
-    return 1.0 / worst
+    p = pipe_arrays(seq, counts)
+    pre, _ = prefill_work(mc, p["n"], mix.mean_in, p["last"])
+    dec, _ = decode_work(mc, p["n"], max(0.0, mix.mean_out - 1), mix.decode_ctx, p["last"])
+    return 1.0 / max(0.0, float(((pre + dec) / p["flop_s"]).max()))
 
 
 def mixed_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net, mix: Mix,
@@ -319,7 +311,8 @@ def evaluate_replica(mc: ModelCosts, members: Sequence[Member], net: Net, mix: M
     """Split `members` for both roles and rate them (`splitters`: shared caches, prefill/decode)."""
     members = tuple(members)
     sp, sd = splitters or (Splitter(mc, net, mix.prefill_wp()), Splitter(mc, net, mix.decode_wp()))
-    pre, dec = sp.split(members), sd.split(members)
+    orders = candidate_orders(members)
+    pre, dec = sp.split(members, orders=orders), sd.split(members, orders=orders)
     if isinstance(pre, Infeasible) or isinstance(dec, Infeasible):
         reason = pre.reason if isinstance(pre, Infeasible) else dec.reason  # type: ignore[union-attr]
         return ReplicaEval(members, None, None, reason)
