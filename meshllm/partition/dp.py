@@ -161,26 +161,30 @@ def _prev_index(n_layers: int) -> np.ndarray:
     return np.where(prev >= 1, prev - 1, n_layers)
 
 
-def threshold_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
-    """Same optimum as the DP, in O(k L): rows are non-decreasing in n, so a bottleneck T is
-    reachable iff every position can take >= 1 layer within T (T >= the largest first column
-    entry) and their capacities sum to >= L (T >= the L-th smallest entry of the table). The least
-    such T is the larger of the two, a table value; used for long replicas (> DP_MAX_STAGES)."""
+def min_bottleneck(table: np.ndarray) -> float | None:
+    """The least bottleneck over the stages (links aside), in O(k L): rows are non-decreasing in n,
+    so a bottleneck T is reachable iff every position can take >= 1 layer within T (T >= the
+    largest first column entry) and their capacities sum to >= L (T >= the L-th smallest entry of
+    the table). The least such T is the larger of the two: a table value, the very one the DP
+    finds. None if no split fits."""
     k, n_layers = table.shape
     if k > n_layers:
         return None
-    first = float(table[:, 0].max())
-    lth = float(np.partition(table, n_layers - 1, axis=None)[n_layers - 1])
-    t = max(first, lth)
-    if not math.isfinite(t):
+    t = max(float(table[:, 0].max()), float(np.partition(table, n_layers - 1, axis=None)[n_layers - 1]))
+    return t if math.isfinite(t) else None
+
+
+def threshold_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
+    """Same optimum as the DP at `min_bottleneck`'s T: each stage takes what fits within T, and
+    the excess is given back from the end; used for long replicas (> DP_MAX_STAGES)."""
+    t = min_bottleneck(table)
+    if t is None:
         return None
     counts = (table <= t).sum(axis=1)
-    excess = int(counts.sum()) - n_layers
-    for i in range(k - 1, -1, -1):  # give back layers from the end, keeping >= 1 each
-        take = min(excess, counts[i] - 1)
-        counts[i] -= take
-        excess -= take
-    return max(t, max(links, default=0.0)), tuple(int(c) for c in counts)
+    excess = int(counts.sum()) - table.shape[1]
+    spare = (counts - 1)[::-1]  # give back layers from the end, keeping >= 1 each
+    counts -= np.clip(excess - (np.cumsum(spare) - spare), 0, spare)[::-1]
+    return max(t, max(links, default=0.0)), tuple(counts.tolist())
 
 
 def best_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
@@ -236,7 +240,7 @@ class Splitter:
               orders: Sequence[tuple[int, ...]] | None = None) -> Split | Infeasible:
         """Best order and split of `members`, or the reason none fits (`orders`: the candidate
         orders, if already listed)."""
-        best: Split | None = None
+        best = None  # (bottleneck, order, table, links): the first order of the least bottleneck
         k = len(members)
         middle = np.stack([self.row(m, False, False) for m in members]) if k > 2 else None
         for order in candidate_orders(members, exact_max) if orders is None else orders:
@@ -247,10 +251,15 @@ class Splitter:
                 table[0] = self.row(members[order[0]], True, False)
                 table[-1] = self.row(members[order[-1]], False, True)
             links = [self.hop(members[a], members[b]) for a, b in itertools.pairwise(order)]
-            got = best_split(table, links)
-            if got is not None and (best is None or got[0] < best.bottleneck_s):
-                best = Split(order, got[1], got[0])
-        return best if best is not None else Infeasible(shortfall_reason(self.mc, members, self.wp))
+            t = min_bottleneck(table)  # the optimum of `best_split`, without its layer counts
+            if t is not None:
+                t = max(t, max(links, default=0.0))
+                if best is None or t < best[0]:
+                    best = (t, order, table, links)
+        if best is None:
+            return Infeasible(shortfall_reason(self.mc, members, self.wp))
+        got = best_split(best[2], best[3])  # the layer counts, for the chosen order only
+        return Split(best[1], got[1], got[0])
 
 
 def split_replica(mc: ModelCosts, members: Sequence[Member], net: Net, wp: Workpoint,

@@ -40,6 +40,7 @@ from meshllm.partition.replica import (
     capacity,
     evaluate_replica,
     role_rates,
+    trade_order,
     with_free_tokens,
 )
 
@@ -57,12 +58,16 @@ class Grouping:
     link_req_s: float = math.inf  # requests/s the shared zone links let through (links.py)
 
 
-def _convert_surplus(rates, roles: list[str], p: float, d: float, side: list[int]) -> float:
-    """Turn replicas of the larger pool mixed while that adds capacity; returns the capacity."""
+def _convert_surplus(rates, roles: list[str], p: float, d: float, side: Sequence[int],
+                     ranked: tuple[list[int], list[int]]) -> float:
+    """Turn replicas of the larger pool mixed while that adds capacity; returns the capacity.
+    `ranked[big]`: every replica by mixed rate per unit of the big pool's rate, highest first."""
     big = 0 if p > d else 1
-    side = sorted(side, key=lambda i: (-rates[i][2] / max(rates[i][big], 1e-12), i))
+    among = set(side)
     mixed = 0.0
-    for i in side:
+    for i in ranked[big]:
+        if i not in among:
+            continue
         r, h = rates[i][big], rates[i][2]
         np_, nd = (p - r, d) if big == 0 else (p, d - r)
         if h + min(np_, nd) > min(p, d):
@@ -80,9 +85,12 @@ def assign_roles(rates: Sequence[tuple[float, float, float]],
     fixed_p = sum(r[0] for r, f in zip(rates, forced, strict=True) if f == "prefill")
     fixed_d = sum(r[1] for r, f in zip(rates, forced, strict=True) if f == "decode")
     free = sorted((i for i in range(n) if forced[i] is None), key=lambda i: (-rates[i][0] / max(rates[i][1], 1e-12), i))
+    trades = trade_order(rates)
+    surplus = tuple(sorted(range(n), key=lambda i, big=big: (-rates[i][2] / max(rates[i][big], 1e-12), i))
+                    for big in (0, 1))
     base = [f or "decode" for f in forced]
     every_mixed = [r if forced[i] else "mixed" for i, r in enumerate(base)]
-    best = (capacity(rates, every_mixed)[0], every_mixed)
+    best = (capacity(rates, every_mixed, trades)[0], every_mixed)
     pre_sum = [0.0]
     for i in free:
         pre_sum.append(pre_sum[-1] + rates[i][0])
@@ -101,9 +109,9 @@ def assign_roles(rates: Sequence[tuple[float, float, float]],
         feeding = list(roles)  # the same prefill pool feeding mixed replicas instead of a decode pool
         for i in free[m:]:
             feeding[i] = "mixed"
-        _convert_surplus(rates, roles, p, d, free[:m] if p > d else free[m:])
+        _convert_surplus(rates, roles, p, d, free[:m] if p > d else free[m:], surplus)
         for option in (roles, feeding):
-            cap = capacity(rates, option)[0]
+            cap = capacity(rates, option, trades)[0]
             if cap > best[0] * (1 + 1e-12):
                 best = (cap, option)
     return best

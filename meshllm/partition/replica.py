@@ -169,28 +169,47 @@ def prefill_stage_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int]
 
 _PIPES: dict[tuple, dict] = {}
 PIPE_CACHE = 4096  # pipelines whose arrays are kept (the GA re-costs the same replica many times)
+_KIND_COLS: dict[int, tuple[float, float, float, float]] = {}  # Member.kind -> a stage's columns
+_HOP_COLS: dict[tuple, tuple] = {}  # (id(net), kind, kind) -> (rtt/2 s, Mb/s, net)
+
+
+def _kind_cols(m: Member) -> tuple[float, float, float, float]:
+    got = _KIND_COLS.get(m.kind)
+    if got is None:
+        d = m.device
+        got = _KIND_COLS[m.kind] = (flops_per_s(d), bytes_per_s(d), d.memory_bytes, d.network_mbps)
+    return got
+
+
+def _hop_cols(net: Net, a: Member, b: Member) -> tuple:
+    key = (id(net), a.kind, b.kind)
+    got = _HOP_COLS.get(key)
+    if got is None or got[2] is not net:
+        if len(_HOP_COLS) >= PIPE_CACHE:
+            _HOP_COLS.clear()
+        got = _HOP_COLS[key] = (net.rtt_mbps(a.zone, b.zone)[0] / 2000.0, hop_mbps(net, a, b), net)
+    return got
 
 
 def pipe_arrays(seq: Sequence[Member], counts: Sequence[int], net: Net | None = None) -> dict:
     """Per-stage numpy columns of a pipeline (layers, first and last flags, FLOP/s, bytes/s,
     memory bytes, port Mb/s) and, with `net`, per-link ones (rtt/2, Mb/s), so a step is costed for
     all stages and chunk sizes at once. Cached by the members' kinds (what the columns depend on)."""
-    key = (tuple(m.kind for m in seq), tuple(counts), id(net))
+    key = (tuple(m.kind for m in seq), tuple(counts))
     got = _PIPES.get(key)
-    if got is not None:
-        return got
-    if len(_PIPES) >= PIPE_CACHE:
-        _PIPES.clear()
     k = len(seq)
-    col = lambda xs: np.array(xs, dtype=float).reshape(len(xs), 1)  # noqa: E731
-    got = _PIPES[key] = {
-        "n": col(counts), "first": col([i == 0 for i in range(k)]), "last": col([i == k - 1 for i in range(k)]),
-        "flop_s": col([flops_per_s(m.device) for m in seq]), "byte_s": col([bytes_per_s(m.device) for m in seq]),
-        "memory": col([m.device.memory_bytes for m in seq]), "port": col([m.device.network_mbps for m in seq]),
-        "net": net}  # keeps `net` alive, so its id is not reused while the entry exists
-    if net is not None:
-        got["half_rtt"] = col([net.rtt_mbps(a.zone, c.zone)[0] / 2000.0 for a, c in zip(seq, seq[1:])])
-        got["mbps"] = col([hop_mbps(net, a, c) for a, c in zip(seq, seq[1:])])
+    if got is None:
+        if len(_PIPES) >= PIPE_CACHE:
+            _PIPES.clear()
+        dev = np.array([_kind_cols(m) for m in seq], dtype=float)
+        flags = np.zeros((k, 2))
+        flags[0, 0] = flags[-1, 1] = 1.0
+        got = _PIPES[key] = {
+            "n": np.array(counts, dtype=float).reshape(k, 1), "first": flags[:, :1], "last": flags[:, 1:],
+            "flop_s": dev[:, 0:1], "byte_s": dev[:, 1:2], "memory": dev[:, 2:3], "port": dev[:, 3:4], "net": None}
+    if net is not None and got["net"] is not net:
+        hops = np.array([_hop_cols(net, a, c)[:2] for a, c in zip(seq, seq[1:])], dtype=float).reshape(k - 1, 2)
+        got["half_rtt"], got["mbps"], got["net"] = hops[:, :1], hops[:, 1:], net
     return got
 
 
@@ -203,6 +222,12 @@ def fused_step_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], n
     k, p = len(seq), pipe_arrays(seq, counts, net)
     micro = max(1, min(k, math.ceil(batch) + prompts))
     scalar = np.ndim(chunk) == 0
+    if scalar and chunk == 0:  # a plain decode step: the same sums with the chunk's zeros left out
+        b = batch / micro
+        flops, nbytes = decode_work(mc, p["n"], b, context, p["last"])
+        stages = roofline_at(flops, nbytes, p["flop_s"], p["byte_s"])
+        hops = p["half_rtt"] + transfer_s(b * mc.act_bytes_per_token, p["mbps"])
+        return float(decode_iteration_s(stages, hops, ring_s(net, seq, b), micro)[0])
     b, t = batch / micro, np.atleast_1d(np.asarray(chunk, dtype=float)).reshape(1, -1) / micro
     flops, nbytes = decode_work(mc, p["n"], b, context, p["last"])
     f2, b2 = span_work(mc, p["n"], t, np.asarray(chunk_ctx, dtype=float).reshape(1, -1))
@@ -336,12 +361,21 @@ def role_rates(evals: Sequence[ReplicaEval]) -> list[tuple[float, float, float]]
     return [(e.prefill_req_s, e.decode_req_s, e.mixed_req_s) for e in evals]
 
 
-def absorbed(rates: Sequence[tuple[float, float, float]], mixed: Sequence[int], excess: float) -> dict[int, float]:
+def absorbed(rates: Sequence[tuple[float, float, float]], mixed: Sequence[int], excess: float,
+             ranked: Sequence[int] | None = None) -> dict[int, float]:
     """Requests/s of prefilled prompts that each mixed replica decodes of `excess`: one costs it
     1/decode of its time, in which it would serve mixed/decode of its own prompts, so the best
-    trades (lowest mixed/decode) go first, each up to its decode rate; none that gains nothing."""
+    trades (lowest mixed/decode) go first, each up to its decode rate; none that gains nothing.
+    `ranked`: every replica in that order (`trade_order`), if already sorted."""
     out: dict[int, float] = {}
-    for i in sorted(mixed, key=lambda i: (rates[i][2] / max(rates[i][1], 1e-12), i)):
+    if excess <= 0:
+        return out
+    if ranked is None:
+        order = sorted(mixed, key=lambda i: (rates[i][2] / max(rates[i][1], 1e-12), i))
+    else:
+        among = set(mixed)
+        order = [i for i in ranked if i in among]
+    for i in order:
         d, h = rates[i][1], rates[i][2]
         if excess <= 0 or d <= h:
             break
@@ -350,13 +384,26 @@ def absorbed(rates: Sequence[tuple[float, float, float]], mixed: Sequence[int], 
     return out
 
 
-def capacity(rates: Sequence[tuple[float, float, float]], roles: Sequence[str]) -> tuple[float, float, dict[int, float]]:
+def trade_order(rates: Sequence[tuple[float, float, float]]) -> list[int]:
+    """Replicas by mixed/decode rate, lowest first: the order in which `absorbed` trades."""
+    return sorted(range(len(rates)), key=lambda i: (rates[i][2] / max(rates[i][1], 1e-12), i))
+
+
+def capacity(rates: Sequence[tuple[float, float, float]], roles: Sequence[str],
+             ranked: Sequence[int] | None = None) -> tuple[float, float, dict[int, float]]:
     """(requests/s, of which prefilled on one replica and decoded on another, what each mixed
-    replica decodes of them) for (prefill, decode, mixed req/s) per replica with these roles."""
-    p = sum(r[0] for r, role in zip(rates, roles) if role == "prefill")
-    d = sum(r[1] for r, role in zip(rates, roles) if role == "decode")
-    mixed = [i for i, role in enumerate(roles) if role == "mixed"]
+    replica decodes of them) for (prefill, decode, mixed req/s) per replica with these roles
+    (`ranked`: `trade_order(rates)`, if already sorted)."""
+    p = d = 0
+    mixed = []
+    for i, role in enumerate(roles):
+        if role == "prefill":
+            p += rates[i][0]
+        elif role == "decode":
+            d += rates[i][1]
+        elif role == "mixed":
+            mixed.append(i)
     pd = min(p, d)
-    ship = absorbed(rates, mixed, p - pd)
+    ship = absorbed(rates, mixed, p - pd, ranked)
     gain = sum(s * (1.0 - rates[i][2] / rates[i][1]) for i, s in ship.items())
     return sum(rates[i][2] for i in mixed) + pd + gain, pd + sum(ship.values()), ship
