@@ -45,6 +45,7 @@ from meshllm.partition.replica import (
 )
 
 NONE = -1
+ROLES_CACHE = 100_000  # groupings whose roles and capacity an Evaluator keeps
 CUT_NEIGHBOURS = 2  # cuts either side of the best pure prefill/decode cut whose surplus is turned mixed
 
 
@@ -133,18 +134,27 @@ class Evaluator:
         self.rank = [0] * len(self.members)
         for r, i in enumerate(ranked):
             self.rank[i] = r
+        self.by_rank = ranked  # member indices in canonical order
         kinds = {k: n for n, k in enumerate(sorted({m.key for m in self.members}))}
         self.kind = [kinds[m.key] for m in self.members]  # small int per interchangeable class
+        self.any_forced = any(f is not None for f in self.forced)
+        # (replica kind tuples, forced roles) -> (roles, capacity, link bound): a grouping's roles and
+        # capacity depend on its replicas' evaluations only, and those on the kinds
+        self.roles_cache: dict[tuple, tuple[tuple[str, ...], float, float]] = {}
 
     def replica(self, idx: Sequence[int]) -> tuple[tuple[int, ...], ReplicaEval]:
         """(member indices in the evaluation's canonical order, evaluation)."""
         canon = tuple(sorted(idx, key=self.rank.__getitem__))
+        return canon, self.evaluation(canon)[1]
+
+    def evaluation(self, canon: tuple[int, ...]) -> tuple[tuple[int, ...], ReplicaEval]:
+        """(kind key, evaluation) of the replica of `canon` (member indices in canonical order)."""
         key = tuple(self.kind[i] for i in canon)
         ev = self.cache.get(key)
         if ev is None:
             ev = evaluate_replica(self.mc, [self.members[i] for i in canon], self.net, self.mix, self.splitters)
             self.cache[key] = ev
-        return canon, ev
+        return key, ev
 
     def group_role(self, idx: Sequence[int]) -> str | None | bool:
         want = {self.forced[i] for i in idx} - {None}
@@ -152,21 +162,32 @@ class Evaluator:
 
     def decode(self, genes: Sequence[int]) -> Grouping:
         by_label: dict[int, list[int]] = {}
-        for i, g in enumerate(genes):
+        for i in self.by_rank:  # in canonical order, so each replica's members come out canonical
+            g = genes[i]
             if g != NONE:
                 by_label.setdefault(g, []).append(i)
-        groups, evals, forced = [], [], []
+        groups, evals, forced, keys = [], [], [], []
         for label in sorted(by_label):
-            canon, ev = self.replica(by_label[label])
-            role = self.group_role(canon)
+            canon = tuple(by_label[label])
+            key, ev = self.evaluation(canon)
+            role = self.group_role(canon) if self.any_forced else None
             if ev.ok and role is not False:
                 groups.append(canon)
                 evals.append(ev)
                 forced.append(role)
+                keys.append(key)
         if not groups:
             return Grouping((), (), (), 0.0)
+        sig = (tuple(keys), tuple(forced))
+        got = self.roles_cache.get(sig)
+        if got is not None:
+            return Grouping(tuple(groups), got[0], tuple(evals), got[1], None, got[2])
         fit, roles = assign_roles(role_rates(evals), forced)
-        return self.with_links(Grouping(tuple(groups), tuple(roles), tuple(evals), fit))
+        g = self.with_links(Grouping(tuple(groups), tuple(roles), tuple(evals), fit))
+        if len(self.roles_cache) >= ROLES_CACHE:
+            self.roles_cache.clear()
+        self.roles_cache[sig] = (g.roles, g.fitness, g.link_req_s)
+        return g
 
     def with_links(self, g: Grouping) -> Grouping:
         """`g` with its capacity capped by the shared zone links (a no-op without such links)."""
