@@ -77,3 +77,52 @@ def test_stage_batch_time_matches_prefill_and_decode_formulas():
     assert stage_batch_s(mc, dev, 8, [(1, 300)] * 4, last=True, logit_rows=4) == pytest.approx(
         stage_decode_s(mc, dev, 8, 4, 300, last=True), rel=0.02)
     assert stage_batch_s(mc, dev, 8, [(1, 300)] * 8) > stage_batch_s(mc, dev, 8, [(1, 300)] * 4)
+
+
+def test_pipeline_columns_cost_each_stage_exactly_as_the_per_stage_formulas():
+    """replica.py costs a pipeline's stages as numpy columns (one cached entry per pipeline);
+    every figure equals cost.py's per-stage formula for that device, bit for bit."""
+    import math
+    import random
+
+    from meshllm.device import load_device
+    from meshllm.partition.cost import decode_work, flops_per_s, prefill_work, transfer_s
+    from meshllm.partition.dp import Member, Net
+    from meshllm.partition.replica import (
+        MAX_DECODE_BATCH,
+        Mix,
+        decode_concurrency,
+        mixed_compute_req_s,
+        port_s,
+        prefill_stage_s,
+    )
+
+    mc, mix = model_costs(model_args("llama-3-8b")), Mix(700, 150)
+    net = Net({frozenset(("a", "b")): (30.0, 200.0)})
+    names = ["desktop-rtx-4090", "desktop-rtx-3060-12gb", "jetson-agx-orin-64gb", "mac-mini-m2", "intel-nuc-13-i7"]
+    rng = random.Random(4)
+    for _ in range(40):
+        k = rng.randint(1, 6)
+        seq = [Member(f"m{i}", load_device(rng.choice(names)), rng.choice("ab")) for i in range(k)]
+        counts = [rng.randint(1, 8) for _ in range(k)]
+        tokens = rng.choice([1.0, 57.0, 700.0])
+        stages, hops = prefill_stage_s(mc, seq, counts, net, tokens)
+        assert stages == [float(stage_prefill_s(mc, m.device, n, tokens, i == k - 1))
+                          for i, (m, n) in enumerate(zip(seq, counts))]
+        assert hops == [net.hop_s(a, b, tokens * mc.act_bytes_per_token) for a, b in zip(seq, seq[1:])]
+        want_port = 0.0
+        for i, (m, n) in enumerate(zip(seq, counts)):
+            act = tokens * mc.act_bytes_per_token
+            tx = act * (i < k - 1) + 3.0 * n * mc.kv_bytes_per_token
+            rx = act * (i > 0) + 5.0 * n * mc.kv_bytes_per_token
+            want_port = max(want_port, transfer_s(max(tx, rx), m.device.network_mbps))
+        assert port_s(mc, seq, counts, tokens, 3.0, 5.0) == want_port
+        want_seqs = MAX_DECODE_BATCH
+        for i, (m, n) in enumerate(zip(seq, counts)):
+            free = m.device.memory_bytes - mc.stage_weight_bytes(n, i == 0, i == k - 1)
+            want_seqs = min(want_seqs, math.floor(free / (n * mc.kv_bytes_per_token * (mix.mean_in + mix.mean_out))))
+        assert decode_concurrency(mc, seq, counts, mix) == max(0, want_seqs)
+        worst = max((prefill_work(mc, n, mix.mean_in, i == k - 1)[0]
+                     + decode_work(mc, n, mix.mean_out - 1, mix.decode_ctx, i == k - 1)[0]) / flops_per_s(m.device)
+                    for i, (m, n) in enumerate(zip(seq, counts)))
+        assert mixed_compute_req_s(mc, seq, counts, mix) == 1.0 / worst

@@ -116,6 +116,29 @@ def test_forced_roles_are_respected():
             assert role == "prefill"
 
 
+def test_replicas_of_the_same_device_kinds_reuse_a_groupings_roles_and_capacity():
+    """A grouping's roles and capacity depend only on its replicas' device kinds: swapping twins
+    between replicas is served from the Evaluator's cache, and agrees with a fresh evaluation."""
+    twins = ["desktop-rtx-4090", "desktop-rtx-3060-12gb", "jetson-agx-orin-64gb"]
+    members = [Member(f"n{i}", load_device(twins[i // 2]), "fog") for i in range(6)]
+
+    def fresh() -> Evaluator:
+        return Evaluator(model_costs(model_args("llama-3-8b")), members, NET, Mix(512, 128), [None] * 6)
+
+    ev = fresh()
+    a = ev.decode([0, 1, 0, 1, 0, 1])
+    assert len(a.groups) == 2 and a.fitness > 0 and len(ev.roles_cache) == 1
+    b = ev.decode([1, 0, 1, 0, 1, 0])  # each device swapped with its twin
+    assert len(ev.roles_cache) == 1  # a hit
+    assert [sorted(g) for g in b.groups] == [[1, 3, 5], [0, 2, 4]] and (b.roles, b.fitness) == (a.roles, a.fitness)
+    c = fresh().decode([1, 0, 1, 0, 1, 0])
+    assert (c.groups, c.roles, c.fitness, c.link_req_s) == (b.groups, b.roles, b.fitness, b.link_req_s)
+    forced = Evaluator(ev.mc, members, NET, ev.mix, ["prefill"] + [None] * 5)
+    forced.decode([0, 1, 0, 1, 0, 1])
+    d = forced.decode([1, 0, 1, 0, 1, 0])  # the same kinds, but a forced role moved: no hit
+    assert len(forced.roles_cache) == 2 and d.roles[1] == "prefill"
+
+
 @pytest.mark.slow
 def test_200_devices_80_layers_plan():
     """The 200-device llama-2-70b bench cluster plans end to end: both GA phases, DP and reasons.
