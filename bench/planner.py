@@ -14,7 +14,8 @@ side from one run, all policies on the same trace, router and simulator (meshllm
 - the goals of issue 8, each MET or NOT MET with its figure;
 - the GA's gain over greedy type-ordered packing (analytic capacity; greedy's simulated rows at
   the loads show it in the simulator).
-Then the planner's time against cluster size (subsets of the 200-device cluster; best of three runs).
+Then the planner's time against cluster size (subsets of the 200-device cluster; best of three runs,
+each in a fresh process, so no cache is warm).
 Writes bench/results/planner_<cluster>.png (wait and TTFT vs rate), planner_time_vs_size.png and
 planner.json. `--quick`: one cluster, three policies, shorter runs (a smoke test, ~1 min).
 """
@@ -164,25 +165,33 @@ def goals(res: dict) -> None:
               f"gain x{g['gain']:.3f}")
 
 
+def time_one_plan(cfg, seed: int) -> float | None:
+    """Seconds to plan `cfg` (None: infeasible); run in a fresh process, so no cache is warm."""
+    t0 = time.perf_counter()
+    try:
+        plan_cluster(plan_inputs(cfg), seed=seed, log=False)
+    except PlanInfeasible:
+        return None
+    return time.perf_counter() - t0
+
+
 def planner_time_vs_size(seed: int, sizes: tuple[int, ...]) -> list[tuple[int, str, float | None]]:
+    """Best of TIME_REPEATS plans per size and model, each in a fresh process (a user's `--plan`
+    runs once per process: the planner's process-wide caches start cold)."""
+    import multiprocessing
+
     base = load_cluster(REPO / "clusters/bench-mesh-200.yaml")
     out = []
-    for n in sizes:
-        step = len(base.nodes) / n
-        nodes = tuple(base.nodes[int(i * step)] for i in range(n))  # every k-th: keeps the mix
-        zones = {x.zone for x in nodes}
-        links = tuple(ln for ln in base.links if set(ln.zones) <= zones)
-        for model in ("llama-3-8b", "llama-2-70b"):
-            cfg = replace(base, nodes=nodes, links=links, model=model)
-            try:
-                took = []
-                for _ in range(TIME_REPEATS):
-                    t0 = time.perf_counter()
-                    plan_cluster(plan_inputs(cfg), seed=seed, log=False)
-                    took.append(time.perf_counter() - t0)
-                out.append((n, model, min(took)))
-            except PlanInfeasible:
-                out.append((n, model, None))
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        for n in sizes:
+            step = len(base.nodes) / n
+            nodes = tuple(base.nodes[int(i * step)] for i in range(n))  # every k-th: keeps the mix
+            zones = {x.zone for x in nodes}
+            links = tuple(ln for ln in base.links if set(ln.zones) <= zones)
+            for model in ("llama-3-8b", "llama-2-70b"):
+                cfg = replace(base, nodes=nodes, links=links, model=model)
+                took = [pool.submit(time_one_plan, cfg, seed).result() for _ in range(TIME_REPEATS)]
+                out.append((n, model, None if None in took else min(took)))
     return out
 
 
@@ -288,8 +297,8 @@ def main() -> int:
         print(f"\n(all clusters: {time.perf_counter() - t0:.0f} s with {a.jobs} processes; saturation: mean of "
               f"{seeds} trace(s))")
     times = planner_time_vs_size(a.seed, SIZES[:2] if a.quick else SIZES)
-    print("\n## planner time vs cluster size (one process, this machine; both GA phases + DP; best of "
-          f"{TIME_REPEATS} runs)")
+    print("\n## planner time vs cluster size (this machine; both GA phases + DP; best of "
+          f"{TIME_REPEATS} runs, each in a fresh process)")
     print(f"{'devices':>8s} {'model':>12s} {'planner s':>10s}")
     for n, model, t in times:
         print(f"{n:8d} {model:>12s} {('infeasible' if t is None else f'{t:.2f}'):>10s}")
