@@ -95,6 +95,21 @@ def test_duplicate_id_conflicts() -> None:
     assert not m.conflicts(info("b", inc=5, address="127.0.0.1:9999"))  # the old one is dead: take over
 
 
+def test_a_duplicate_never_takes_a_live_peers_id() -> None:
+    """A newer incarnation of a live peer's id from another address (a duplicate's own PEERS
+    entry, first-hand, or gossip of it) leaves the holder where it is; once the holder is dead
+    the id is free again."""
+    m = table()
+    m.observe(info(inc=1), 0.0, first_hand=True)
+    assert m.observe(info(inc=9, address="127.0.0.1:9999"), 0.1, first_hand=True) is None
+    assert m.observe(info(inc=9, address="127.0.0.1:9999"), 0.2, first_hand=False) is None
+    assert m.get("b").info.address == "127.0.0.1:7702" and m.get("b").info.incarnation == 1
+    assert m.heartbeat("b", 1, 0.4) is None and m.get("b").state is PeerState.ALIVE
+    m.tick(3.0)
+    tr = m.observe(info(inc=9, address="127.0.0.1:9999"), 3.1, first_hand=True)
+    assert tr is not None and m.get("b").info.address == "127.0.0.1:9999"
+
+
 def test_self_is_never_a_peer_and_timeouts_are_configurable() -> None:
     m = Membership("a", heartbeat_interval_s=0.1, failure_timeout_s=0.4)
     assert m.observe(info("a"), 0.0, first_hand=True) is None and m.peers() == []

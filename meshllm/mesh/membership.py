@@ -106,8 +106,11 @@ class Membership:
 
     # -- events -----------------------------------------------------------------------------
     def observe(self, info: PeerInfo, now: float, *, first_hand: bool) -> Transition | None:
-        """A HELLO (first-hand) or a gossip entry (second-hand) about `info.id`."""
-        if info.id == self.self_id:
+        """A HELLO (first-hand) or a gossip entry (second-hand) about `info.id`. A claim to the id
+        of a live peer from another address is a duplicate id, whatever its incarnation: the
+        holder keeps the id (a PEERS answer from a duplicate that someone greeted, e.g. found by
+        mDNS, must not move the peer to the duplicate's address)."""
+        if info.id == self.self_id or self.conflicts(info):
             return None
         p = self._peers.get(info.id)
         if p is None or info.incarnation > p.info.incarnation:
