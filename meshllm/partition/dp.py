@@ -8,9 +8,9 @@ covered) finds the exact optimum in O(k * L^2), vectorised with numpy:
 
     f[i][j] = min over n in 1..j-1 of max(f[i-1][j-n], table[i, n-1])
 
-Rows are non-decreasing in n, so for replicas of more than DP_MAX_STAGES stages the same
-optimum is found faster by `threshold_split` (binary search on the bottleneck; the property
-test checks both against brute force).
+Rows are non-decreasing in n, so the optimum itself has a closed form in O(k * L)
+(`min_bottleneck`), and for replicas of more than DP_MAX_STAGES stages `threshold_split`
+builds a split at it faster than the DP (the property test checks both against brute force).
 
 Device order. The first stage also holds the embedding, the last the LM head, and the links
 depend on neighbours, so order matters. Replicas of <= EXACT_ORDER_MAX devices try every
@@ -19,6 +19,8 @@ planner, where thousands of replica shapes are split, and `exact_max=6` is exact
 property test). Larger replicas use a heuristic: group members by zone (zones with more
 compute first, which keeps the slow inter-zone links to a minimum), and within a zone try
 compute-descending, compute-ascending and memory-descending orders; the best one is kept.
+Orders are ranked by `min_bottleneck` (with their links), and only the first of the least
+is split layer by layer.
 """
 
 from __future__ import annotations

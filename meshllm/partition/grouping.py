@@ -59,16 +59,12 @@ class Grouping:
     link_req_s: float = math.inf  # requests/s the shared zone links let through (links.py)
 
 
-def _convert_surplus(rates, roles: list[str], p: float, d: float, side: Sequence[int],
-                     ranked: tuple[list[int], list[int]]) -> float:
-    """Turn replicas of the larger pool mixed while that adds capacity; returns the capacity.
-    `ranked[big]`: every replica by mixed rate per unit of the big pool's rate, highest first."""
+def _convert_surplus(rates, roles: list[str], p: float, d: float, side: list[int]) -> float:
+    """Turn replicas of the larger pool mixed while that adds capacity; returns the capacity."""
     big = 0 if p > d else 1
-    among = set(side)
+    side = sorted(side, key=lambda i: (-rates[i][2] / max(rates[i][big], 1e-12), i))
     mixed = 0.0
-    for i in ranked[big]:
-        if i not in among:
-            continue
+    for i in side:
         r, h = rates[i][big], rates[i][2]
         np_, nd = (p - r, d) if big == 0 else (p, d - r)
         if h + min(np_, nd) > min(p, d):
@@ -83,12 +79,15 @@ def assign_roles(rates: Sequence[tuple[float, float, float]],
     n = len(rates)
     if n == 1 and forced[0] is None:
         return rates[0][2], ["mixed"]
-    fixed_p = sum(r[0] for r, f in zip(rates, forced, strict=True) if f == "prefill")
-    fixed_d = sum(r[1] for r, f in zip(rates, forced, strict=True) if f == "decode")
+    if len(forced) != n:
+        raise ValueError(f"{n} replicas but {len(forced)} forced roles")
+    if forced.count(None) == n:  # nothing forced (the usual case): no pass over the replicas
+        fixed_p = fixed_d = 0
+    else:
+        fixed_p = sum(r[0] for r, f in zip(rates, forced, strict=True) if f == "prefill")
+        fixed_d = sum(r[1] for r, f in zip(rates, forced, strict=True) if f == "decode")
     free = sorted((i for i in range(n) if forced[i] is None), key=lambda i: (-rates[i][0] / max(rates[i][1], 1e-12), i))
     trades = trade_order(rates)
-    surplus = tuple(sorted(range(n), key=lambda i, big=big: (-rates[i][2] / max(rates[i][big], 1e-12), i))
-                    for big in (0, 1))
     base = [f or "decode" for f in forced]
     every_mixed = [r if forced[i] else "mixed" for i, r in enumerate(base)]
     best = (capacity(rates, every_mixed, trades)[0], every_mixed)
@@ -110,7 +109,7 @@ def assign_roles(rates: Sequence[tuple[float, float, float]],
         feeding = list(roles)  # the same prefill pool feeding mixed replicas instead of a decode pool
         for i in free[m:]:
             feeding[i] = "mixed"
-        _convert_surplus(rates, roles, p, d, free[:m] if p > d else free[m:], surplus)
+        _convert_surplus(rates, roles, p, d, free[:m] if p > d else free[m:])
         for option in (roles, feeding):
             cap = capacity(rates, option, trades)[0]
             if cap > best[0] * (1 + 1e-12):

@@ -161,9 +161,10 @@ def decode_concurrency(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[i
 def prefill_stage_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], net: Net,
                     tokens: float) -> tuple[list[float], list[float]]:
     """(seconds per stage, seconds per link) of one prompt of `tokens` tokens."""
-    p = pipe_arrays(seq, counts, net)
+    p = pipe_arrays(seq, counts)
+    half_rtt, mbps = pipe_hops(p, seq, net)
     stages = roofline_at(*prefill_work(mc, p["n"], tokens, p["last"]), p["flop_s"], p["byte_s"])
-    hops = p["half_rtt"] + transfer_s(tokens * mc.act_bytes_per_token, p["mbps"])
+    hops = half_rtt + transfer_s(tokens * mc.act_bytes_per_token, mbps)
     return stages.ravel().tolist(), hops.ravel().tolist()
 
 
@@ -191,26 +192,33 @@ def _hop_cols(net: Net, a: Member, b: Member) -> tuple:
     return got
 
 
-def pipe_arrays(seq: Sequence[Member], counts: Sequence[int], net: Net | None = None) -> dict:
+def pipe_arrays(seq: Sequence[Member], counts: Sequence[int]) -> dict:
     """Per-stage numpy columns of a pipeline (layers, first and last flags, FLOP/s, bytes/s,
-    memory bytes, port Mb/s) and, with `net`, per-link ones (rtt/2, Mb/s), so a step is costed for
-    all stages and chunk sizes at once. Cached by the members' kinds (what the columns depend on)."""
+    memory bytes, port Mb/s), so a step is costed for all stages and chunk sizes at once. Cached
+    by the members' kinds (what the columns depend on); `pipe_hops` adds the links."""
     key = (tuple(m.kind for m in seq), tuple(counts))
     got = _PIPES.get(key)
-    k = len(seq)
     if got is None:
         if len(_PIPES) >= PIPE_CACHE:
             _PIPES.clear()
+        k = len(seq)
         dev = np.array([_kind_cols(m) for m in seq], dtype=float)
         flags = np.zeros((k, 2))
         flags[0, 0] = flags[-1, 1] = 1.0
         got = _PIPES[key] = {
             "n": np.array(counts, dtype=float).reshape(k, 1), "first": flags[:, :1], "last": flags[:, 1:],
-            "flop_s": dev[:, 0:1], "byte_s": dev[:, 1:2], "memory": dev[:, 2:3], "port": dev[:, 3:4], "net": None}
-    if net is not None and got["net"] is not net:
-        hops = np.array([_hop_cols(net, a, c)[:2] for a, c in zip(seq, seq[1:])], dtype=float).reshape(k - 1, 2)
-        got["half_rtt"], got["mbps"], got["net"] = hops[:, :1], hops[:, 1:], net
+            "flop_s": dev[:, 0:1], "byte_s": dev[:, 1:2], "memory": dev[:, 2:3], "port": dev[:, 3:4], "hops": {}}
     return got
+
+
+def pipe_hops(p: dict, seq: Sequence[Member], net: Net) -> tuple[np.ndarray, np.ndarray]:
+    """The per-link columns (rtt/2 seconds, Mb/s) of pipeline `p` (pipe_arrays) of `seq` on `net`,
+    cached in `p` per net (the net is kept with them, so its id is not reused meanwhile)."""
+    got = p["hops"].get(id(net))
+    if got is None or got[2] is not net:
+        cols = np.array([_hop_cols(net, a, c)[:2] for a, c in zip(seq, seq[1:])], dtype=float).reshape(-1, 2)
+        got = p["hops"][id(net)] = (cols[:, :1], cols[:, 1:], net)
+    return got[0], got[1]
 
 
 def fused_step_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], net: Net, batch: float,
@@ -219,20 +227,21 @@ def fused_step_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], n
     prompts) micro-batches, while `chunk` tokens of `prompts` prompts (attending as one span
     ending at `chunk_ctx`) ride along, split over the micro-batches (chunked prefill, Sarathi /
     vLLM). `chunk` / `chunk_ctx` may be numpy arrays (one step time per chunk size)."""
-    k, p = len(seq), pipe_arrays(seq, counts, net)
+    k, p = len(seq), pipe_arrays(seq, counts)
+    half_rtt, mbps = pipe_hops(p, seq, net)
     micro = max(1, min(k, math.ceil(batch) + prompts))
     scalar = np.ndim(chunk) == 0
     if scalar and chunk == 0:  # a plain decode step: the same sums with the chunk's zeros left out
         b = batch / micro
         flops, nbytes = decode_work(mc, p["n"], b, context, p["last"])
         stages = roofline_at(flops, nbytes, p["flop_s"], p["byte_s"])
-        hops = p["half_rtt"] + transfer_s(b * mc.act_bytes_per_token, p["mbps"])
+        hops = half_rtt + transfer_s(b * mc.act_bytes_per_token, mbps)
         return float(decode_iteration_s(stages, hops, ring_s(net, seq, b), micro)[0])
     b, t = batch / micro, np.atleast_1d(np.asarray(chunk, dtype=float)).reshape(1, -1) / micro
     flops, nbytes = decode_work(mc, p["n"], b, context, p["last"])
     f2, b2 = span_work(mc, p["n"], t, np.asarray(chunk_ctx, dtype=float).reshape(1, -1))
     stages = roofline_at(flops + f2, nbytes + np.where(t > 0, b2 / micro, 0.0), p["flop_s"], p["byte_s"])
-    hops = p["half_rtt"] + transfer_s((b + t) * mc.act_bytes_per_token, p["mbps"])  # (k - 1, chunks)
+    hops = half_rtt + transfer_s((b + t) * mc.act_bytes_per_token, mbps)  # (k - 1, chunks)
     out = decode_iteration_s(stages, hops, ring_s(net, seq, b), micro)
     return float(out[0]) if scalar else out
 
@@ -374,7 +383,7 @@ def absorbed(rates: Sequence[tuple[float, float, float]], mixed: Sequence[int], 
         order = sorted(mixed, key=lambda i: (rates[i][2] / max(rates[i][1], 1e-12), i))
     else:
         among = set(mixed)
-        order = [i for i in ranked if i in among]
+        order = [i for i in ranked if i in among] if len(among) < len(ranked) else ranked
     for i in order:
         d, h = rates[i][1], rates[i][2]
         if excess <= 0 or d <= h:
