@@ -165,6 +165,14 @@ def goals(res: dict) -> None:
               f"gain x{g['gain']:.3f}")
 
 
+def python_loop_s() -> float:
+    """CPU seconds of a plain Python loop of 10^7 additions: how fast this (shared) box runs now."""
+    t0, total = time.process_time(), 0
+    for i in range(10**7):
+        total += i
+    return time.process_time() - t0
+
+
 def time_one_plan(cfg, seed: int) -> float | None:
     """Seconds to plan `cfg` (None: infeasible); run in a fresh process, so no cache is warm."""
     t0 = time.perf_counter()
@@ -296,9 +304,12 @@ def main() -> int:
     if chosen:
         print(f"\n(all clusters: {time.perf_counter() - t0:.0f} s with {a.jobs} processes; saturation: mean of "
               f"{seeds} trace(s))")
+    loop_s = python_loop_s()
     times = planner_time_vs_size(a.seed, SIZES[:2] if a.quick else SIZES)
+    loop_s = min(loop_s, python_loop_s())
     print("\n## planner time vs cluster size (this machine; both GA phases + DP; best of "
           f"{TIME_REPEATS} runs, each in a fresh process)")
+    print(f"(this machine's speed: a Python loop of 10^7 additions, best of two, before and after: {loop_s:.2f} s)")
     print(f"{'devices':>8s} {'model':>12s} {'planner s':>10s}")
     for n, model, t in times:
         print(f"{n:8d} {model:>12s} {('infeasible' if t is None else f'{t:.2f}'):>10s}")
