@@ -379,11 +379,9 @@ def absorbed(rates: Sequence[tuple[float, float, float]], mixed: Sequence[int], 
     out: dict[int, float] = {}
     if excess <= 0:
         return out
-    if ranked is None:
-        order = sorted(mixed, key=lambda i: (rates[i][2] / max(rates[i][1], 1e-12), i))
-    else:
-        among = set(mixed)
-        order = [i for i in ranked if i in among] if len(among) < len(ranked) else ranked
+    ranked = trade_order(rates) if ranked is None else ranked
+    among = set(mixed)
+    order = [i for i in ranked if i in among] if len(among) < len(ranked) else ranked
     for i in order:
         d, h = rates[i][1], rates[i][2]
         if excess <= 0 or d <= h:
