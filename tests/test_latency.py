@@ -1,10 +1,11 @@
 """The planner's fast latency estimate (partition/latency.py) checked against the simulator, and
 the analytic capacity against simulated saturation, on single replicas and small groupings.
 
-Measured (llama-3-8b int4, 512/128-token lognormal requests, 20% and 50% load): end-to-end
-latency within ~10%, TTFT within ~30%; the waiting time of disaggregated replicas within ~35%,
-of mixed replicas 1.5-4x low (it misses the per-step slow-down of chunked prefill); that is why
-the final choice between candidate plans is the simulator's (sim/judge.py)."""
+Measured (llama-3-8b int4, 512/128-token lognormal requests, 20% and 50% load): TTFT within
+~20%; the waiting time of disaggregated replicas within ~35%, of mixed replicas 1.4-3.7x low
+(it misses the per-step slow-down of chunked prefill), so their end-to-end latency is 0.72-0.95x
+the simulator's (disaggregated: within ~6%); that is why the final choice between candidate
+plans is the simulator's (sim/judge.py)."""
 
 from __future__ import annotations
 
@@ -52,12 +53,13 @@ def test_prediction_tracks_the_simulator(setting, case, load):
     rate = load * sweep.capacity_hint(reps)
     pred, sim = ev.latency(g, rate), metrics(sweep.simulate(reps, trace, rate))
     assert pred.ttft_s * 1000 == pytest.approx(sim["mean_ttft_ms"], rel=0.35)
-    assert pred.e2e_s * 1000 == pytest.approx(sim["mean_e2e_ms"], rel=0.25)
-    wait = sim["mean_wait_ms"] / 1000
+    wait, e2e = sim["mean_wait_ms"] / 1000, sim["mean_e2e_ms"] / 1000
     if "mixed" in g.roles:
         assert wait / 5 <= pred.wait_s <= wait * 1.25  # low, by a bounded factor
+        assert 0.65 * e2e <= pred.e2e_s <= 1.1 * e2e  # ... and so is the end-to-end latency
     else:
         assert pred.wait_s == pytest.approx(wait, rel=0.4)
+        assert pred.e2e_s == pytest.approx(e2e, rel=0.15)
 
 
 def test_analytic_capacity_tracks_simulated_saturation(setting):

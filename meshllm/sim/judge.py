@@ -97,7 +97,7 @@ def saturation(inp: PlanInputs, g: Grouping, reps, requests: int = JUDGE_SWEEP_R
     got = _SATURATION.get(key)
     if got is None:
         most = max(requests, JUDGE_MAX_REQUESTS * requests // JUDGE_SWEEP_REQUESTS)
-        s = sweep.Sweep(reps, inp, seed, requests, JUDGE_WINDOW, most)
+        s = sweep.Sweep(reps, inp, seed, requests, JUDGE_WINDOW, most, confirm=False)
         got = _SATURATION[key] = s.saturation(JUDGE_BISECT_STEPS)
     return got
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshllm.defaults import DECODE_TARGETS
-from meshllm.partition.cost import pipeline_s
+from meshllm.partition.cost import flops_per_s, pipeline_s
 from meshllm.partition.dp import Member
 from meshllm.partition.grouping import Grouping
 from meshllm.partition.inputs import PlanInputs
@@ -23,7 +23,7 @@ from meshllm.partition.replica import (
 )
 
 CTX_BUCKET = 64  # tokens: step times are cached per context rounded to this (attention is a small term)
-CHUNK_BUCKET = 16  # tokens: prompt chunks are rounded down to this in the cache (a free chunk stays free)
+CHUNK_BUCKET = 16  # tokens: step times are cached at prompt chunks of multiples of this, interpolated between
 MIN_CHUNK = 16  # prompt tokens per step a mixed replica prefills at least (progress on a compute-bound step)
 LONE_DRAIN_STEPS = 16  # ... and at least 1/LONE_DRAIN_STEPS of a lone prompt's tokens,
 DRAIN_STEPS = 8  # or 1/DRAIN_STEPS of the queued prompt tokens when more prompts wait (the backlog drains)
@@ -70,8 +70,18 @@ class SimReplica:
                       prompts: int = 0) -> float:
         """Seconds for every one of `batch` sequences to get one more token (pipelined
         micro-batches), with `chunk` prompt tokens riding along (mixed replicas): in the decode
-        micro-batches, or, if `prompts` > 0, as that many more sequences."""
-        chunk = max(1, chunk // CHUNK_BUCKET * CHUNK_BUCKET) if chunk else 0
+        micro-batches, or, if `prompts` > 0, as that many more sequences. A chunk between two
+        multiples of CHUNK_BUCKET costs the straight line between theirs (above the step time,
+        which is convex in the chunk: a maximum of linear terms)."""
+        lo = chunk // CHUNK_BUCKET * CHUNK_BUCKET
+        if lo == chunk:
+            return self.step_s(batch, context, chunk, chunk_ctx, prompts)
+        below = self.step_s(batch, context, lo, chunk_ctx, prompts)
+        above = self.step_s(batch, context, lo + CHUNK_BUCKET, chunk_ctx, prompts)
+        return below + (above - below) * (chunk - lo) / CHUNK_BUCKET
+
+    def step_s(self, batch: int, context: float, chunk: int, chunk_ctx: float, prompts: int) -> float:
+        """decode_iter_s at a chunk of a multiple of CHUNK_BUCKET tokens, cached."""
         prompts = prompts if chunk else 0
         key = ("d", batch, int(context) // CTX_BUCKET, chunk, int(chunk_ctx) // CTX_BUCKET if chunk else 0, prompts)
         got = self.cache.get(key)
@@ -80,6 +90,15 @@ class SimReplica:
             cctx = max(chunk, (key[4] + 0.5) * CTX_BUCKET) if chunk else 0.0
             got = self.cache[key] = fused_step_s(self.inp.mc, self.members, self.counts, self.inp.net, batch, ctx,
                                                  chunk, cctx, prompts)
+        return got
+
+    def head_s(self) -> float:
+        """Seconds the last stage spends on the LM head for one token at its compute: what a
+        prompt that ends inside a fused decode step adds to it (its first output token;
+        span_work leaves the head out). At most that much: a memory-bound step may hide it."""
+        got = self.cache.get("head")
+        if got is None:
+            got = self.cache["head"] = self.inp.mc.head_flops_per_token / flops_per_s(self.members[-1].device)
         return got
 
     def free_chunk(self, batch: int, context: float, prompt: int) -> int:

@@ -26,8 +26,11 @@
   a request could join. Their activations
   are booked on the ports when the run ends (work-conserving: they delay KV arriving later).
 - Mixed replicas never ship KV; they prefill in chunks that ride along their decode steps
-  (chunked prefill, as vLLM and Sarathi-Serve do): one prompt at a time, as many of its
-  tokens per step as the compute a memory-bound step leaves idle (`free_chunk`), unless at
+  (chunked prefill, as vLLM and Sarathi-Serve do): each step takes as many prompt tokens as
+  the compute a memory-bound step leaves idle (`free_chunk`, more while a backlog drains:
+  `chunk_tokens`), from as many queued prompts, in order, as that budget holds (as the live
+  leader fills its token budget, roles/leader.py; short prompts no longer take a step each:
+  meshllm on demo, failure, multi-tenant and wan sustains 2.5-3x the rate it did), unless at
   least as many prompts wait as sequences decode: then whole prompts at once (every decoding
   sequence waits the extra step time, but fewer requests wait than when the prompts queue).
   A lone prompt beside one decoding sequence goes whichever way adds less waiting
@@ -228,11 +231,16 @@ class Simulator:
         return bool(st.waiting) or (not st.prefilling and bool(st.queue))
 
     def start_prompts(self, st: RepState) -> None:
-        """Mixed: one prompt in progress, riding along the decode steps; or, when at least as many
-        prompts wait as sequences decode, whole prompts, as many as the pipeline has stages (a
-        lone prompt starts alone either way; run_steps decides whether it goes whole)."""
-        most = len(st.rep.members) if st.load.prefill_queued >= len(st.active) else 1
-        while st.queue and len(st.active) + len(st.prefilling) < st.load.max_batch and len(st.prefilling) < most:
+        """Mixed: prompts riding along the decode steps in chunks, as many as the step's prompt
+        budget holds (`prompt_budget`; as roles/leader.py fills its token budget with several
+        prompts' chunks); or, when at least as many prompts wait as sequences decode, whole
+        prompts, as many as the pipeline has stages (a lone prompt starts alone either way;
+        run_steps decides whether it goes whole)."""
+        whole = st.load.prefill_queued >= len(st.active)
+        budget = 0 if whole or not st.queue else self.prompt_budget(st, st.queue[self.next_prompt(st)].n_in)
+        while st.queue and len(st.active) + len(st.prefilling) < st.load.max_batch and (
+                len(st.prefilling) < (len(st.rep.members) if whole else 1)
+                or (not whole and sum(r.n_in - done for r, done in st.prefilling) < budget)):
             i = self.next_prompt(st)
             req = st.queue[i]
             del st.queue[i]
@@ -246,29 +254,54 @@ class Simulator:
         q = st.queue
         return min(range(len(q)), key=lambda i: (prompt_priority(q[i].n_in, self.now - q[i].arrival), i))
 
-    def run_steps(self, st: RepState) -> None:
-        """Start a run of identical steps: until a sequence finishes or the prompts are prefilled."""
+    @staticmethod
+    def decode_context(st: RepState) -> float:
         b = len(st.active)
-        ctx = sum(r.n_in + r.n_out - left for r, left, _ in st.active) / b if b else 0.0
+        return sum(r.n_in + r.n_out - left for r, left, _ in st.active) / b if b else 0.0
+
+    def prompt_budget(self, st: RepState, head: int) -> int:
+        """Prompt tokens a mixed replica's next decode step takes (SimReplica.chunk_tokens), from
+        as many prompts as it needs, the next one `head` tokens long."""
+        backlog = st.load.prefill_queued_tokens
+        return st.rep.chunk_tokens(len(st.active), self.decode_context(st), max(head, backlog), backlog,
+                                   st.load.prefill_queued)
+
+    def run_steps(self, st: RepState) -> None:
+        """Start a run of identical steps: until a sequence finishes or a prompt is prefilled."""
+        b = len(st.active)
+        ctx = self.decode_context(st)
         base = st.rep.decode_iter_s(b, ctx) if b else 0.0
         iters = min((left - part for _, left, part in st.active), default=math.inf)
         chunk, pos, prompts = 0, 0.0, 0
         micro = max(1, min(len(st.rep.members), b))  # micro-batches of a step (replica.fused_step_s)
-        if len(st.prefilling) > 1 or (st.prefilling and st.rep.goes_whole(
-                b, ctx, st.load.prefill_queued, st.prefilling[0][0].n_in - st.prefilling[0][1],
-                st.load.prefill_queued_tokens)):  # whole prompts
-            lefts = [r.n_in - done for r, done in st.prefilling]
+        lefts = [r.n_in - done for r, done in st.prefilling]
+        whole = st.load.prefill_queued >= b and (len(lefts) > 1 or (lefts and st.rep.goes_whole(
+            b, ctx, st.load.prefill_queued, lefts[0], st.load.prefill_queued_tokens)))
+        heads = 0.0  # prompts ending in a step: their first token's LM head
+        if whole:
             chunk, iters, prompts, micro = sum(lefts), 1, len(lefts), 1  # a whole prompt's step is not cut
             pos = chunk / 2 + sum(x * x for x in lefts) / (2 * chunk)  # attention of separate prompts
+            heads = len(lefts)
+        elif len(lefts) > 1:  # chunks of several prompts, in order, fill the budget: one step
+            chunk = min(sum(lefts), self.prompt_budget(st, lefts[0]))
+            parts, rest = [], chunk
+            for (_, done), left in zip(st.prefilling, lefts):
+                parts.append((min(left, rest), done, left))
+                rest -= parts[-1][0]
+            parts = [part for part in parts if part[0] > 0]
+            iters, prompts = 1, len(parts)
+            pos = chunk / 2 + sum(n * (done + n / 2) for n, done, _ in parts) / chunk  # separate spans
+            heads = sum(1 for n, _, left in parts if n == left)
         elif st.prefilling:
             req, done = st.prefilling[0]
-            chunk = min(req.n_in - done, st.rep.chunk_tokens(b, ctx, req.n_in, st.load.prefill_queued_tokens,
-                                                              st.load.prefill_queued))
-            iters, pos = min(iters, math.ceil((req.n_in - done) / chunk)), done + chunk
+            chunk = min(lefts[0], self.prompt_budget(st, req.n_in))
+            steps = math.ceil(lefts[0] / chunk)
+            iters, pos = min(iters, steps), done + chunk
+            heads = 1.0 / iters if steps <= iters else 0.0  # the run's last step ends the prompt
         if chunk and not b and len(st.prefilling) == 1 and st.prefilling[0][1] == 0:
-            step, micro = st.rep.prefill_s(chunk)[1], 1  # a whole prompt alone
+            step, micro = st.rep.prefill_s(chunk)[1], 1  # a whole prompt alone (its head included)
         else:
-            step = st.rep.decode_iter_s(b, ctx, chunk, pos, prompts)
+            step = st.rep.decode_iter_s(b, ctx, chunk, pos, prompts) + heads * st.rep.head_s()
         st.load.tokens_left = sum(left for _, left, _ in st.active) / b if b else 0.0
         st.busy, st.chunk = True, (self.now, step, iters, chunk, base, micro)
         self.push(self.now + step * iters, self.on_chunk, st, st.version)
