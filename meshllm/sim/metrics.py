@@ -17,7 +17,7 @@ leaves compute idle, which chunked prefill fills, so the two phases overlap on a
 rate is bounded by all the FLOPs at the devices' compute, and separately by the decode FLOPs
 at those decode caps (`decode_memory_rate_per_s`), not by a time-share of the two (one that
 split each device's time between the phases came out at 636 req/s on mesh-six, where
-meshllm's simulated saturation is 886-911 req/s). On every cluster in clusters/ the decode-memory rate
+meshllm's simulated saturation is 871-889 req/s). On every cluster in clusters/ the decode-memory rate
 is 1.2-4.9x the FLOPs one, so the FLOPs bound binds. Every relaxation is on the bound's side
 (the KV of a sequence at its mean decode context, no embedding or head weights, no pipeline
 bubbles, links or KV shipping). No plan can beat it; each policy's saturation is reported as
