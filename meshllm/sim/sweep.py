@@ -30,7 +30,8 @@ seconds at rate lambda, Poisson arrivals alone move the wait by ~sqrt(T / lambda
 overload of e adds e x T. On the fast SmolLM2 clusters (N of a few thousand, T of a few
 seconds) the resolution is thus ~2% (BOUND_RESOLUTION): without the confirmation, plans that
 keep every device busy came out at up to 1.02x the physical bound (metrics.py), which no plan
-can beat; with it, 0.93-0.97x, and at most BOUND_RESOLUTION above it on other traces.
+can beat; with it, at most 0.972x on any of the planner bench's traces (bench/results/planner.txt),
+and a result up to BOUND_RESOLUTION above the bound means "at the bound".
 """
 
 from __future__ import annotations
