@@ -127,9 +127,12 @@ def split_load(costs: Sequence[float], caps: Sequence[float], lam: float) -> lis
 
 def predict(evals: Sequence[ReplicaEval], roles: Sequence[str], lam: float, mix: Mix,
             cs2_in: float, cs2_out: float) -> Prediction:
-    """Mean wait / TTFT / e2e of the grouping at `lam` requests/s (inf at or above capacity).
-    Load goes where the router would send it (`split_load`): a slow replica gets none at low
-    load, and every class serves at most UTIL_MAX of its capacity."""
+    """Mean wait / TTFT / e2e of the grouping at `lam` requests/s (inf at or above capacity,
+    or where a class's own queue model saturates first: `mixed` counts a backlog's prompts one
+    whole-prompt occupancy each, so a replica whose step has a large fixed cost against its
+    short prompts, the cloud GPU of clusters/wan.yaml, comes out at inf well below its
+    capacity). Load goes where the router would send it (`split_load`): a slow replica gets
+    none at low load."""
     pre = [e.prefill for e, r in zip(evals, roles) if r == "prefill" and e.prefill]
     dec = [e.decode for e, r in zip(evals, roles) if r == "decode" and e.decode]
     cap, pd_cap, ship = capacity(role_rates(evals), roles)
