@@ -30,7 +30,7 @@
   the compute a memory-bound step leaves idle (`free_chunk`, more while a backlog drains:
   `chunk_tokens`), from as many queued prompts, in order, as that budget holds (as the live
   leader fills its token budget, roles/leader.py; short prompts no longer take a step each:
-  meshllm on demo, failure, multi-tenant and wan sustains 2.5-3x the rate it did), unless at
+  meshllm on demo, failure, multi-tenant and wan sustains 2.3-3x the rate it did), unless at
   least as many prompts wait as sequences decode: then whole prompts at once (every decoding
   sequence waits the extra step time, but fewer requests wait than when the prompts queue).
   A lone prompt beside one decoding sequence goes whichever way adds less waiting
