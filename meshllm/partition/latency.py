@@ -12,8 +12,11 @@ equally loaded, so each class of replicas runs at the same utilisation rho = lam
     each held for a request's decode; the decode itself runs at the batch the load implies
     (Little), its step time interpolated between batch 1 and the full batch;
 - each mixed replica: prompts are prefilled in chunks riding along its decode steps, stretched
-  to the compute those steps leave idle (an M/G/1 queue of such stretched prefills); prompt
-  tokens beyond that idle compute slow every decoding sequence, which counts as their wait.
+  to the compute those steps leave idle (an M/G/1 queue of such stretched prefills); under a
+  backlog several prompts share a step, each costing only its own compute (`RoleFit.chunk_s`,
+  not a step's fixed cost: with that, a GPU serving 16-token prompts queued as if one prompt a
+  step and came out at inf wait at 0.7x its capacity); prompt tokens beyond the idle compute
+  slow every decoding sequence, which counts as their wait.
 The simulator is the judge; tests/test_latency.py checks this estimate against it.
 """
 
@@ -97,11 +100,13 @@ def mixed(fit: RoleFit, lam: float, mix: Mix, cs2_in: float) -> tuple[float, flo
     alone = fit.prefill_s
     free_rate = free_at(fit, batch) / step if batch >= 1 else 0.0  # prompt tokens/s riding free
     stretched = max(alone, mix.mean_in / free_rate) if free_rate > 0 else alone
+    per_prompt = fit.chunk_s or fit.occupancy_s  # a prompt's compute when chunked with others
     if lam * stretched < 0.7:
         queue = mg1_wait(lam, stretched, cs2_in)
-    else:  # a backlog: the replica prefills at full speed (chunks grow with its queue)
-        queue, stretched = mg1_wait(lam, fit.occupancy_s, cs2_in), alone
-    excess = max(0.0, lam * mix.mean_in - free_rate) * fit.occupancy_s / mix.mean_in  # s/s of compute
+    else:  # a backlog: the replica prefills at full speed, several prompts per step (chunks grow
+        # with its queue), each costing its own compute, not a step's fixed cost
+        queue, stretched = mg1_wait(lam, per_prompt, cs2_in), alone
+    excess = max(0.0, lam * mix.mean_in - free_rate) * per_prompt / mix.mean_in  # s/s of compute
     if excess >= 1 or queue == INF:
         return INF, INF, INF
     run = (mix.mean_out - 1) * step
@@ -128,11 +133,8 @@ def split_load(costs: Sequence[float], caps: Sequence[float], lam: float) -> lis
 def predict(evals: Sequence[ReplicaEval], roles: Sequence[str], lam: float, mix: Mix,
             cs2_in: float, cs2_out: float) -> Prediction:
     """Mean wait / TTFT / e2e of the grouping at `lam` requests/s (inf at or above capacity,
-    or where a class's own queue model saturates first: `mixed` counts a backlog's prompts one
-    whole-prompt occupancy each, so a replica whose step has a large fixed cost against its
-    short prompts, the cloud GPU of clusters/wan.yaml, comes out at inf well below its
-    capacity). Load goes where the router would send it (`split_load`): a slow replica gets
-    none at low load."""
+    or where a class's own queue model saturates first). Load goes where the router would send
+    it (`split_load`): a slow replica gets none at low load."""
     pre = [e.prefill for e, r in zip(evals, roles) if r == "prefill" and e.prefill]
     dec = [e.decode for e, r in zip(evals, roles) if r == "decode" and e.decode]
     cap, pd_cap, ship = capacity(role_rates(evals), roles)

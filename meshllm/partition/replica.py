@@ -84,6 +84,8 @@ class RoleFit:
     step1_s: float = 0.0  # decode, mixed: one iteration at batch 1
     free1: int = -1  # mixed: prompt tokens that ride along an iteration at batch 1 for free (-1: not found yet)
     free_b: int = -1  # mixed: the same at `batch`
+    chunk_s: float = 0.0  # mixed: a mean prompt's compute on the busiest stage when chunked with others
+    # (a backlog's prompts share steps: no per-step fixed cost, no pipeline fill)
 
 
 @dataclass(frozen=True)
@@ -312,6 +314,15 @@ def mixed_compute_req_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[
     return 1.0 / max(0.0, float(((pre + dec) / p["flop_s"]).max()))
 
 
+def chunked_prompt_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], mix: Mix) -> float:
+    """Seconds a mean prompt adds to the busiest stage of a mixed replica when it is chunked with
+    others into full steps (its FLOPs at the achieved FLOP/s, at the capacity's efficiency): the
+    marginal cost a backlog pays per prompt, without the fixed cost of a step of its own."""
+    p = pipe_arrays(seq, counts)
+    pre, _ = prefill_work(mc, p["n"], mix.mean_in, p["last"])
+    return float((pre / p["flop_s"]).max()) / MIXED_COMPUTE_EFFICIENCY
+
+
 def mixed_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net, mix: Mix,
               fits: tuple[RoleFit, RoleFit] | None = None) -> RoleFit | None:
     """Both phases on `split`, no KV crosses a port (only activations). Prompts are prefilled in
@@ -325,7 +336,8 @@ def mixed_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net,
     compute = min(dec.compute_req_s, MIXED_COMPUTE_EFFICIENCY * mixed_compute_req_s(mc, seq, split.counts, mix))
     ports = port_s(mc, seq, split.counts, mix.mean_in + mix.mean_out, 0.0, 0.0)
     return RoleFit(split, capped(compute, ports), dec.tok_s, dec.batch, compute, pre.occupancy_s, pre.prefill_s,
-                   step_s=dec.step_s, step1_s=dec.step1_s)
+                   step_s=dec.step_s, step1_s=dec.step1_s,
+                   chunk_s=min(pre.occupancy_s, chunked_prompt_s(mc, seq, split.counts, mix)))
 
 
 def with_free_tokens(mc: ModelCosts, ev: ReplicaEval, net: Net, mix: Mix) -> ReplicaEval:
