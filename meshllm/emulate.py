@@ -68,9 +68,10 @@ EMULATOR_ID = "emulator"  # the emulator's own CURVE identity (status queries, f
 
 
 def node_file(spec: NodeSpec, cfg: ClusterConfig, address: str, seed: str, gateway: str | None = None,
-              own_cpu: bool = False) -> dict[str, Any]:
+              own_cpu: bool = False, judge: bool = False) -> dict[str, Any]:
     """The node file the emulator writes for one node of the cluster file. `own_cpu`: the node's
-    process is pinned to a CPU no other node shares, so its compute thread may busy-poll."""
+    process is pinned to a CPU no other node shares, so its compute thread may busy-poll;
+    `judge`: the coordinator plans with the simulator as its judge (`--cluster --judge`)."""
     device = {k: v for k, v in dataclasses.asdict(spec.device).items()}
     wl = cfg.workload
     out: dict[str, Any] = {
@@ -91,6 +92,8 @@ def node_file(spec: NodeSpec, cfg: ClusterConfig, address: str, seed: str, gatew
         out["roles"] = [str(r) for r in spec.roles]
     if own_cpu:
         out["busy_poll_ms"] = EMULATED_BUSY_POLL_MS
+    if judge:
+        out["plan_judge"] = True
     if gateway:
         out["gateway"] = {"listen": gateway}
     return out
@@ -122,8 +125,9 @@ def _die_with_parent(cpu: int | None = None) -> None:
 class EmulatedCluster:
     """The node processes of one cluster. Use as a context manager; `close()` is idempotent."""
 
-    def __init__(self, cfg: ClusterConfig, workdir: Path | None = None, cpus: list[int] | None = None):
-        self.cfg = cfg
+    def __init__(self, cfg: ClusterConfig, workdir: Path | None = None, cpus: list[int] | None = None,
+                 judge: bool = False):
+        self.cfg, self.judge = cfg, judge  # judge: the coordinator's plan is the simulator's pick
         # cpus: pin node i's process to cpus[i % len(cpus)] (benchmarks: each emulated device keeps
         # its core, as separate devices would; unpinned, the OS moves processes between cores)
         self.cpus = cpus
@@ -164,7 +168,7 @@ class EmulatedCluster:
         for i, spec in enumerate(self.cfg.nodes):
             path = self.workdir / f"{spec.id}.yaml"
             gw = self.gateway if spec.id == self.gateway_node else None
-            nf = node_file(spec, self.cfg, self.addresses[spec.id], seed, gw, self.own_cpu(i))
+            nf = node_file(spec, self.cfg, self.addresses[spec.id], seed, gw, self.own_cpu(i), self.judge)
             nf.update(secure.get(spec.id, {}))
             if gw and token_file:
                 nf["gateway"]["api_token"] = token_file
@@ -302,15 +306,16 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
     faults = parse_faults(cfg, getattr(args, "kill", None) or [], getattr(args, "partition", None) or [],
                           gateway_node(cfg))
     plan = plan_cluster(plan_inputs(cfg), seed=0, log=False)  # infeasible -> exit 2 before any spawn
-    log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s", len(plan.replicas), len(plan.drafters),
-             plan.planner_s)
+    log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s%s", len(plan.replicas), len(plan.drafters),
+             plan.planner_s, "; the coordinator will judge it and other candidates in the simulator"
+             if getattr(args, "judge", False) else "")
     # SIGINT explicitly too: a shell script's background job starts with SIGINT ignored, and
     # Python then leaves it ignored, so `kill -INT` (or the test's Ctrl-C) would not stop the mesh
     _INTERRUPTED.clear()
     previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         t0 = time.monotonic()
-        with EmulatedCluster(cfg) as cluster:
+        with EmulatedCluster(cfg, judge=getattr(args, "judge", False)) as cluster:
             statuses = cluster.wait_formed(timeout_s)
             formed_s = time.monotonic() - t0
             log.info("mesh of %d nodes formed in %.2f s; loading the plan's layers", len(cfg.nodes), formed_s)

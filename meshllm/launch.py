@@ -6,7 +6,9 @@ Run `python launch.py --help` (or the `meshllm` console script). Modes:
     --cluster CLUSTER.yaml      emulate a whole cluster locally, run its workload, tear down
     --cluster CLUSTER.yaml --serve   emulate it and keep serving the OpenAI API until Ctrl-C
     --cluster CLUSTER.yaml --kill NODE@S --partition ZA:ZB@S1-S2   ... with faults injected
-    --plan CLUSTER.yaml         planner only (--json, --png FILE)
+    --cluster CLUSTER.yaml --judge  ... the coordinator plans as --plan --judge does
+    --plan CLUSTER.yaml         planner only (--json, --png FILE; --judge: the simulator picks
+                                among the search's candidates, as --simulate's meshllm does)
     --simulate CLUSTER.yaml     discrete-event simulation with baselines (--json, --rate R)
     --reference                 single-process reference generation (the oracle)
     --status [ID@]HOST:PORT     ask a running node for its view of the mesh (a mesh with CURVE:
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", action="append", default=None, metavar="ZA:ZB@S1-S2",
                    help="cluster: drop all traffic between zones ZA and ZB from S1 to S2 s (repeatable)")
     p.add_argument("--png", metavar="FILE", help="plan: draw the plan to FILE")
+    p.add_argument("--judge", action="store_true",
+                   help="plan, cluster: run the search's candidate plans and the baselines' groupings through "
+                        "the simulator and keep the best, as --simulate plans meshllm (seconds to minutes)")
     p.add_argument("--rate", type=float, default=None, help="simulate: override the arrival rate (req/s)")
     p.add_argument("--timeout", type=float, default=None, help="status/cluster: seconds to wait")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -95,7 +100,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from meshllm.partition.plan import plan_cluster
 
     inp = plan_inputs(load_cluster(a.plan))
-    plan = plan_cluster(inp, seed=a.seed)
+    if a.judge:  # the simulator picks among the search's candidates and the baselines' groupings
+        from meshllm.sim.judge import judged_plan
+
+        plan = judged_plan(inp, seed=a.seed, log=True)
+    else:
+        plan = plan_cluster(inp, seed=a.seed)
     if a.png:
         from meshllm.partition.draw import draw_plan  # lazy: matplotlib + networkx
 

@@ -78,6 +78,7 @@ class NodeConfig:
     workload: Workload = Workload()
     expect_nodes: tuple[str, ...] = ()  # plan only once all of these are alive (emulation)
     plan_settle_s: float = PLAN_SETTLE_S  # otherwise plan after membership is quiet this long
+    plan_judge: bool = False  # the coordinator's plan is the simulator's pick among the search's (sim/judge.py)
     pace: bool = False  # emulation: stretch compute to the device profile's speed
     fault_injection: bool = False  # emulation: obey FAULT messages (partitions) from the emulator
     time_scale: float = 1.0  # emulation: devices and links this many times slower
@@ -103,7 +104,7 @@ def plan_inputs_for_nodes(cfg: NodeConfig, nodes: tuple[PlanNode, ...], source: 
 NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "model", "roles", "node_key",
              "authorized_keys", "rate_limit", "links", "heartbeat_interval_s", "failure_timeout_s", "gateway", "draft", "speculation",
              "weights_dtype", "workload", "expect_nodes", "plan_settle_s", "pace", "time_scale", "fault_injection",
-             "fetch_weights", "weights_cache", "busy_poll_ms"}
+             "fetch_weights", "weights_cache", "busy_poll_ms", "plan_judge"}
 
 
 def parse_node(data: dict, src: str) -> NodeConfig:
@@ -214,15 +215,15 @@ def _serving(d: dict, src: str) -> dict[str, Any]:
     expect = d.get("expect_nodes") or []
     if not isinstance(expect, list) or not all(isinstance(x, str) and x for x in expect):
         raise ConfigError(src, "expect_nodes", "must be a list of node ids")
-    pace, faults = d.get("pace", False), d.get("fault_injection", False)
-    for key, v in (("pace", pace), ("fault_injection", faults)):
+    pace, faults, judge = d.get("pace", False), d.get("fault_injection", False), d.get("plan_judge", False)
+    for key, v in (("pace", pace), ("fault_injection", faults), ("plan_judge", judge)):
         if not isinstance(v, bool):
             raise ConfigError(src, key, f"must be true or false, got {v!r}")
     return dict(
         draft=_draft(d.get("draft") or {}, src), speculation=_spec(d.get("speculation") or {}, src),
         weights_dtype=_choice(d.get("weights_dtype", DEFAULT_WEIGHT_DTYPE), WEIGHT_DTYPES, src, "weights_dtype"),
         workload=_workload(d.get("workload") or {}, src), expect_nodes=tuple(expect),
-        plan_settle_s=float(_num(d.get("plan_settle_s", PLAN_SETTLE_S), src, "plan_settle_s")),
+        plan_settle_s=float(_num(d.get("plan_settle_s", PLAN_SETTLE_S), src, "plan_settle_s")), plan_judge=judge,
         pace=pace, time_scale=_time_scale(d.get("time_scale", 1.0), src), fault_injection=faults,
         busy_poll_ms=_busy_poll_ms(d.get("busy_poll_ms", 0.0), src),
     )

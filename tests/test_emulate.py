@@ -87,6 +87,21 @@ def test_generated_node_files_are_valid_node_configs(tmp_path: Path) -> None:
         assert nc.links == cfg.links
 
 
+def test_judge_reaches_every_coordinator(tmp_path: Path) -> None:
+    """`--cluster --judge`: every generated node file asks its coordinator (whichever node it turns
+    out to be) to plan with the simulator as its judge; without it none does; a non-boolean is an
+    error naming the key."""
+    from meshllm.errors import ConfigError
+
+    cfg = parse_cluster(yaml.safe_load(cluster_yaml(tmp_path).read_text()), "c.yaml")
+    for spec in cfg.nodes:
+        assert parse_node(node_file(spec, cfg, "127.0.0.1:7000", "127.0.0.1:7100", judge=True), "g.yaml").plan_judge
+        assert not parse_node(node_file(spec, cfg, "127.0.0.1:7000", "127.0.0.1:7100"), "g.yaml").plan_judge
+    bad = {**node_file(cfg.nodes[0], cfg, "127.0.0.1:7000", "127.0.0.1:7100"), "plan_judge": "yes"}
+    with pytest.raises(ConfigError, match="plan_judge.*true or false"):
+        parse_node(bad, "g.yaml")
+
+
 def test_only_a_node_alone_on_its_cpu_busy_polls(tmp_path: Path) -> None:
     """Busy-polling a compute queue takes a whole CPU while serving: the emulator asks it of a node
     pinned to a CPU of its own, never of nodes sharing one (they would slow each other down)."""

@@ -97,3 +97,40 @@ def test_cluster_files_exist():
     assert {"demo.yaml", "wan.yaml", "multi-tenant.yaml", "failure.yaml", "impossible.yaml"} <= names
     assert len([n for n in names if n.startswith("bench-")]) >= 3
     assert Path(REPO / "clusters/bench-mesh-200.yaml").read_text().count("device:") == 200
+
+
+def test_plan_judge_prints_the_plan_simulate_runs():
+    """`--plan --judge`: the plan `--simulate` reports as meshllm (the simulator picks among the
+    search's candidates and the baselines' groupings, sim/judge.py), progress on stderr. On
+    failure.yaml it is 4 mixed replicas where the search alone keeps 3."""
+    from meshllm.sim.sweep import meshllm_policy
+
+    path = REPO / "clusters" / "failure.yaml"
+    r = run_cli("--plan", str(path), "--judge", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "judge: candidate 1/" in r.stderr and "judge: picked candidate" in r.stderr
+    got = [(x["role"], [s["node"] for s in x["stages"]], [s["layers"][1] - s["layers"][0] for s in x["stages"]])
+           for x in json.loads(r.stdout)["replicas"]]
+    inp = plan_inputs(load_cluster(path))
+    want = [(rep.role, [m.id for m in rep.members], list(rep.counts))
+            for rep in meshllm_policy(inp, inp.rate_per_s, 0).replicas]
+    assert got == want
+
+
+def test_coordinator_plans_with_the_judge_when_its_node_file_asks():
+    """roles/coordinator.py `plan_for`: with `plan_judge` the live plan is the simulator's pick (on
+    failure.yaml 4 mixed replicas), without it the search's (3 replicas), as `--plan` prints each."""
+    from dataclasses import replace
+
+    from meshllm.emulate import node_file
+    from meshllm.node_config import parse_node
+    from meshllm.roles.coordinator import plan_for
+    from meshllm.sim.judge import judged_plan
+
+    cfg = load_cluster(REPO / "clusters" / "failure.yaml")
+    inp = plan_inputs(cfg)
+    nc = parse_node(node_file(cfg.nodes[0], cfg, "127.0.0.1:7000", "127.0.0.1:7100", judge=True), "n.yaml")
+    judged, plain = plan_for(nc, inp), plan_for(replace(nc, plan_judge=False), inp)
+    assert judged.replicas == judged_plan(inp).replicas
+    assert plain.replicas == plan_cluster(inp, log=False).replicas
+    assert [r.role for r in judged.replicas] == ["mixed"] * 4 and len(plain.replicas) == 3

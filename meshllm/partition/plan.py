@@ -169,8 +169,8 @@ def plan_from_grouping(inp: PlanInputs, grouping: Grouping, t0: float, ev: Evalu
     reasons = outside_reasons(inp, ev, grouping, set(drafters)) if ev is not None else {}
     pred = grouping.prediction
     prediction = {} if pred is None else {
-        "rate_per_s": round(pred.rate_per_s, 6), "mean_wait_ms": round(1000 * pred.wait_s, 3),
-        "mean_ttft_ms": round(1000 * pred.ttft_s, 3), "mean_e2e_ms": round(1000 * pred.e2e_s, 3)}
+        "rate_per_s": round(float(pred.rate_per_s), 6), "mean_wait_ms": round(float(1000 * pred.wait_s), 3),
+        "mean_ttft_ms": round(float(1000 * pred.ttft_s), 3), "mean_e2e_ms": round(float(1000 * pred.e2e_s), 3)}
     plan = Plan(inp.args.name, inp.args.n_layers, inp.dtype, replicas, tuple(drafters), tuple(unused),
                 time.perf_counter() - t0, grouping.fitness, reasons, prediction)
     validate_plan(plan, inp)

@@ -8,7 +8,8 @@ version it has seen), so nodes never go back to an older plan.
 When to plan: under `--cluster` every node file lists `expect_nodes`, and the first plan is
 made as soon as all of them are alive; otherwise after membership has been quiet for
 `plan_settle_s`. Any later change of the live node set (a join, a death, a leave) re-plans
-after REPLAN_SETTLE_S. The planner (GA + DP) runs on its own thread, never on the I/O thread
+after REPLAN_SETTLE_S. The planner (GA + DP; with `plan_judge`, the simulator's pick: `plan_for`)
+runs on its own thread, never on the I/O thread
 that carries the heartbeats; its inputs are the device profiles, zones and roles in the peer
 table plus this node's links, model and serving settings. The plan is published on PUB
 (TOPIC_MESH) and re-published every PLAN_REPUBLISH_S, so a slow joiner or a newcomer gets it.
@@ -100,7 +101,7 @@ class Coordinator:
     # -- planner thread ------------------------------------------------------------------------
     def _plan(self, live: list[PeerInfo], key: tuple) -> None:
         try:
-            plan = plan_cluster(self.inputs(live), log=False)
+            plan = plan_for(self.cfg, self.inputs(live))
         except (InputError, ValueError) as e:
             self.last_error = str(e)
             log.error("%s: cannot plan for %d live nodes: %s", self.me.id, len(live), e)
@@ -125,6 +126,17 @@ class Coordinator:
 
     def inputs(self, live: list[PeerInfo]) -> PlanInputs:
         return live_plan_inputs(self.cfg, live)
+
+
+def plan_for(cfg: NodeConfig, inp: PlanInputs) -> Plan:
+    """The coordinator's planner: GA + DP, and with the node file's `plan_judge` the simulator's
+    pick among the search's candidates and the baselines' groupings (sim/judge.py: the plan
+    `--simulate` reports as meshllm; seconds on a small mesh, minutes on hundreds of nodes)."""
+    if cfg.plan_judge:
+        from meshllm.sim.judge import judged_plan
+
+        return judged_plan(inp)
+    return plan_cluster(inp, log=False)
 
 
 def live_plan_inputs(cfg: NodeConfig, infos: list[PeerInfo]) -> PlanInputs:

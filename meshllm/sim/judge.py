@@ -40,12 +40,15 @@ the one results are reported on):
 
 from __future__ import annotations
 
+import functools
+import sys
+import time
 from collections.abc import Sequence
 
 from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
-from meshllm.partition.plan import planner_evaluator
+from meshllm.partition.plan import Plan, plan_cluster, planner_evaluator
 from meshllm.sim import baselines, sweep
 from meshllm.sim.replica import from_grouping
 
@@ -111,11 +114,21 @@ def eligible_for(sat: Sequence[float], floor_from: Sequence[int], rate: float, g
     return [i for i, s in enumerate(sat) if s >= max(need[i], HEADROOM * rate) * (1 - 1e-9)]
 
 
+def judged_plan(inp: PlanInputs, seed: int = 0, log: bool = False,
+                sweep_requests: int = JUDGE_SWEEP_REQUESTS) -> Plan:
+    """The planner with the simulator as its judge, for `inp.rate_per_s` (0: for capacity): the
+    plan `--simulate` and bench/planner.py run as meshllm, and `--plan --judge` prints. `log`:
+    progress on stderr (each candidate's saturation, minutes on a 200-device cluster)."""
+    judge = functools.partial(simulated_judge, sweep_requests=sweep_requests, log=log)
+    return plan_cluster(inp, seed=seed, log=log, judge=judge)
+
+
 def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float,
-                    floor_from: Sequence[int] = (), sweep_requests: int = JUDGE_SWEEP_REQUESTS) -> Grouping:
+                    floor_from: Sequence[int] = (), sweep_requests: int = JUDGE_SWEEP_REQUESTS,
+                    log: bool = False) -> Grouping:
     """The winner among `candidates` and the baselines' groupings; `floor_from`: the candidates
     whose saturation eligible ones must match; `sweep_requests`: N of the saturation runs
-    (smaller for quick runs)."""
+    (smaller for quick runs); `log`: a line on stderr per candidate and for the pick."""
     ev = planner_evaluator(inp)
     ops = [Grouping(g.groups, g.roles, g.evals, g.fitness, ev.latency(g, rate) if rate > 0 else None, g.link_req_s)
            for g in operator_groupings(inp, ev)]
@@ -123,7 +136,30 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     op_idx = range(len(candidates), len(cands))
     floor_from = list(op_idx) if ops else list(floor_from)  # the baselines' groupings, when there are any
     reps = [from_grouping(inp, g) for g in cands]
-    sat = [saturation(inp, g, r, sweep_requests) for g, r in zip(cands, reps)]
+    sat, t0 = [], time.perf_counter()
+    for k, (g, r) in enumerate(zip(cands, reps)):
+        sat.append(saturation(inp, g, r, sweep_requests))
+        if log:
+            print(f"judge: candidate {k + 1}/{len(cands)} ({describe(g, k in op_idx)}) sustains {sat[-1]:.3f} req/s "
+                  f"in the simulator, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    won = pick(inp, cands, reps, sat, op_idx, floor_from, rate, sweep_requests)
+    if log:
+        k = next(i for i, g in enumerate(cands) if g is won)
+        print(f"judge: picked candidate {k + 1} ({describe(won, k in op_idx)}), {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
+    return won
+
+
+def describe(g: Grouping, baseline: bool) -> str:
+    """`2 prefill, 5 decode, 1 mixed; the search's` (or `a baseline's grouping`)."""
+    roles = ", ".join(f"{g.roles.count(r)} {r}" for r in ("prefill", "decode", "mixed") if r in g.roles)
+    return f"{roles}; {'a baseline' if baseline else 'the search'}'s grouping"
+
+
+def pick(inp: PlanInputs, cands: Sequence[Grouping], reps, sat: Sequence[float], op_idx: range,
+         floor_from: Sequence[int], rate: float, sweep_requests: int) -> Grouping:
+    """Steps 3 and 4 of the module docstring, given each candidate's saturation."""
+    ops = list(op_idx)
     for_capacity = inp.rate_per_s <= 0  # no workload rate: the highest saturation wins
     given = not for_capacity and bool(ops)  # a workload rate: its cost decides, capacity is a constraint
     eligible = eligible_for(sat, floor_from, rate, given)

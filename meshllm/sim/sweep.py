@@ -45,7 +45,7 @@ from dataclasses import replace
 from meshllm.partition.dp import Split
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
-from meshllm.partition.plan import PlanInfeasible, plan_cluster
+from meshllm.partition.plan import PlanInfeasible
 from meshllm.partition.replica import decode_fit, mixed_fit, prefill_fit
 from meshllm.sim.baselines import BASELINES, Policy, random_policy
 from meshllm.sim.metrics import bound_rate_per_s, metrics
@@ -188,10 +188,9 @@ def saturation_rate(reps: Sequence[SimReplica], inp: PlanInputs, seed: int = 0,
 
 
 def meshllm_policy(inp: PlanInputs, rate: float, seed: int, sweep_requests: int = SWEEP_REQUESTS) -> Policy:
-    from meshllm.sim.judge import JUDGE_SWEEP_REQUESTS, simulated_judge  # judge imports this module
+    from meshllm.sim.judge import JUDGE_SWEEP_REQUESTS, judged_plan  # judge imports this module
 
-    judge = functools.partial(simulated_judge, sweep_requests=min(sweep_requests, JUDGE_SWEEP_REQUESTS))
-    plan = plan_cluster(replace(inp, rate_per_s=rate), seed=seed, log=False, judge=judge)
+    plan = judged_plan(replace(inp, rate_per_s=rate), seed, sweep_requests=min(sweep_requests, JUDGE_SWEEP_REQUESTS))
     return Policy(from_plan(inp, plan), {n: plan.reasons.get(n, "") for n in plan.unused + plan.drafters
                                          if n in {m.id for m in inp.members}})
 
