@@ -495,3 +495,27 @@ def test_a_mixed_replica_drains_a_backlog_of_prompts_faster_than_a_lone_prompt(d
     drained = waited()
     monkeypatch.setattr(sim_replica, "DRAIN_STEPS", sim_replica.LONE_DRAIN_STEPS)
     assert drained < waited()
+
+
+def test_prompt_queue_takes_prompts_in_priority_order_at_any_time():
+    """PromptQueue (a heap on router.prompt_rank) gives the order a scan by prompt_priority at the
+    moment of taking gives (ties by arrival), whenever prompts are taken and added."""
+    from meshllm.sim.router import prompt_priority
+    from meshllm.sim.simulator import PromptQueue
+
+    rng = random.Random(3)
+    q, scan, now, rid = PromptQueue(), [], 0.0, 0
+    for _ in range(400):
+        now += rng.expovariate(20.0)
+        for _ in range(rng.randrange(3)):
+            req = Request(rid, now - rng.random() * 0.5, rng.choice([8, 64, 512, 513, 2048]), 4)
+            rid += 1
+            q.push(req)
+            scan.append(req)
+        for _ in range(rng.randrange(3)):
+            if not scan:
+                break
+            want = min(scan, key=lambda r: (prompt_priority(r.n_in, now - r.arrival), scan.index(r)))
+            scan.remove(want)
+            assert q.peek() is want and q.pop() is want
+        assert len(q) == len(scan)

@@ -151,7 +151,7 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
 
 
 def describe(g: Grouping, baseline: bool) -> str:
-    """`2 prefill, 5 decode, 1 mixed; the search's` (or `a baseline's grouping`)."""
+    """`2 prefill, 5 decode, 1 mixed; the search's grouping` (or `...; a baseline's grouping`)."""
     roles = ", ".join(f"{g.roles.count(r)} {r}" for r in ("prefill", "decode", "mixed") if r in g.roles)
     return f"{roles}; {'a baseline' if baseline else 'the search'}'s grouping"
 

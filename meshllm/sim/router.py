@@ -52,6 +52,12 @@ def prompt_priority(tokens_left: int, waited_s: float) -> float:
     return tokens_left - PROMPT_AGING_TOKENS_PER_S * waited_s
 
 
+def prompt_rank(tokens_left: int, arrival_s: float) -> float:
+    """prompt_priority(tokens_left, now - arrival_s) + AGING x now: the same order at every `now`,
+    so a queue can keep its prompts in a heap on it (the simulator's PromptQueue)."""
+    return tokens_left + PROMPT_AGING_TOKENS_PER_S * arrival_s
+
+
 @dataclass
 class ReplicaLoad:
     """One replica's queues right now (absolute times in seconds on the caller's clock)."""

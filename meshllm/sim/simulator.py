@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.sim.ports import PortBook
 from meshllm.sim.replica import SimReplica
-from meshllm.sim.router import ReplicaLoad, Router, prompt_priority
+from meshllm.sim.router import ReplicaLoad, Router, prompt_rank
 
 
 @dataclass
@@ -80,12 +80,35 @@ class Request:
     kv_alone: dict | None = None  # its own KV transfers so far, on otherwise idle ports
 
 
+class PromptQueue:
+    """The prompts waiting at a replica, taken in router.prompt_priority order (ties: arrival).
+    That order does not change with time (router.prompt_rank), so a heap keeps it: a scan of the
+    queue per prompt taken made overloaded sweep runs quadratic (over half of `--simulate`'s time)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Request]] = []
+        self._count = 0
+
+    def push(self, req: Request) -> None:
+        heapq.heappush(self._heap, (prompt_rank(req.n_in, req.arrival), self._count, req))
+        self._count += 1
+
+    def peek(self) -> Request:
+        return self._heap[0][2]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
 @dataclass
 class RepState:
     rep: SimReplica
     load: ReplicaLoad
     kv_cap: float
-    queue: deque = field(default_factory=deque)  # prompts waiting for prefill
+    queue: PromptQueue = field(default_factory=PromptQueue)  # prompts waiting for prefill
     waiting: deque = field(default_factory=deque)  # KV arrived, waiting for a decode slot
     active: list = field(default_factory=list)  # [request, tokens left, progress towards the next one]
     pending_kv: float = 0.0  # tokens of prefilled KV not yet shipped
@@ -129,7 +152,7 @@ class Simulator:
             req.dst = self.router.pick_decode(st.rep.id, self.loads, req.n_in, self.mean_out, self.now)
             self.states[req.dst].load.waiting += 1
             self.states[req.dst].load.kv_pending_tokens += req.n_in
-        st.queue.append(req)
+        st.queue.push(req)
         st.load.prefill_queued_s += st.rep.prefill_s(req.n_in)[0]
         st.load.prefill_queued_tokens += req.n_in
         st.load.prefill_queued += 1
@@ -144,11 +167,10 @@ class Simulator:
     def try_prefill(self, st: RepState) -> None:
         if not st.queue or self.now < st.load.next_prefill_at:
             return
-        i = self.next_prompt(st)
-        req = st.queue[i]
+        req = st.queue.peek()
         if st.pending_kv > 0 and st.pending_kv + req.n_in > st.kv_cap:
             return  # back-pressure: wait for KV to leave (on_kv_sent kicks again)
-        del st.queue[i]
+        st.queue.pop()
         stages, occ, _ = st.rep.prefill_stages(req.n_in)
         st.load.prefill_queued_s -= occ
         st.load.prefill_queued_tokens -= req.n_in
@@ -237,22 +259,15 @@ class Simulator:
         prompts, as many as the pipeline has stages (a lone prompt starts alone either way;
         run_steps decides whether it goes whole)."""
         whole = st.load.prefill_queued >= len(st.active)
-        budget = 0 if whole or not st.queue else self.prompt_budget(st, st.queue[self.next_prompt(st)].n_in)
+        budget = 0 if whole or not st.queue else self.prompt_budget(st, st.queue.peek().n_in)
         while st.queue and len(st.active) + len(st.prefilling) < st.load.max_batch and (
                 len(st.prefilling) < (len(st.rep.members) if whole else 1)
                 or (not whole and sum(r.n_in - done for r, done in st.prefilling) < budget)):
-            i = self.next_prompt(st)
-            req = st.queue[i]
-            del st.queue[i]
+            req = st.queue.pop()
             st.load.prefill_queued_s -= st.rep.prefill_s(req.n_in)[0]
             req.prefill_start = self.now
             req.wait_s += self.now - req.arrival
             st.prefilling.append([req, 0])
-
-    def next_prompt(self, st: RepState) -> int:
-        """Index in `st.queue` of the prompt to start next (router.prompt_priority)."""
-        q = st.queue
-        return min(range(len(q)), key=lambda i: (prompt_priority(q[i].n_in, self.now - q[i].arrival), i))
 
     @staticmethod
     def decode_context(st: RepState) -> float:
