@@ -101,9 +101,12 @@ def test_cluster_files_exist():
 
 def test_plan_judge_prints_the_plan_simulate_runs():
     """`--plan --judge`: the plan `--simulate` reports as meshllm (the simulator picks among the
-    search's candidates and the baselines' groupings, sim/judge.py), progress on stderr. On
-    failure.yaml it is 4 mixed replicas where the search alone keeps 3."""
-    from meshllm.sim.sweep import meshllm_policy
+    search's candidates and the baselines' groupings, sim/judge.py), progress on stderr, and the
+    simulator's figures at the planned rate. On failure.yaml it is 4 mixed replicas where the
+    search alone keeps 3."""
+    from meshllm.sim.judge import JUDGE_REQUESTS, JUDGE_SEED, SIMULATED
+    from meshllm.sim.metrics import metrics
+    from meshllm.sim.sweep import make_trace, meshllm_policy, simulate
 
     path = REPO / "clusters" / "failure.yaml"
     r = run_cli("--plan", str(path), "--judge", "--json")
@@ -112,9 +115,15 @@ def test_plan_judge_prints_the_plan_simulate_runs():
     got = [(x["role"], [s["node"] for s in x["stages"]], [s["layers"][1] - s["layers"][0] for s in x["stages"]])
            for x in json.loads(r.stdout)["replicas"]]
     inp = plan_inputs(load_cluster(path))
-    want = [(rep.role, [m.id for m in rep.members], list(rep.counts))
-            for rep in meshllm_policy(inp, inp.rate_per_s, 0).replicas]
-    assert got == want
+    reps = meshllm_policy(inp, inp.rate_per_s, 0).replicas
+    assert got == [(rep.role, [m.id for m in rep.members], list(rep.counts)) for rep in reps]
+    # beside the analytic prediction, the simulator's figures at the same rate, on the judge's trace
+    obj = json.loads(r.stdout)
+    sim, rate = obj["simulated"], obj["prediction"]["rate_per_s"]
+    m = metrics(simulate(reps, make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED), rate))
+    assert sim == {"rate_per_s": rate, "requests": JUDGE_REQUESTS, **{k: m[k] for k in SIMULATED}}
+    assert Plan.from_json(obj).to_json() == obj  # a coordinator could publish it as it is
+    assert json.loads(run_cli("--plan", str(path), "--json").stdout)["simulated"] == {}  # the search alone
 
 
 def test_coordinator_plans_with_the_judge_when_its_node_file_asks():

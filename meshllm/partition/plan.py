@@ -66,6 +66,7 @@ class Plan:
     capacity_req_s: float  # the GA fitness: sustainable requests/s for the workload mix
     reasons: dict[str, str] = field(default_factory=dict)  # node outside every replica -> why
     prediction: dict[str, float] = field(default_factory=dict)  # latency.py at the planned rate (ms, req/s)
+    simulated: dict[str, float] = field(default_factory=dict)  # the simulator at that rate (`--plan --judge`)
 
     def to_json(self) -> dict:
         return {
@@ -82,6 +83,7 @@ class Plan:
             "unused_reasons": {n: self.reasons[n] for n in self.unused if n in self.reasons},
             "drafter_reasons": {n: self.reasons[n] for n in self.drafters if n in self.reasons},
             "prediction": dict(self.prediction),
+            "simulated": dict(self.simulated),
         }
 
     @classmethod
@@ -101,7 +103,8 @@ class Plan:
             plan = cls(str(obj["model"]), int(obj["n_layers"]), str(obj["dtype"]), tuple(reps),
                        tuple(str(x) for x in obj["drafters"]), tuple(str(x) for x in obj["unused"]),
                        float(obj["planner_s"]), float(obj["capacity_req_s"]), reasons,
-                       {str(k): float(v) for k, v in dict(obj.get("prediction", {})).items()})
+                       {str(k): float(v) for k, v in dict(obj.get("prediction", {})).items()},
+                       {str(k): float(v) for k, v in dict(obj.get("simulated", {})).items()})
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
         for r in plan.replicas:
@@ -129,6 +132,11 @@ class Plan:
             p = self.prediction
             lines.append(f"  predicted at {p['rate_per_s']:.3f} req/s: mean wait {p['mean_wait_ms']:.1f} ms, "
                          f"TTFT {p['mean_ttft_ms']:.1f} ms, end-to-end {p['mean_e2e_ms']:.1f} ms")
+        if self.simulated:
+            s = self.simulated
+            lines.append(f"  simulated at {s['rate_per_s']:.3f} req/s ({s['requests']:.0f} requests): mean wait "
+                         f"{s['mean_wait_ms']:.1f} ms (p99 {s['p99_wait_ms']:.1f}), TTFT p50 {s['ttft_p50_ms']:.1f} ms "
+                         f"(p99 {s['ttft_p99_ms']:.1f}), end-to-end {s['mean_e2e_ms']:.1f} ms")
         lines.append(f"  drafters: {', '.join(self.drafters) or '-'}")
         lines.append(f"  unused:   {', '.join(self.unused) or '-'}")
         lines += [f"    {n}: {why}" for n, why in self.reasons.items()]

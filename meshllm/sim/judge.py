@@ -44,13 +44,15 @@ import functools
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
 from meshllm.partition.plan import Plan, plan_cluster, planner_evaluator
 from meshllm.sim import baselines, sweep
-from meshllm.sim.replica import from_grouping
+from meshllm.sim.metrics import metrics
+from meshllm.sim.replica import from_grouping, from_plan
 
 JUDGE_REQUESTS = 1200  # 400 ranked plans by noise: on bench-fog-40-8b it put first one that lost on 4 of 4 longer traces
 JUDGE_SWEEP_REQUESTS = 600
@@ -63,6 +65,7 @@ JUDGE_MARGIN = 0.02  # a plan of its own must out-sustain the operator's groupin
 CONFIRM_SEEDS = (JUDGE_SEED + 1, JUDGE_SEED + 2)  # more traces of its own, for the final check
 CONFIRM_SCALE = sweep.SWEEP_REQUESTS / JUDGE_SWEEP_REQUESTS  # the final check's runs are this x longer
 CONFIRM_TOP = 2  # eligible candidates checked at most before the best baseline grouping wins
+SIMULATED = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "mean_e2e_ms")  # `with_simulated`
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
 
 
@@ -121,6 +124,19 @@ def judged_plan(inp: PlanInputs, seed: int = 0, log: bool = False,
     progress on stderr (each candidate's saturation, minutes on a 200-device cluster)."""
     judge = functools.partial(simulated_judge, sweep_requests=sweep_requests, log=log)
     return plan_cluster(inp, seed=seed, log=log, judge=judge)
+
+
+def with_simulated(inp: PlanInputs, plan: Plan) -> Plan:
+    """`plan` with the simulator's figures at its planned rate (`SIMULATED`, on the judge's trace
+    of JUDGE_REQUESTS requests) beside the analytic prediction, which can be far off where the
+    simulator's dynamics matter (bench-mesh-200's search pick at 1 req/s: TTFT 1.0 s predicted,
+    7.9 s simulated)."""
+    rate = plan.prediction.get("rate_per_s", 0.0)
+    if rate <= 0:
+        return plan
+    m = metrics(sweep.simulate(from_plan(inp, plan), sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED), rate))
+    return replace(plan, simulated={"rate_per_s": rate, "requests": float(JUDGE_REQUESTS),
+                                    **{k: float(m[k]) for k in SIMULATED}})
 
 
 def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float,
