@@ -101,9 +101,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
     inp = plan_inputs(load_cluster(a.plan))
     if a.judge:  # the simulator picks among the search's candidates and the baselines' groupings
-        from meshllm.sim.judge import judged_plan, with_simulated
+        from meshllm.sim.judge import judged_plan
 
-        plan = with_simulated(inp, judged_plan(inp, seed=a.seed, log=True))
+        plan = judged_plan(inp, seed=a.seed, log=True, report=True)
     else:
         plan = plan_cluster(inp, seed=a.seed)
     if a.png:

@@ -104,9 +104,9 @@ def test_plan_judge_prints_the_plan_simulate_runs():
     search's candidates and the baselines' groupings, sim/judge.py), progress on stderr, and the
     simulator's figures at the planned rate. On failure.yaml it is 4 mixed replicas where the
     search alone keeps 3."""
-    from meshllm.sim.judge import JUDGE_REQUESTS, JUDGE_SEED, SIMULATED
+    from meshllm.sim.judge import JUDGE_REQUESTS, JUDGE_SEED, JUDGE_SWEEP_REQUESTS, SIMULATED
     from meshllm.sim.metrics import metrics
-    from meshllm.sim.sweep import make_trace, meshllm_policy, simulate
+    from meshllm.sim.sweep import make_trace, meshllm_policy, saturation_rate, simulate
 
     path = REPO / "clusters" / "failure.yaml"
     r = run_cli("--plan", str(path), "--judge", "--json")
@@ -121,8 +121,11 @@ def test_plan_judge_prints_the_plan_simulate_runs():
     obj = json.loads(r.stdout)
     sim, rate = obj["simulated"], obj["prediction"]["rate_per_s"]
     m = metrics(simulate(reps, make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED), rate))
+    sustains = sim.pop("saturation_req_s")
     assert sim == {"rate_per_s": rate, "requests": JUDGE_REQUESTS, **{k: m[k] for k in SIMULATED}}
+    assert sustains == pytest.approx(saturation_rate(reps, inp, JUDGE_SEED, JUDGE_SWEEP_REQUESTS), rel=0.1)
     assert Plan.from_json(obj).to_json() == obj  # a coordinator could publish it as it is
+    obj["simulated"]["saturation_req_s"] = sustains
     assert json.loads(run_cli("--plan", str(path), "--json").stdout)["simulated"] == {}  # the search alone
 
 

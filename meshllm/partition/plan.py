@@ -136,7 +136,8 @@ class Plan:
             s = self.simulated
             lines.append(f"  simulated at {s['rate_per_s']:.3f} req/s ({s['requests']:.0f} requests): mean wait "
                          f"{s['mean_wait_ms']:.1f} ms (p99 {s['p99_wait_ms']:.1f}), TTFT p50 {s['ttft_p50_ms']:.1f} ms "
-                         f"(p99 {s['ttft_p99_ms']:.1f}), end-to-end {s['mean_e2e_ms']:.1f} ms")
+                         f"(p99 {s['ttft_p99_ms']:.1f}), end-to-end {s['mean_e2e_ms']:.1f} ms; sustains "
+                         f"{s['saturation_req_s']:.3f} req/s in the judge's sweep")
         lines.append(f"  drafters: {', '.join(self.drafters) or '-'}")
         lines.append(f"  unused:   {', '.join(self.unused) or '-'}")
         lines += [f"    {n}: {why}" for n, why in self.reasons.items()]

@@ -40,7 +40,6 @@ the one results are reported on):
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from collections.abc import Sequence
@@ -117,26 +116,31 @@ def eligible_for(sat: Sequence[float], floor_from: Sequence[int], rate: float, g
     return [i for i, s in enumerate(sat) if s >= max(need[i], HEADROOM * rate) * (1 - 1e-9)]
 
 
-def judged_plan(inp: PlanInputs, seed: int = 0, log: bool = False,
-                sweep_requests: int = JUDGE_SWEEP_REQUESTS) -> Plan:
+def judged_plan(inp: PlanInputs, seed: int = 0, log: bool = False, sweep_requests: int = JUDGE_SWEEP_REQUESTS,
+                report: bool = False) -> Plan:
     """The planner with the simulator as its judge, for `inp.rate_per_s` (0: for capacity): the
     plan `--simulate` and bench/planner.py run as meshllm, and `--plan --judge` prints. `log`:
-    progress on stderr (each candidate's saturation, minutes on a 200-device cluster)."""
-    judge = functools.partial(simulated_judge, sweep_requests=sweep_requests, log=log)
-    return plan_cluster(inp, seed=seed, log=log, judge=judge)
+    progress on stderr (each candidate's saturation, minutes on a 200-device cluster).
+    `report`: the plan's `simulated` holds the simulator's figures at the planned rate
+    (`SIMULATED`, on the judge's trace of JUDGE_REQUESTS requests) and the pick's saturation in
+    the judge's sweep, beside the analytic prediction and capacity, which can be far off where
+    the simulator's dynamics matter (bench-mesh-200's search pick at 1 req/s: TTFT 1.0 s
+    predicted, ~8 s simulated; its judged plan: capacity 2.6 req/s analytic, 8.2 simulated)."""
+    picked: list[Grouping] = []
 
+    def judge(*args) -> Grouping:
+        picked.append(simulated_judge(*args, sweep_requests=sweep_requests, log=log))
+        return picked[-1]
 
-def with_simulated(inp: PlanInputs, plan: Plan) -> Plan:
-    """`plan` with the simulator's figures at its planned rate (`SIMULATED`, on the judge's trace
-    of JUDGE_REQUESTS requests) beside the analytic prediction, which can be far off where the
-    simulator's dynamics matter (bench-mesh-200's search pick at 1 req/s: TTFT 1.0 s predicted,
-    7.9 s simulated)."""
+    plan = plan_cluster(inp, seed=seed, log=log, judge=judge)
     rate = plan.prediction.get("rate_per_s", 0.0)
-    if rate <= 0:
+    if not report or rate <= 0:
         return plan
+    g = picked[-1]
     m = metrics(sweep.simulate(from_plan(inp, plan), sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED), rate))
     return replace(plan, simulated={"rate_per_s": rate, "requests": float(JUDGE_REQUESTS),
-                                    **{k: float(m[k]) for k in SIMULATED}})
+                                    **{k: float(m[k]) for k in SIMULATED},
+                                    "saturation_req_s": saturation(inp, g, from_grouping(inp, g), sweep_requests)})
 
 
 def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float,
