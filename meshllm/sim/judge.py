@@ -162,6 +162,9 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
         if log:
             print(f"judge: candidate {k + 1}/{len(cands)} ({describe(g, k in op_idx)}) sustains {sat[-1]:.3f} req/s "
                   f"in the simulator, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if log:
+        how = "the highest saturation" if inp.rate_per_s <= 0 else f"the lowest cost at {rate:.3f} req/s"
+        print(f"judge: choosing {how}, confirmed on {len(CONFIRM_SEEDS)} more traces", file=sys.stderr)
     won = pick(inp, cands, reps, sat, op_idx, floor_from, rate, sweep_requests)
     if log:
         k = next(i for i, g in enumerate(cands) if g is won)
