@@ -121,7 +121,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     inp = plan_inputs(load_cluster(a.simulate))
     if a.rate is not None and a.rate <= 0:
         raise InputError(f"--rate must be > 0, got {a.rate}")
-    _emit(simulate_policies(inp, rate=a.rate, seed=a.seed), a.json)
+    _emit(simulate_policies(inp, rate=a.rate, seed=a.seed, log=True), a.json)
     return 0
 
 

@@ -381,6 +381,8 @@ def test_simulate_cli_json():
     assert p.returncode == 0, p.stderr
     obj = json.loads(p.stdout)
     assert obj["policies"]["meshllm"]["saturation_rate_per_s"] > 0 and obj["bound_rate_per_s"] > 0
+    # progress on stderr, one line per policy's sweep (stdout stays one JSON object)
+    assert all(f"simulate: {name}: saturation" in p.stderr for name in obj["policies"]), p.stderr
 
 
 def test_device_slower_means_longer(demo):
