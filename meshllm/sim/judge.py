@@ -64,7 +64,7 @@ JUDGE_MARGIN = 0.02  # a plan of its own must out-sustain the operator's groupin
 CONFIRM_SEEDS = (JUDGE_SEED + 1, JUDGE_SEED + 2)  # more traces of its own, for the final check
 CONFIRM_SCALE = sweep.SWEEP_REQUESTS / JUDGE_SWEEP_REQUESTS  # the final check's runs are this x longer
 CONFIRM_TOP = 2  # eligible candidates checked at most before the best baseline grouping wins
-SIMULATED = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "mean_e2e_ms")  # `with_simulated`
+SIMULATED = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "mean_e2e_ms")  # judged_plan(report=True)
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
 
 
@@ -164,13 +164,13 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
                   f"in the simulator, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if log:
         how = "the highest saturation" if inp.rate_per_s <= 0 else f"the lowest cost at {rate:.3f} req/s"
-        print(f"judge: choosing {how}, confirmed on {len(CONFIRM_SEEDS)} more traces", file=sys.stderr)
-    won = pick(inp, cands, reps, sat, op_idx, floor_from, rate, sweep_requests)
-    if log:
-        k = next(i for i, g in enumerate(cands) if g is won)
-        print(f"judge: picked candidate {k + 1} ({describe(won, k in op_idx)}), {time.perf_counter() - t0:.1f} s",
+        print(f"judge: choosing {how} (a plan of the search's own is checked on {len(CONFIRM_SEEDS)} more traces)",
               file=sys.stderr)
-    return won
+    k = pick(inp, cands, reps, sat, op_idx, floor_from, rate, sweep_requests)
+    if log:
+        print(f"judge: picked candidate {k + 1} ({describe(cands[k], k in op_idx)}), {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
+    return cands[k]
 
 
 def describe(g: Grouping, baseline: bool) -> str:
@@ -180,8 +180,8 @@ def describe(g: Grouping, baseline: bool) -> str:
 
 
 def pick(inp: PlanInputs, cands: Sequence[Grouping], reps, sat: Sequence[float], op_idx: range,
-         floor_from: Sequence[int], rate: float, sweep_requests: int) -> Grouping:
-    """Steps 3 and 4 of the module docstring, given each candidate's saturation."""
+         floor_from: Sequence[int], rate: float, sweep_requests: int) -> int:
+    """Steps 3 and 4 of the module docstring, given each candidate's saturation: the winner's index."""
     ops = list(op_idx)
     for_capacity = inp.rate_per_s <= 0  # no workload rate: the highest saturation wins
     given = not for_capacity and bool(ops)  # a workload rate: its cost decides, capacity is a constraint
@@ -194,35 +194,34 @@ def pick(inp: PlanInputs, cands: Sequence[Grouping], reps, sat: Sequence[float],
         trace = sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
         order = [i for _, i in sorted((run_cost(reps[i], trace, rate), i) for i in eligible)]
     if not ops:
-        return cands[order[0]]
+        return order[0]
     if given:
-        return confirm_cost(inp, cands, reps, order, [i for i in order if i in op_idx], rate)
+        return confirm_cost(inp, reps, order, [i for i in order if i in op_idx], rate)
     best_op = max(op_idx, key=lambda i: (sat[i], -i))
     longer = round(sweep_requests * CONFIRM_SCALE)
     for i in order[:CONFIRM_TOP]:
         if i in op_idx:
-            return cands[i]
+            return i
         mine = [saturation(inp, cands[i], reps[i], longer, s) for s in CONFIRM_SEEDS]
         theirs = [saturation(inp, cands[best_op], reps[best_op], longer, s) for s in CONFIRM_SEEDS]
         if sum(mine) >= sum(theirs) * (1 - 1e-9):
-            return cands[i]
-    return cands[best_op]
+            return i
+    return best_op
 
 
-def confirm_cost(inp: PlanInputs, cands: Sequence[Grouping], reps, order: Sequence[int], ops: Sequence[int],
-                 rate: float) -> Grouping:
+def confirm_cost(inp: PlanInputs, reps, order: Sequence[int], ops: Sequence[int], rate: float) -> int:
     """At a given rate: the first of `order` that is a baseline's grouping, or that costs no more
     than the cheapest eligible baseline grouping (`ops[0]`) on the CONFIRM_SEEDS traces; with no
     baseline grouping eligible, the first of `order`."""
     if not ops:
-        return cands[order[0]]
+        return order[0]
     traces = [sweep.make_trace(inp, JUDGE_REQUESTS, s) for s in CONFIRM_SEEDS]
     theirs = None
     for i in order[:CONFIRM_TOP]:
         if i in ops:
-            return cands[i]
+            return i
         if theirs is None:
             theirs = sum(run_cost(reps[ops[0]], t, rate) for t in traces)
         if sum(run_cost(reps[i], t, rate) for t in traces) <= theirs:
-            return cands[i]
-    return cands[ops[0]]
+            return i
+    return ops[0]
