@@ -395,6 +395,30 @@ def test_device_slower_means_longer(demo):
     assert r_slow.decode_iter_s(4, 100) > r_fast.decode_iter_s(4, 100)
 
 
+def test_replicas_of_one_shape_share_their_step_times_and_others_do_not(demo):
+    """Step times depend on the members' devices and zones, the split and the inputs only: twin
+    replicas (another id, another role, other nodes of the same kinds) share one cache, so the
+    judge's candidates and the baselines do not recompute them; any other shape has its own."""
+    from meshllm.partition.replica import fused_step_s
+
+    _, inp = demo
+    twin = DeviceProfile("t", 8, 10, 100, 1000)
+    a = SimReplica(0, "mixed", (Member("a", twin, "fog"), Member("b", twin, "edge")), (20, 10), inp)
+    b = SimReplica(3, "decode", (Member("c", twin, "fog"), Member("d", twin, "edge")), (20, 10), inp)
+    others = [SimReplica(0, "mixed", (Member("a", twin, "fog"), Member("b", twin, "edge")), (10, 20), inp),
+              SimReplica(0, "mixed", (Member("a", twin, "fog"), Member("b", twin, "fog")), (20, 10), inp),
+              SimReplica(0, "mixed", (Member("b", twin, "edge"), Member("a", twin, "fog")), (20, 10), inp),
+              SimReplica(0, "mixed", (Member("a", replace(twin, memory_bandwidth_gbps=50), "fog"),
+                                      Member("b", twin, "edge")), (20, 10), inp)]
+    assert a.cache is b.cache and all(o.cache is not a.cache for o in others)
+    assert len({id(o.cache) for o in others}) == len(others)
+    got = a.decode_iter_s(4, 100.0)
+    assert b.decode_iter_s(4, 100.0) == got and len(b.cache) == 1
+    assert others[3].decode_iter_s(4, 100.0) > got  # slower memory: not served from the twin's cache
+    assert got == fused_step_s(inp.mc, a.members, a.counts, inp.net, 4, 96.0, 0, 0.0, 0)  # its context bucket's middle
+    assert SimReplica(0, "mixed", a.members, a.counts, replace(inp, rate_per_s=1.0)).cache is not a.cache
+
+
 def test_judge_offers_the_baselines_own_groupings():
     """The judge's candidates include mixed-dp's and tuned Splitwise's replicas exactly as the
     baselines build them, so the plan can always be what the best of those operators runs."""

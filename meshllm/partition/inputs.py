@@ -114,3 +114,10 @@ class PlanInputs:
     @functools.cached_property
     def mix(self) -> Mix:
         return Mix(self.input_tokens.mean, self.output_tokens.mean)
+
+    @functools.cached_property
+    def step_caches(self) -> dict[tuple, dict]:
+        """(member keys in pipeline order, layer counts) -> the step times the simulator has
+        computed for a replica of that shape (sim/replica.py): replicas of the same device kinds
+        and split, in one policy or in the judge's candidates, share them."""
+        return {}

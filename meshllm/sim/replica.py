@@ -1,6 +1,7 @@
 """Replicas as the simulator (and the router) see them: members in pipeline order, their layer
 counts, and timing from the planner's own functions (partition/replica.py over cost.py; no
-formula is re-derived here), cached per prompt length / (batch, context bucket).
+formula is re-derived here), cached per prompt length / (batch, context bucket) and shared by
+the replicas of one shape (`PlanInputs.step_caches`).
 `from_plan` builds them from a Plan, `from_grouping` from a GA grouping.
 """
 
@@ -38,7 +39,12 @@ class SimReplica:
     members: tuple[Member, ...]
     counts: tuple[int, ...]
     inp: PlanInputs
-    cache: dict = field(default_factory=dict, repr=False)
+    cache: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # the step times depend on the members' keys (device, zone), the counts and `inp` only
+        shape = (tuple(m.key for m in self.members), tuple(self.counts))
+        self.cache = self.inp.step_caches.setdefault(shape, {})
 
     @property
     def ids(self) -> list[str]:
