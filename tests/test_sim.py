@@ -523,6 +523,31 @@ def test_a_mixed_replica_drains_a_backlog_of_prompts_faster_than_a_lone_prompt(d
     assert drained < waited()
 
 
+def test_running_context_and_tokens_left_match_the_active_sequences(demo, monkeypatch):
+    """The replica's running sums (the decode context and the tokens left, read at every run of
+    steps) equal a count over its active sequences whenever a run starts, on a mixed and on a
+    disaggregated pair, with random lengths; and they are back to zero when all are done."""
+    _, inp = demo
+    real, seen = Simulator.run_steps, []
+
+    def checked(self, st):
+        seen.append(len(st.active))
+        assert st.context == sum(r.n_in + r.n_out - left for r, left, _ in st.active)
+        assert st.left == sum(left for _, left, _ in st.active)
+        return real(self, st)
+
+    monkeypatch.setattr(Simulator, "run_steps", checked)
+    rng = random.Random(5)
+    reqs = [(0.01 * i * rng.random(), rng.randint(1, 90), rng.randint(1, 60)) for i in range(60)]
+    for reps in ([replica(inp, 0, "mixed", ["fog-1", "fog-2"], (15, 15))],
+                 [replica(inp, 0, "prefill", ["fog-3"], (30,)), replica(inp, 1, "decode", ["fog-4"], (30,))]):
+        sim = Simulator(reps, [Request(i, t, n_in, n_out) for i, (t, n_in, n_out) in enumerate(reqs)])
+        done = sim.run()
+        assert all(r.done >= r.arrival for r in done)
+        assert all(st.context == st.left == 0 and not st.active for st in sim.states.values())
+    assert max(seen) > 1  # runs with several sequences were checked
+
+
 def test_prompt_queue_takes_prompts_in_priority_order_at_any_time():
     """PromptQueue (a heap on router.prompt_rank) gives the order a scan by prompt_priority at the
     moment of taking gives (ties by arrival), whenever prompts are taken and added."""

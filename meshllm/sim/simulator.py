@@ -111,6 +111,8 @@ class RepState:
     queue: PromptQueue = field(default_factory=PromptQueue)  # prompts waiting for prefill
     waiting: deque = field(default_factory=deque)  # KV arrived, waiting for a decode slot
     active: list = field(default_factory=list)  # [request, tokens left, progress towards the next one]
+    context: int = 0  # over `active`: the tokens in their KV (prompt + generated), summed
+    left: int = 0  # over `active`: the tokens still to generate, summed
     pending_kv: float = 0.0  # tokens of prefilled KV not yet shipped
     busy: bool = False
     chunk: tuple = ()  # (start, step, iterations, prompt tokens per step, step without them) in flight
@@ -239,7 +241,7 @@ class Simulator:
             req.slot_wait_s += self.now - req.kv_ready
             req.decode_start = self.now
             st.load.waiting -= 1
-            st.active.append([req, req.n_out - 1, 0.0])
+            self.activate(st, req)
         if st.rep.role == "mixed":
             self.start_prompts(st)
         st.load.active = len(st.active)
@@ -270,9 +272,16 @@ class Simulator:
             st.prefilling.append([req, 0])
 
     @staticmethod
+    def activate(st: RepState, req: Request) -> None:
+        """`req` starts decoding here: its first token is out, n_out - 1 to go."""
+        st.active.append([req, req.n_out - 1, 0.0])
+        st.context += req.n_in + 1
+        st.left += req.n_out - 1
+
+    @staticmethod
     def decode_context(st: RepState) -> float:
         b = len(st.active)
-        return sum(r.n_in + r.n_out - left for r, left, _ in st.active) / b if b else 0.0
+        return st.context / b if b else 0.0
 
     def prompt_budget(self, st: RepState, head: int) -> int:
         """Prompt tokens a mixed replica's next decode step takes (SimReplica.chunk_tokens), from
@@ -317,7 +326,7 @@ class Simulator:
             step, micro = st.rep.prefill_s(chunk)[1], 1  # a whole prompt alone (its head included)
         else:
             step = st.rep.decode_iter_s(b, ctx, chunk, pos, prompts) + heads * st.rep.head_s()
-        st.load.tokens_left = sum(left for _, left, _ in st.active) / b if b else 0.0
+        st.load.tokens_left = st.left / b if b else 0.0
         st.busy, st.chunk = True, (self.now, step, iters, chunk, base, micro)
         self.push(self.now + step * iters, self.on_chunk, st, st.version)
 
@@ -352,8 +361,12 @@ class Simulator:
                 req.paused_s += iters * (step - base)
             item[1] -= tokens
             item[2] = max(0.0, part + iters - tokens) if item[1] > 0 else 0.0
+            st.context += tokens
+            st.left -= tokens
             if item[1] <= 0:
                 req.done = req.last_token
+                st.context -= req.n_in + req.n_out - item[1]
+                st.left -= item[1]
             else:
                 keep.append(item)
         self.book_activations(st, start, len(st.active) * iters)
@@ -380,7 +393,7 @@ class Simulator:
             if req.n_out <= 1:
                 req.done = self.now
             else:
-                st.active.append([req, req.n_out - 1, 0.0])
+                self.activate(st, req)
         st.prefilling = keep
 
     def book_activations(self, st: RepState, start: float, tokens: int) -> None:
