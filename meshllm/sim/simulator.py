@@ -346,29 +346,34 @@ class Simulator:
             return
         start, step, iters, chunk, base, _ = st.chunk
         st.busy, st.chunk = False, ()
-        keep = []
+        keep, made, floor = [], 0, math.floor  # the hot loop of the simulator: per sequence per run
+        stretch = iters * (step - base) if chunk else 0.0  # the prompt riding along made these steps longer
         for item in st.active:
-            req, _, part = item
-            tokens = math.floor(part + iters + 1e-9)  # whole tokens this run completed
+            req, left, part = item
+            tokens = floor(part + iters + 1e-9)  # whole tokens this run completed
             if tokens:
                 first = start + step * (1.0 - part)
                 req.gaps.append((first - req.last_token, 1))
                 if tokens > 1:
                     req.gaps.append((step, tokens - 1))
                 req.last_token = first + step * (tokens - 1)
-            if chunk:  # the prompt riding along made these steps longer
-                req.wait_s += iters * (step - base)
-                req.paused_s += iters * (step - base)
-            item[1] -= tokens
-            item[2] = max(0.0, part + iters - tokens) if item[1] > 0 else 0.0
-            st.context += tokens
-            st.left -= tokens
-            if item[1] <= 0:
-                req.done = req.last_token
-                st.context -= req.n_in + req.n_out - item[1]
-                st.left -= item[1]
-            else:
+                made += tokens
+            if chunk:
+                req.wait_s += stretch
+                req.paused_s += stretch
+            left -= tokens
+            item[1] = left
+            if left > 0:
+                rest = part + iters - tokens
+                item[2] = rest if rest > 0.0 else 0.0
                 keep.append(item)
+            else:
+                item[2] = 0.0
+                req.done = req.last_token
+                st.context -= req.n_in + req.n_out - left
+                st.left -= left
+        st.context += made
+        st.left -= made
         self.book_activations(st, start, len(st.active) * iters)
         st.active = keep
         if chunk:
