@@ -367,8 +367,7 @@ class Simulator:
                 rest = part + iters - tokens
                 item[2] = rest if rest > 0.0 else 0.0
                 keep.append(item)
-            else:
-                item[2] = 0.0
+            else:  # done: the item leaves `active`
                 req.done = req.last_token
                 st.context -= req.n_in + req.n_out - left
                 st.left -= left
