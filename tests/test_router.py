@@ -88,6 +88,28 @@ def test_kv_promised_to_a_decode_replica_counts_in_its_port_queue(inp):
     assert sim.loads[1].kv_pending_tokens == 0 and req.done > 0  # on the ports once shipped
 
 
+def test_kv_a_prefill_replica_has_yet_to_send_counts_in_its_port_queue(inp):
+    """The KV of the prompts routed to a prefill replica (queued or in its pipeline) is not on its
+    ports yet but leaves before a new prompt's: the router counts it, so a prompt goes to the other
+    prefill replica once one has more KV to send than its compute hides. The simulator counts a
+    prompt's tokens there from routing until its last stage ships."""
+    reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "prefill", "fog-3"), rep(inp, 2, "decode", "fog-2")]
+    router = Router(reps, PortBook(inp.net))
+    loads = loads_for(reps)
+    member = reps[0].members[0]
+    assert router.tx_wait_s(member, 30, loads[0], 0.0, 0.5) == 0.0
+    assert router.pick_prefill(loads, 2000, 32, 0.0) == 0  # equal devices: the lower id
+    loads[0].kv_unshipped_tokens = 200_000  # ~100 prompts' KV still to leave its port
+    assert router.tx_wait_s(member, 30, loads[0], 0.0, 0.5) > 1.0
+    assert router.pick_prefill(loads, 2000, 32, 0.0) == 1
+    sim = Simulator(reps[::2], [])
+    req = Request(0, 0.0, 100, 10)
+    sim.on_arrival(req)
+    assert sim.loads[0].kv_unshipped_tokens == 100  # counted on routing
+    sim.run()
+    assert sim.loads[0].kv_unshipped_tokens == 0 and req.done > 0  # shipped
+
+
 def test_the_gateway_books_shipped_kv_on_the_ports_it_routes_with(inp):
     """At a request's first token its prompt's KV leaves the prefill replica: the gateway books
     it on its PortBook (as the simulator books a shipment), and routes the next request with that
@@ -128,6 +150,7 @@ def test_the_gateway_counts_a_request_at_its_decode_replica_from_routing_on(inp)
         gw.book(s, "prefill", +1)
     assert (gw.loads[1].active, gw.loads[1].waiting) == (0, 3) and gw.loads[0].prefill_queued == 3
     assert gw.loads[1].kv_pending_tokens == 300  # their prompts' KV is still to come
+    assert gw.loads[0].kv_unshipped_tokens == 300  # ... out of the prefill replica
     sim = Simulator(reps, [])  # the simulator books the same way on arrival
     sim.on_arrival(Request(0, 0.0, 100, 10))
     assert sim.loads[1].waiting == 1
@@ -135,7 +158,7 @@ def test_the_gateway_counts_a_request_at_its_decode_replica_from_routing_on(inp)
         gw.book(s, "prefill", -1)
         gw.book(s, "decode", +1)
     assert (gw.loads[1].active, gw.loads[1].waiting) == (2, 1) and gw.loads[0].prefill_queued == 0
-    assert gw.loads[1].kv_pending_tokens == 0
+    assert gw.loads[1].kv_pending_tokens == 0 and gw.loads[0].kv_unshipped_tokens == 0
     for s in streams:
         gw.book(s, "decode", -1)
     assert (gw.loads[1].active, gw.loads[1].waiting) == (0, 0)

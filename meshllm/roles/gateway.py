@@ -151,9 +151,10 @@ class RouterView:
         """Keep the router's view: prompts queued for prefill, sequences decoding (and their
         remaining tokens), per replica. A sequence prefilled on another replica counts in its
         decode replica's `waiting` from the moment it is routed there, and its prompt's KV in that
-        replica's `kv_pending_tokens` (its ports will receive it) until its first token, so
-        requests routed while it prefills do not all pick the same decode replica (the simulator
-        does the same)."""
+        replica's `kv_pending_tokens` (its ports will receive it) and in its prefill replica's
+        `kv_unshipped_tokens` (its ports will send it) until its first token, so requests routed
+        while it prefills do not all pick the same decode replica, nor a prefill replica whose
+        ports have more KV to send than it can (the simulator does the same)."""
         with self._lock:
             pre, dec = self.loads.get(s.prefill_rid), self.loads.get(s.decode_rid)
             if phase == "prefill":
@@ -165,6 +166,8 @@ class RouterView:
                 if dec is not None and s.decode_rid != s.prefill_rid:
                     self._routed[s.decode_rid] = max(0, self._routed.get(s.decode_rid, 0) + sign)
                     dec.kv_pending_tokens = max(0, dec.kv_pending_tokens + sign * s.n_in)  # its KV is still to come
+                    if pre is not None:  # ... out of the prefill replica's ports
+                        pre.kv_unshipped_tokens = max(0, pre.kv_unshipped_tokens + sign * s.n_in)
             elif phase == "decode" and dec is not None:
                 self._decoding[s.decode_rid] = self._decoding.get(s.decode_rid, 0) + sign
                 dec.tokens_left = s.n_out / 2  # mean remaining of a sequence in the batch

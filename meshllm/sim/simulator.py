@@ -154,6 +154,7 @@ class Simulator:
             req.dst = self.router.pick_decode(st.rep.id, self.loads, req.n_in, self.mean_out, self.now)
             self.states[req.dst].load.waiting += 1
             self.states[req.dst].load.kv_pending_tokens += req.n_in
+            st.load.kv_unshipped_tokens += req.n_in
         st.queue.push(req)
         st.load.prefill_queued_s += st.rep.prefill_s(req.n_in)[0]
         st.load.prefill_queued_tokens += req.n_in
@@ -211,6 +212,7 @@ class Simulator:
         end, ideal = self.ports.transfers(flows, self.now, commit=True, alone=req.kv_alone)
         req.kv_end, req.kv_ideal = max(req.kv_end, end), max(req.kv_ideal, ideal)
         if i == len(src.members) - 1:
+            st.load.kv_unshipped_tokens -= req.n_in
             req.kv_alone = None
             req.wait_s += req.kv_end - req.kv_ideal
             req.port_wait_s += req.kv_end - req.kv_ideal
