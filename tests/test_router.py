@@ -96,11 +96,11 @@ def test_kv_a_prefill_replica_has_yet_to_send_counts_in_its_port_queue(inp):
     reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "prefill", "fog-3"), rep(inp, 2, "decode", "fog-2")]
     router = Router(reps, PortBook(inp.net))
     loads = loads_for(reps)
-    member = reps[0].members[0]
-    assert router.tx_wait_s(member, 30, loads[0], 0.0, 0.5) == 0.0
+    member, kv = reps[0].members[0], 30 * inp.mc.kv_bytes_per_token  # its 30 layers' KV a token
+    assert router.tx_wait_s(member, kv, loads[0], 0.0, 0.5) == 0.0
     assert router.pick_prefill(loads, 2000, 32, 0.0) == 0  # equal devices: the lower id
     loads[0].kv_unshipped_tokens = 200_000  # ~100 prompts' KV still to leave its port
-    assert router.tx_wait_s(member, 30, loads[0], 0.0, 0.5) > 1.0
+    assert router.tx_wait_s(member, kv, loads[0], 0.0, 0.5) > 1.0
     assert router.pick_prefill(loads, 2000, 32, 0.0) == 1
     sim = Simulator(reps[::2], [])
     req = Request(0, 0.0, 100, 10)

@@ -24,8 +24,8 @@ bench-fog-40-8b at 13.3 req/s the mean wait fell from 437 to 295 ms with it). Li
 port queue of a prefill replica counts the KV of the prompts routed there that has not left yet
 (`kv_unshipped_tokens`: queued or still in its pipeline), which its ports send before this
 prompt's (without it, a replica whose 1 Gb/s ports ship KV slower than its stages compute
-prompts looked idle to every new prompt; on bench-fog-40-8b at 12.7 req/s, one fixed plan each,
-seeds 0-5, meshllm's mean wait fell by 14 %, tuned Splitwise's by 26 %). Every candidate is
+prompts looked idle to every new prompt; with it tuned Splitwise's saturation on bench-fog-40-8b
+rose from 18.2 to 19.9 req/s, bench/planner.py). Every candidate is
 scored to the end of the request, so a prefill replica (prefill, then KV shipping, then the best
 decode replica's queue and decode) and a mixed replica (prefill, then its own decode) compare
 like with like.
@@ -86,7 +86,6 @@ class Router:
         self.ports = ports
         self.w = wait_weight
         self._flows: dict[tuple[int, int], list[tuple[Member, Member, float]]] = {}
-        self.kv_bytes = next(iter(self.reps.values())).inp.mc.kv_bytes_per_token if self.reps else 0.0
 
     def kv_flows(self, src: SimReplica, dst: SimReplica, tokens: int) -> list[tuple[Member, Member, float]]:
         """KV transfers of one prompt of `tokens` tokens: every prefill stage to every decode stage
@@ -175,16 +174,16 @@ class Router:
         start = max(now, load.next_prefill_at) + load.prefill_queued_s
         ttft = start + lat
         kv = rep.inp.mc.kv_bytes_per_token
-        waits = [self.tx_wait_s(m, n, load, now, ttft) for m, n in zip(rep.members, rep.counts)]
+        waits = [self.tx_wait_s(m, kv * n, load, now, ttft) for m, n in zip(rep.members, rep.counts)]
         ship = max(w + transfer_s(kv * n_in * n, m.device.network_mbps)
                    for w, m, n in zip(waits, rep.members, rep.counts))
         return ttft + ship + decode_rest + self.w * (start - now + max(waits))
 
-    def tx_wait_s(self, m: Member, layers: int, load: ReplicaLoad, now: float, at: float) -> float:
-        """Seconds a prefill stage's KV, ready at `at`, waits for its port: behind the KV already
-        booked there and the KV of the prompts ahead of it on the replica (`kv_unshipped_tokens`,
-        not on the port yet), which leaves no sooner than now."""
-        ahead = transfer_s(layers * self.kv_bytes * load.kv_unshipped_tokens, m.device.network_mbps)
+    def tx_wait_s(self, m: Member, kv_per_token: float, load: ReplicaLoad, now: float, at: float) -> float:
+        """Seconds a prefill stage's KV (`kv_per_token` bytes a token), ready at `at`, waits for
+        its port: behind the KV already booked there and the KV of the prompts ahead of it on the
+        replica (`kv_unshipped_tokens`, not on the port yet), which leaves no sooner than now."""
+        ahead = transfer_s(kv_per_token * load.kv_unshipped_tokens, m.device.network_mbps)
         return max(0.0, self.ports.wait_s(m.id, TX, now) + ahead - (at - now))
 
     def pick_prefill(self, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float, now: float) -> int:
