@@ -161,6 +161,23 @@ def test_a_mixed_replica_prefills_several_short_prompts_in_one_step(demo):
     assert sum(n for r in done for _, n in r.gaps) == sum(r.n_out - 1 for r in done)
 
 
+def test_whole_prompts_of_a_queue_share_a_step_as_the_prompt_budget_holds(demo):
+    """Four sequences decode on a one-stage mixed replica when a burst of forty 12-token prompts
+    arrives: more prompts wait than sequences decode, so they go whole, and a whole step takes as
+    many as the step's prompt budget holds (at least one per stage). One prompt per step, the
+    old rule, gave each its own step: a queue that had formed drained at 12 tokens a step, and
+    on clusters/wan.yaml one trace's queue grew without end at 10000 req/s while chunked steps
+    kept up with 12500."""
+    _, inp = demo
+    ring = replica(inp, 0, "mixed", ["fog-1"], (30,))
+    reqs = [Request(i, 0.0, 12, 400) for i in range(4)] + [Request(4 + i, 1.0, 12, 4) for i in range(40)]
+    done = Simulator([ring], reqs).run()
+    burst = [r for r in done if r.rid >= 4]
+    assert len({r.first_token for r in burst}) <= len(burst) // 4
+    assert all(r.done > r.first_token >= r.prefill_start >= r.arrival for r in done)
+    assert sum(n for r in done for _, n in r.gaps) == sum(r.n_out - 1 for r in done)
+
+
 def test_a_chunk_between_cache_buckets_costs_between_theirs(demo):
     """Step times are cached at chunks of multiples of CHUNK_BUCKET and interpolated between
     them: a compute-bound chunk halfway between two multiples costs more than the lower one
