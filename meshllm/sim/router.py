@@ -1,5 +1,6 @@
-"""The request router: earliest finish, with waiting weighted ROUTE_WAIT_WEIGHT times. One implementation for the
-simulator and the live gateway (pure: no sockets, no clocks; time is passed in).
+"""The request router: earliest finish, with waiting weighted ROUTE_WAIT_WEIGHT times. One
+implementation for the simulator and the live gateway (pure: no sockets, no clocks; time is
+passed in).
 
 API (what a gateway calls with its live view of the replicas):
 
@@ -25,10 +26,9 @@ port queue of a prefill replica counts the KV of the prompts routed there that h
 (`kv_unshipped_tokens`: queued or still in its pipeline), which its ports send before this
 prompt's (without it, a replica whose 1 Gb/s ports ship KV slower than its stages compute
 prompts looked idle to every new prompt; with it tuned Splitwise's saturation on bench-fog-40-8b
-rose from 18.2 to 19.9 req/s, bench/planner.py). Every candidate is
-scored to the end of the request, so a prefill replica (prefill, then KV shipping, then the best
-decode replica's queue and decode) and a mixed replica (prefill, then its own decode) compare
-like with like.
+rose from 18.2 to 19.9 req/s, bench/planner.py). Every candidate is scored to the end of the
+request, so a prefill replica (prefill, then KV shipping, then the best decode replica's queue
+and decode) and a mixed replica (prefill, then its own decode) compare like with like.
 A prefill replica's KV goes to a decode replica or to a mixed one (which decodes it beside its own
 prompts), whichever finishes the request first by the same score. Ties go to the lower replica id.
 """
@@ -77,7 +77,7 @@ class ReplicaLoad:
     waiting: int = 0  # sequences sent here (KV in flight or arrived) not yet in the batch
     tokens_left: float = 0.0  # mean output tokens the active sequences still have to generate
     kv_pending_tokens: int = 0  # prompt tokens of sequences routed here whose KV has not started shipping
-    kv_unshipped_tokens: int = 0  # prefill replica: prompt tokens routed here whose KV has not started shipping
+    kv_unshipped_tokens: int = 0  # prefill replica: prompt tokens routed here whose KV its last stage has not sent
 
 
 class Router:
