@@ -126,7 +126,10 @@ class SimReplica:
         both: 1/16 waited 0.49x / 0.52-0.58x Splitwise's wait on bench-fog-40-8b at 50 % / 70 % of
         its saturation, 1/8 0.38x / 0.39-0.42x but 0.83-0.90x instead of 0.75-0.78x at
         bench-edge-8b's own low rate, where a prompt is mostly alone; with the two shares, 0.38x /
-        0.42-0.47x and 0.75-0.77x.)"""
+        0.42-0.47x and 0.75-0.77x.) The simulator passes the prompt tokens still to prefill,
+        measured again at the start of every run of steps, so a lone prompt's chunks shrink as it
+        progresses and it takes more than LONE_DRAIN_STEPS steps (a share of its whole length
+        instead did not lower meshllm's waits and raised mixed-dp's)."""
         share = DRAIN_STEPS if queued > 1 else LONE_DRAIN_STEPS
         return max(self.free_chunk(batch, context, prompt), -(-backlog // share))
 
