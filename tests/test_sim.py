@@ -498,6 +498,72 @@ def test_judge_confirms_a_plan_of_its_own_on_runs_as_long_as_the_reported_sweep(
     assert confirming and min(confirming) >= sweep.SWEEP_REQUESTS
 
 
+PAIR_AND_ORIN = """model: llama-3-8b
+nodes:
+  - {id: gpu-1, device: desktop-rtx-3060-12gb, zone: fog%s}
+  - {id: gpu-2, device: desktop-rtx-3060-12gb, zone: fog%s}
+  - {id: agx-1, device: jetson-agx-orin-64gb, zone: fog}
+workload:
+  arrival_rate_per_s: 1.0
+  input_tokens: {mean: 512, dist: lognormal}
+  output_tokens: {mean: 128, dist: lognormal}
+"""
+
+
+def pair_and_orin(forced: str = ""):
+    """Two RTX 3060s prefilling for a Jetson AGX Orin that decodes, at 1 req/s (bench-fog-40-8b's
+    devices): the grouping, its evaluator and inputs."""
+    import yaml
+
+    from meshllm.config import parse_cluster
+    from meshllm.partition.plan import planner_evaluator
+    from meshllm.sim import judge
+
+    inp = plan_inputs(parse_cluster(yaml.safe_load(PAIR_AND_ORIN % (forced, forced)), "pair_and_orin.yaml"))
+    ev = planner_evaluator(inp)
+    return inp, ev, judge.with_roles(ev, ev.decode([0, 0, 1]), ("prefill", "decode"), inp.rate_per_s)
+
+
+def test_the_judge_turns_a_replica_mixed_when_that_costs_less_at_the_rate():
+    """Issue 8 step 5: the search leaves replicas prefilling that serve better doing both (on
+    bench-fog-40-8b it left the RTX 3060 pair prefilling for the RTX 4090's port). Here the pair
+    prefilling for an Orin costs e2e + 100 x wait = 45 s a request at 1 req/s; turned mixed (on its
+    prefill split, 16 + 16 layers, whose KV room holds more sequences than the decode split's
+    17 + 15) it costs 17 s, and the plan's capacity and prediction are the new roles'."""
+    from meshllm.partition.replica import capacity, role_rates
+    from meshllm.sim import judge
+    from meshllm.sim.replica import from_grouping
+
+    inp, ev, g = pair_and_orin()
+    rate, trace = inp.rate_per_s, make_trace(inp, judge.JUDGE_REQUESTS, judge.JUDGE_SEED)
+    splits = [e.mixed.split.counts for e in judge.mixed_splits(inp, g.evals[0], "prefill")]
+    assert splits == [(17, 15), (16, 16)]
+    got = judge.refine_roles(inp, ev, g, rate)
+    assert got.roles == ("mixed", "decode") and got.evals[0].mixed.split.counts == (16, 16)
+    before, after = (judge.run_cost(from_grouping(inp, x), trace, rate) for x in (g, got))
+    assert after < 0.5 * before
+    assert got.fitness == pytest.approx(capacity(role_rates(got.evals), got.roles)[0])
+    assert got.prediction is not None and got.prediction != g.prediction
+
+
+def test_the_judge_keeps_roles_that_a_node_forces_and_refines_only_at_a_rate(monkeypatch):
+    """A replica whose nodes allow only prefill stays prefill (the Orin may still turn mixed);
+    planning for capacity (no rate) does not refine at all (a turn is judged by the cost at the
+    rate)."""
+    from meshllm.partition.plan import plan_cluster
+    from meshllm.sim import judge
+
+    inp, ev, g = pair_and_orin(", roles: [prefill]")
+    assert judge.refine_roles(inp, ev, g, inp.rate_per_s).roles[0] == "prefill"
+    calls = []
+    monkeypatch.setattr(judge, "refine_roles", lambda inp, ev, g, rate, *a, **k: calls.append(rate) or g)
+    inp, _, _ = pair_and_orin()
+    plan_cluster(replace(inp, rate_per_s=0.0), seed=0, log=False, judge=judge.simulated_judge)
+    assert calls == []
+    plan_cluster(inp, seed=0, log=False, judge=judge.simulated_judge)
+    assert len(calls) == 1 and calls[0] > 0
+
+
 def test_each_prefill_stage_ships_its_kv_when_it_is_done(demo):
     """As roles/stage.py does: the first stage's KV leaves while the second stage computes, after
     its activations; the decode replica is chosen on arrival (as the gateway does), and a

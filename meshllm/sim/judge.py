@@ -35,7 +35,18 @@ the one results are reported on):
    with five prefill replicas 11% above mixed-dp's grouping (8.41 against 7.55 req/s), which
    at N = 2000 on the same two traces was 4% below it (7.80 against 8.16). So meshllm's plan
    for capacity is never below the baselines it is compared with except by the sweep's noise
-   on traces it was not judged on.
+   on traces it was not judged on;
+5. with a rate given, the pick's replicas are turned mixed one at a time, the turn that costs
+   least first, while each lowers the cost at the rate on the judge's trace (`refine_roles`,
+   at most FLIP_ROUNDS), kept if it still sustains HEADROOM x the rate and costs no more than
+   the pick on the CONFIRM_SEEDS traces. The analytic model rates a mixed replica beside
+   disaggregated ones low (a share of its compute bound, a queueing estimate), so the search
+   leaves replicas prefilling that serve better doing both: on bench-fog-40-8b at 9.9 / 13.9
+   req/s, the RTX 3060 pair's and the Orin NX + RTX 3060's prefill replicas turned mixed
+   lowered the mean wait from 105 to 88 / 194 to 139 ms (e2e 4.70 -> 4.81 / 6.71 -> 5.91 s;
+   their prompts no longer wait for the RTX 4090's port to take their KV). Turning replicas the other way (mixed to prefill or
+   decode) was tried: on bench-edge-8b at 1 req/s it lowered the cost by making the RTX 4090
+   decode-only, at 5x the TTFT (p50 103 -> 550 ms), so it is not done.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
 from meshllm.partition.plan import Plan, plan_cluster, planner_evaluator
+from meshllm.partition.replica import ReplicaEval, capacity, decode_fit, mixed_fit, role_rates
 from meshllm.sim import baselines, sweep
 from meshllm.sim.metrics import metrics
 from meshllm.sim.replica import from_grouping, from_plan
@@ -64,6 +76,8 @@ JUDGE_MARGIN = 0.02  # a plan of its own must out-sustain the operator's groupin
 CONFIRM_SEEDS = (JUDGE_SEED + 1, JUDGE_SEED + 2)  # more traces of its own, for the final check
 CONFIRM_SCALE = sweep.SWEEP_REQUESTS / JUDGE_SWEEP_REQUESTS  # the final check's runs are this x longer
 CONFIRM_TOP = 2  # eligible candidates checked at most before the best baseline grouping wins
+FLIP_ROUNDS = 3  # step 5: replicas turned mixed at most, one per round of trials
+FLIP_GAIN = 0.01  # a turn must lower the cost by this fraction
 SIMULATED = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "mean_e2e_ms")  # judged_plan(report=True)
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
 
@@ -170,7 +184,74 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     if log:
         print(f"judge: picked candidate {k + 1} ({describe(cands[k], k in op_idx)}), {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
-    return cands[k]
+    if inp.rate_per_s <= 0 or rate <= 0:
+        return cands[k]
+    return refine_roles(inp, ev, cands[k], rate, sweep_requests, log)
+
+
+def with_roles(ev: Evaluator, g: Grouping, roles: tuple[str, ...], rate: float) -> Grouping:
+    """`g`'s replicas with other roles: capacity, link bound and prediction at `rate` anew."""
+    cap = capacity(role_rates(g.evals), roles)[0]
+    out = ev.with_links(Grouping(g.groups, roles, g.evals, cap))
+    return replace(out, prediction=ev.latency(out, rate))
+
+
+def mixed_splits(inp: PlanInputs, e: ReplicaEval, role: str) -> list[ReplicaEval]:
+    """A replica of role `role` turned mixed: on its mixed split (the decode split, replica.py),
+    and on its prefill split too when it prefills. A prefill replica of two RTX 3060s on
+    bench-fog-40-8b, turned mixed at 9.9 req/s: cost 14.84 s on the decode split (17 + 15
+    layers), 12.98 s on its prefill split (16 + 16; the pick's 13.86 s)."""
+    out = [e]
+    if role == "prefill" and e.prefill is not None and e.prefill.split.counts != e.mixed.split.counts:
+        s = e.prefill.split
+        dfit = decode_fit(inp.mc, e.members, s, inp.net, inp.mix)
+        fit = mixed_fit(inp.mc, e.members, s, inp.net, inp.mix, (e.prefill, dfit)) if dfit.batch >= 1 else None
+        if fit is not None:
+            out.append(replace(e, mixed=fit))
+    return out
+
+
+def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep_requests: int = JUDGE_SWEEP_REQUESTS,
+                 log: bool = False) -> Grouping:
+    """Step 5 of the module docstring: the pick with replicas turned mixed, one at a time while
+    that lowers the cost at `rate` on the judge's trace by FLIP_GAIN (at most FLIP_ROUNDS
+    replicas); kept if it still sustains HEADROOM x `rate` and costs no more than the pick on the
+    CONFIRM_SEEDS traces. Only replicas whose roles: allow both phases and that can hold a
+    mixed split."""
+    trace = sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
+    cost, best, t0 = run_cost(from_grouping(inp, g), trace, rate), g, time.perf_counter()
+    flippable = [i for i, (canon, role, e) in enumerate(zip(g.groups, g.roles, g.evals))
+                 if role != "mixed" and e.mixed is not None and not (ev.any_forced and ev.group_role(canon))]
+    for _ in range(FLIP_ROUNDS):
+        tried = []
+        for i in flippable:
+            if best.roles[i] == "mixed":
+                continue
+            roles = best.roles[:i] + ("mixed",) + best.roles[i + 1:]
+            for v, e in enumerate(mixed_splits(inp, best.evals[i], best.roles[i])):
+                cand = with_roles(ev, replace(best, evals=best.evals[:i] + (e,) + best.evals[i + 1:]), roles, rate)
+                tried.append((run_cost(from_grouping(inp, cand), trace, rate), i, v, cand))
+        if not tried:
+            break
+        c, i, _, cand = min(tried, key=lambda t: t[:3])
+        if c > cost * (1 - FLIP_GAIN):
+            break
+        cost, best = c, cand
+        if log:
+            print(f"judge: replica {i} turned mixed costs {cost:.3f} s at {rate:.3f} req/s, "
+                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if best is g:
+        return g
+    reps = from_grouping(inp, best)
+    traces = [sweep.make_trace(inp, JUDGE_REQUESTS, s) for s in CONFIRM_SEEDS]
+    kept = (saturation(inp, best, reps, sweep_requests) >= HEADROOM * rate * (1 - 1e-9)
+            and sum(run_cost(reps, t, rate) for t in traces)
+            <= sum(run_cost(from_grouping(inp, g), t, rate) for t in traces))
+    if log:
+        roles = ", ".join(f"{best.roles.count(r)} {r}" for r in ("prefill", "decode", "mixed") if r in best.roles)
+        print(f"judge: the roles turned ({roles}) {'kept' if kept else 'not confirmed: the pick stays'} "
+              f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return best if kept else g
 
 
 def describe(g: Grouping, baseline: bool) -> str:
