@@ -60,7 +60,7 @@ from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
 from meshllm.partition.plan import Plan, plan_cluster, planner_evaluator
-from meshllm.partition.replica import ReplicaEval, capacity, decode_fit, mixed_fit, role_rates
+from meshllm.partition.replica import capacity, role_rates
 from meshllm.sim import baselines, sweep
 from meshllm.sim.metrics import metrics
 from meshllm.sim.replica import from_grouping, from_plan
@@ -196,21 +196,6 @@ def with_roles(ev: Evaluator, g: Grouping, roles: tuple[str, ...], rate: float) 
     return replace(out, prediction=ev.latency(out, rate))
 
 
-def mixed_splits(inp: PlanInputs, e: ReplicaEval, role: str) -> list[ReplicaEval]:
-    """A replica of role `role` turned mixed: on its mixed split (the decode split, replica.py),
-    and on its prefill split too when it prefills. A prefill replica of two RTX 3060s on
-    bench-fog-40-8b, turned mixed at 9.9 req/s: cost 14.84 s on the decode split (17 + 15
-    layers), 12.98 s on its prefill split (16 + 16; the pick's 13.86 s)."""
-    out = [e]
-    if role == "prefill" and e.prefill is not None and e.prefill.split.counts != e.mixed.split.counts:
-        s = e.prefill.split
-        dfit = decode_fit(inp.mc, e.members, s, inp.net, inp.mix)
-        fit = mixed_fit(inp.mc, e.members, s, inp.net, inp.mix, (e.prefill, dfit)) if dfit.batch >= 1 else None
-        if fit is not None:
-            out.append(replace(e, mixed=fit))
-    return out
-
-
 def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep_requests: int = JUDGE_SWEEP_REQUESTS,
                  log: bool = False) -> Grouping:
     """Step 5 of the module docstring: the pick with replicas turned mixed, one at a time while
@@ -227,13 +212,11 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
         for i in flippable:
             if best.roles[i] == "mixed":
                 continue
-            roles = best.roles[:i] + ("mixed",) + best.roles[i + 1:]
-            for v, e in enumerate(mixed_splits(inp, best.evals[i], best.roles[i])):
-                cand = with_roles(ev, replace(best, evals=best.evals[:i] + (e,) + best.evals[i + 1:]), roles, rate)
-                tried.append((run_cost(from_grouping(inp, cand), trace, rate), i, v, cand))
+            cand = with_roles(ev, best, best.roles[:i] + ("mixed",) + best.roles[i + 1:], rate)
+            tried.append((run_cost(from_grouping(inp, cand), trace, rate), i, cand))
         if not tried:
             break
-        c, i, _, cand = min(tried, key=lambda t: t[:3])
+        c, i, cand = min(tried, key=lambda t: t[:2])
         if c > cost * (1 - FLIP_GAIN):
             break
         cost, best = c, cand
