@@ -202,7 +202,8 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
     that lowers the cost at `rate` on the judge's trace by FLIP_GAIN (at most FLIP_ROUNDS
     replicas); kept if it still sustains HEADROOM x `rate` and costs no more than the pick on the
     CONFIRM_SEEDS traces. Only replicas whose roles: allow both phases and that can hold a
-    mixed split."""
+    mixed split; the turn of the last prefill replica turns the decode replicas mixed too (or
+    is not tried), as no KV would reach them."""
     trace = sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
     cost, best, t0 = run_cost(from_grouping(inp, g), trace, rate), g, time.perf_counter()
     flippable = [i for i, (canon, role, e) in enumerate(zip(g.groups, g.roles, g.evals))
@@ -212,7 +213,12 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
         for i in flippable:
             if best.roles[i] == "mixed":
                 continue
-            cand = with_roles(ev, best, best.roles[:i] + ("mixed",) + best.roles[i + 1:], rate)
+            roles = best.roles[:i] + ("mixed",) + best.roles[i + 1:]
+            if "prefill" not in roles and "decode" in roles:  # no KV would reach a decode replica
+                if any(r == "decode" and j not in flippable for j, r in enumerate(roles)):
+                    continue
+                roles = tuple("mixed" if r == "decode" else r for r in roles)
+            cand = with_roles(ev, best, roles, rate)
             tried.append((run_cost(from_grouping(inp, cand), trace, rate), i, cand))
         if not tried:
             break
