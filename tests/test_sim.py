@@ -529,9 +529,8 @@ def test_the_judge_turns_a_replica_mixed_when_that_costs_less_at_the_rate():
     bench-fog-40-8b it left the RTX 3060 pair prefilling for the RTX 4090's port). Here the pair
     prefilling for an Orin costs e2e + 100 x wait = 45 s a request at 1 req/s; turned mixed it costs
     17 s (the Orin turns mixed with it: no KV would reach it as a decode replica), and the plan's
-    capacity and prediction are the new roles'. The pair is mixed on its
-    prefill split, 16 + 16 layers, which rates higher than the decode split's 17 + 15 (KV room for
-    70 sequences, not 56; turned mixed on 17 + 15 it cost 62 s)."""
+    capacity and prediction are the new roles'. The pair is tried mixed on its decode split (17 + 15
+    layers: 62 s) and on its prefill split (16 + 16: KV room for 70 sequences, not 56), which wins."""
     from meshllm.partition.replica import capacity, role_rates
     from meshllm.sim import judge
     from meshllm.sim.replica import from_grouping
@@ -539,13 +538,22 @@ def test_the_judge_turns_a_replica_mixed_when_that_costs_less_at_the_rate():
     inp, ev, g = pair_and_orin()
     rate, trace = inp.rate_per_s, make_trace(inp, judge.JUDGE_REQUESTS, judge.JUDGE_SEED)
     pair = g.evals[0]
-    assert pair.mixed.split.counts == pair.prefill.split.counts == (16, 16) != pair.decode.split.counts
+    assert pair.mixed.split.counts == pair.decode.split.counts == (17, 15) != pair.prefill.split.counts
     got = judge.refine_roles(inp, ev, g, rate)
     assert got.roles == ("mixed", "mixed") and got.evals[0].mixed.split.counts == (16, 16)  # no idle decoder
     before, after = (judge.run_cost(from_grouping(inp, x), trace, rate) for x in (g, got))
     assert after < 0.5 * before
     assert got.fitness == pytest.approx(capacity(role_rates(got.evals), got.roles)[0])
     assert got.prediction is not None and got.prediction != g.prediction
+
+
+def test_mixed_dp_runs_a_replica_on_the_split_that_rates_higher_mixed():
+    """Two RTX 3060s: the decode split (17 + 15 layers) leaves KV room for fewer sequences than
+    the prefill split (16 + 16), which rates higher mixed; mixed-dp, as its operator would, runs
+    the pair on 16 + 16 (the planner's own replicas keep the decode split: the judge tries both)."""
+    inp, _, _ = pair_and_orin()
+    pair = mixed_dp(replace(inp, nodes=inp.nodes[:2])).replicas
+    assert [r.counts for r in pair] == [(16, 16)]
 
 
 def test_the_judge_keeps_roles_that_a_node_forces_and_refines_only_at_a_rate(monkeypatch):

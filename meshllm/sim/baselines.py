@@ -13,7 +13,9 @@ Every baseline keeps the nodes' `roles:` limits (a node limited to one phase is 
   single replica it cannot run at all). Idle: types that cannot hold the model on their own.
 - mixed-dp (vLLM-style data parallel): the same per-type replicas, each serving both phases
   with the simulator's chunked prefill (the scheduler meshllm's mixed replicas use), no KV
-  shipping. May not: disaggregate, or mix device types in a replica. Idle: as splitwise.
+  shipping, each on whichever of its decode and prefill layer splits rates higher mixed (as its
+  operator would pick a pipeline split). May not: disaggregate, or mix device types in a
+  replica. Idle: as splitwise.
 - memory-ring (exo): every stage-capable device in one pipeline (file order; at most one per
   layer), layers proportional to memory, both phases on the one replica. May not: run more
   than one replica. Idle: devices beyond one per layer (the smallest).
@@ -36,7 +38,7 @@ from meshllm.partition.genetic import random_genes
 from meshllm.partition.grouping import Evaluator, greedy_genes
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.plan import planner_evaluator
-from meshllm.partition.replica import ReplicaEval, evaluate_replica
+from meshllm.partition.replica import ReplicaEval, best_mixed, evaluate_replica
 from meshllm.sim.replica import SimReplica, from_grouping
 
 RANDOM_TRIES = 100  # random groupings drawn until one has a usable replica
@@ -143,10 +145,17 @@ def splitwise(inp: PlanInputs) -> Policy:
     return Policy(out, idle)
 
 
+def mixed_dp_replicas(inp: PlanInputs) -> tuple[list[ReplicaEval], dict[str, str]]:
+    """mixed-dp's replicas (of `unforced` inputs): one device type each, each on whichever of its
+    splits rates higher mixed (`best_mixed`), and why the other devices are idle."""
+    reps, idle = per_type(inp)
+    return [best_mixed(inp.mc, e, inp.net, inp.mix) for n in sorted(reps) for e in reps[n]], idle
+
+
 def mixed_dp(inp: PlanInputs) -> Policy:
     inp, idle = unforced(inp)
-    reps, more = per_type(inp)
-    out = [sim_replica(inp, i, "mixed", ev) for i, ev in enumerate(e for n in sorted(reps) for e in reps[n])]
+    evs, more = mixed_dp_replicas(inp)
+    out = [sim_replica(inp, i, "mixed", ev) for i, ev in enumerate(evs)]
     return Policy(out, {**idle, **more})
 
 
