@@ -369,8 +369,9 @@ def evaluate_replica(mc: ModelCosts, members: Sequence[Member], net: Net, mix: M
     # mixed on the decode split: its capacity is decode- or compute-bound, and that split balances
     # the weights (memory) and the layers (compute) of the pipeline alike. (The prefill split too,
     # where it rates higher, lowered the GA's plans for capacity in the simulator, bench-edge-8b
-    # 17.33 -> 15.92 req/s and bench-fog-40-8b 27.46 -> 25.82: the model overrates some of those
-    # replicas, four Orin Nanos mixed on 8 + 8 + 8 + 8 layers 1.74 req/s against 1.43 simulated.
+    # 17.33 -> 15.92 req/s and bench-fog-40-8b 27.46 -> 25.82 (bench/planner.py at 677c0a8): the
+    # model overrates some of those replicas, four Orin Nanos mixed on 8 + 8 + 8 + 8 layers
+    # 1.74 req/s against 1.43 in the simulator's sweep of that replica alone.
     # The judge tries it on the replicas it turns mixed, and mixed-dp runs it where it rates higher:
     # `on_prefill_split`.)
     mixed = mixed_fit(mc, members, dec, net, mix, (prefill_fit(mc, members, dec, net, mix), dfit))

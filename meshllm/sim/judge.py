@@ -43,8 +43,9 @@ the one results are reported on):
    disaggregated ones low (a share of its compute bound, a queueing estimate), so the search
    leaves replicas prefilling that serve better doing both: on bench-fog-40-8b at 9.9 / 13.9
    req/s, the RTX 3060 pair's and the Orin NX + RTX 3060's prefill replicas turned mixed
-   lowered the mean wait from 105 to 88 / 194 to 139 ms (e2e 4.70 -> 4.81 / 6.71 -> 5.91 s;
-   their prompts no longer wait for the RTX 4090's port to take their KV). Turning replicas the other way (mixed to prefill or
+   lowered the mean wait from 104.5 to 88.6 / 206.9 to 140.5 ms (e2e 4.65 -> 4.76 / 6.67 ->
+   5.95 s; bench/planner.py): their prompts no longer wait for the RTX 4090's port to take
+   their KV. Turning replicas the other way (mixed to prefill or
    decode) was tried: on bench-edge-8b at 1 req/s it lowered the cost by making the RTX 4090
    decode-only, at 5x the TTFT (p50 103 -> 550 ms), so it is not done.
 """
