@@ -45,9 +45,9 @@ the one results are reported on):
    req/s, the RTX 3060 pair's and the Orin NX + RTX 3060's prefill replicas turned mixed
    lowered the mean wait from 104.5 to 88.6 / 206.9 to 140.5 ms (e2e 4.65 -> 4.76 / 6.67 ->
    5.95 s; bench/planner.py): their prompts no longer wait for the RTX 4090's port to take
-   their KV. Turning replicas the other way (mixed to prefill or
-   decode) was tried: on bench-edge-8b at 1 req/s it lowered the cost by making the RTX 4090
-   decode-only, at 5x the TTFT (p50 103 -> 550 ms), so it is not done.
+   their KV. Turning replicas the other way (mixed to prefill or decode) was tried: on
+   bench-edge-8b at 1 req/s it lowered the cost by making the RTX 4090 decode-only, at 5x the
+   TTFT (p50 103 -> 550 ms), so it is not done.
 """
 
 from __future__ import annotations
@@ -189,11 +189,11 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     return refine_roles(inp, ev, cands[k], rate, sweep_requests, log)
 
 
-def with_roles(ev: Evaluator, g: Grouping, roles: tuple[str, ...], rate: float) -> Grouping:
-    """`g`'s replicas with other roles: capacity, link bound and prediction at `rate` anew."""
-    cap = capacity(role_rates(g.evals), roles)[0]
-    out = ev.with_links(Grouping(g.groups, roles, g.evals, cap))
-    return replace(out, prediction=ev.latency(out, rate))
+def with_roles(ev: Evaluator, g: Grouping, roles: tuple[str, ...], rate: float = 0.0) -> Grouping:
+    """`g`'s replicas with other roles: capacity and link bound anew, and the prediction at
+    `rate` (none if 0)."""
+    out = ev.with_links(Grouping(g.groups, roles, g.evals, capacity(role_rates(g.evals), roles)[0]))
+    return replace(out, prediction=ev.latency(out, rate)) if rate > 0 else out
 
 
 def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep_requests: int = JUDGE_SWEEP_REQUESTS,
@@ -204,8 +204,9 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
     CONFIRM_SEEDS traces. Only replicas whose roles: allow both phases and that can hold a
     mixed split; a prefill replica is tried mixed on its decode split and on its prefill split
     (`on_prefill_split`: the RTX 3060 pair of bench-fog-40-8b at 9.9 req/s cost 14.84 s a
-    request on 17 + 15 layers, 12.98 s on 16 + 16, the pick 13.86 s); the turn of the last prefill replica turns the decode replicas mixed too (or
-    is not tried), as no KV would reach them."""
+    request on 17 + 15 layers, 12.98 s on 16 + 16, the pick 13.86 s); the turn of the last
+    prefill replica turns the decode replicas mixed too (or is not tried), as no KV would
+    reach them. The result carries the analytic prediction at `rate` for its roles."""
     trace = sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
     cost, best, t0 = run_cost(from_grouping(inp, g), trace, rate), g, time.perf_counter()
     flippable = [i for i, (canon, role, e) in enumerate(zip(g.groups, g.roles, g.evals))
@@ -222,7 +223,7 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
                 roles = tuple("mixed" if r == "decode" else r for r in roles)
             alt = on_prefill_split(inp.mc, best.evals[i], inp.net, inp.mix) if best.roles[i] == "prefill" else None
             for v, e in enumerate([best.evals[i]] + ([alt] if alt is not None else [])):
-                cand = with_roles(ev, replace(best, evals=best.evals[:i] + (e,) + best.evals[i + 1:]), roles, rate)
+                cand = with_roles(ev, replace(best, evals=best.evals[:i] + (e,) + best.evals[i + 1:]), roles)
                 tried.append((run_cost(from_grouping(inp, cand), trace, rate), i, v, cand))
         if not tried:
             break
@@ -235,6 +236,7 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if best is g:
         return g
+    best = replace(best, prediction=ev.latency(best, rate))
     reps = from_grouping(inp, best)
     traces = [sweep.make_trace(inp, JUDGE_REQUESTS, s) for s in CONFIRM_SEEDS]
     kept = (saturation(inp, best, reps, sweep_requests) >= HEADROOM * rate * (1 - 1e-9)
