@@ -49,7 +49,7 @@ def test_a_prefill_pool_can_feed_mixed_replicas():
     """A prompt prefilled elsewhere costs a mixed replica 1/decode of its time instead of 1/mixed:
     a small prefill pool feeding two mixed replicas (5 + 2 + 2 - 5 x 2/10 = 8) beats the same pool
     feeding one decode replica beside a mixed one (2 + min(5, 10) = 7)."""
-    from meshllm.partition.replica import capacity
+    from meshllm.partition.capacity import capacity
 
     rates = [(5.0, 1.0, 0.5), (2.0, 10.0, 2.0), (2.0, 10.0, 2.0)]
     assert capacity(rates, ["prefill", "decode", "mixed"])[0] == pytest.approx(7.0)

@@ -531,7 +531,7 @@ def test_the_judge_turns_a_replica_mixed_when_that_costs_less_at_the_rate():
     17 s (the Orin turns mixed with it: no KV would reach it as a decode replica), and the plan's
     capacity and prediction are the new roles'. The pair is tried mixed on its decode split (17 + 15
     layers: 62 s) and on its prefill split (16 + 16: KV room for 70 sequences, not 56), which wins."""
-    from meshllm.partition.replica import capacity, role_rates
+    from meshllm.partition.capacity import capacity, role_rates
     from meshllm.sim import judge
     from meshllm.sim.replica import from_grouping
 

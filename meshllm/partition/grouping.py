@@ -29,20 +29,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from meshllm.partition.capacity import capacity, role_rates, trade_order
 from meshllm.partition.cost import ModelCosts
 from meshllm.partition.dp import Member, Net, Splitter
 from meshllm.partition.latency import Prediction, predict
 from meshllm.partition.links import LinkLoad
 from meshllm.partition.queueing import md1_wait
-from meshllm.partition.replica import (
-    Mix,
-    ReplicaEval,
-    capacity,
-    evaluate_replica,
-    role_rates,
-    trade_order,
-    with_free_tokens,
-)
+from meshllm.partition.replica import Mix, ReplicaEval, evaluate_replica, with_free_tokens
 
 NONE = -1
 ROLES_CACHE = 100_000  # groupings whose roles and capacity an Evaluator keeps

@@ -26,8 +26,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from meshllm.partition.capacity import capacity, role_rates
 from meshllm.partition.queueing import md1_wait, mg1_wait, mgc_wait_approx
-from meshllm.partition.replica import Mix, ReplicaEval, RoleFit, capacity, role_rates
+from meshllm.partition.replica import Mix, ReplicaEval, RoleFit
 
 INF = math.inf
 WAIT_WEIGHT = 100.0  # planner and judge: cost = e2e + this x wait (waiting first, e2e breaks ties)

@@ -57,11 +57,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from meshllm.partition.capacity import capacity, role_rates
 from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
 from meshllm.partition.plan import Plan, plan_cluster, planner_evaluator
-from meshllm.partition.replica import capacity, on_prefill_split, role_rates
+from meshllm.partition.replica import on_prefill_split
 from meshllm.sim import baselines, sweep
 from meshllm.sim.metrics import metrics
 from meshllm.sim.replica import from_grouping, from_plan
