@@ -237,23 +237,26 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if best is g:
         return g
-    best = replace(best, prediction=ev.latency(best, rate))
+    best = with_roles(ev, best, best.roles, rate)  # with its prediction
     reps = from_grouping(inp, best)
     traces = [sweep.make_trace(inp, JUDGE_REQUESTS, s) for s in CONFIRM_SEEDS]
     kept = (saturation(inp, best, reps, sweep_requests) >= HEADROOM * rate * (1 - 1e-9)
             and sum(run_cost(reps, t, rate) for t in traces)
             <= sum(run_cost(from_grouping(inp, g), t, rate) for t in traces))
     if log:
-        roles = ", ".join(f"{best.roles.count(r)} {r}" for r in ("prefill", "decode", "mixed") if r in best.roles)
-        print(f"judge: the roles turned ({roles}) {'kept' if kept else 'not confirmed: the pick stays'} "
+        print(f"judge: the roles turned ({role_counts(best)}) {'kept' if kept else 'not confirmed: the pick stays'} "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     return best if kept else g
 
 
+def role_counts(g: Grouping) -> str:
+    """`2 prefill, 5 decode, 1 mixed`."""
+    return ", ".join(f"{g.roles.count(r)} {r}" for r in ("prefill", "decode", "mixed") if r in g.roles)
+
+
 def describe(g: Grouping, baseline: bool) -> str:
     """`2 prefill, 5 decode, 1 mixed; the search's grouping` (or `...; a baseline's grouping`)."""
-    roles = ", ".join(f"{g.roles.count(r)} {r}" for r in ("prefill", "decode", "mixed") if r in g.roles)
-    return f"{roles}; {'a baseline' if baseline else 'the search'}'s grouping"
+    return f"{role_counts(g)}; {'a baseline' if baseline else 'the search'}'s grouping"
 
 
 def pick(inp: PlanInputs, cands: Sequence[Grouping], reps, sat: Sequence[float], op_idx: range,
