@@ -663,3 +663,35 @@ def test_prompt_queue_takes_prompts_in_priority_order_at_any_time():
             scan.remove(want)
             assert q.peek() is want and q.pop() is want
         assert len(q) == len(scan)
+
+
+def test_a_lone_prompt_goes_in_even_chunks_not_a_last_step_for_a_remainder():
+    """A prompt a little over four free chunks long reaches an RTX 4090 mixed replica (llama-3-8b)
+    that decodes three sequences: it rides along 4 steps of a quarter of it each, not 4 free
+    chunks and a 5th step for the remainder (a whole step for a few tokens). It is done about
+    four steps after it starts (the budget's chunks: five), and it and the decoding sequences
+    together wait less than the budget's chunks would have made them."""
+    import yaml
+
+    from meshllm.config import parse_cluster
+
+    doc = {"model": "llama-3-8b", "nodes": [{"id": "gpu", "device": "desktop-rtx-4090", "zone": "fog"}]}
+    inp = plan_inputs(parse_cluster(yaml.safe_load(yaml.safe_dump(doc)), "one_4090.yaml"))
+    rep = replica(inp, 0, "mixed", ["gpu"], (32,))
+    ctx, b = inp.mix.decode_ctx, 3
+    free = rep.free_chunk(b, ctx, 100_000)
+    n = 4 * free + 8
+    budget = rep.chunk_tokens(b, ctx, n, n, 1)
+    assert budget == free and -(-n // budget) == 5
+    chunk = rep.lone_chunk(b, ctx, n, 0, budget)
+    assert chunk == -(-n // 4)
+    base, step = rep.decode_iter_s(b, ctx), rep.decode_iter_s(b, ctx, chunk, chunk)
+    assert step < 1.05 * base  # a few tokens over the free chunk cost little
+    reqs = [Request(i, 0.0, 64, 400) for i in range(b)] + [Request(b, 1.0, n, 2)]
+    *decoding, prompt = Simulator([rep], reqs).run()
+    took = prompt.first_token - prompt.prefill_start
+    assert took == pytest.approx(4 * step, rel=0.02) and took < 4.5 * base
+    _, lat = rep.prefill_s(n)
+    chunked = prompt.wait_s - (prompt.prefill_start - prompt.arrival) + sum(r.paused_s for r in decoding)
+    budget_steps = 5 * rep.decode_iter_s(b, ctx, budget, budget)
+    assert chunked < budget_steps - lat
