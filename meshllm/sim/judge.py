@@ -39,7 +39,11 @@ the one results are reported on):
 5. with a rate given, the pick's replicas are turned mixed one at a time, the turn that costs
    least first, while each lowers the cost at the rate on the judge's trace (`refine_roles`,
    at most FLIP_ROUNDS), kept if it still sustains HEADROOM x the rate and costs no more than
-   the pick on the CONFIRM_SEEDS traces. The analytic model rates a mixed replica beside
+   the pick on the CONFIRM_SEEDS traces. The next search grouping in cost order is refined too
+   (REFINE_TOP), and the one that then costs less on those traces wins: a grouping's cost before
+   refining does not rank it after (bench-fog-40-8b at 13.9 req/s: the pick, 8 prefill, 8 decode
+   and 3 mixed replicas, refined to 20.0 s a request; the runner-up, 10 prefill, 10 decode and 1
+   mixed, to 15.7 s, its mean wait 176 -> 119 ms on the reported trace). The analytic model rates a mixed replica beside
    disaggregated ones low (a share of its compute bound, a queueing estimate), so the search
    leaves replicas prefilling that serve better doing both: on bench-fog-40-8b at 9.9 / 13.9
    req/s, the RTX 3060 pair's and the Orin NX + RTX 3060's prefill replicas turned mixed
@@ -80,6 +84,7 @@ CONFIRM_SCALE = sweep.SWEEP_REQUESTS / JUDGE_SWEEP_REQUESTS  # the final check's
 CONFIRM_TOP = 2  # eligible candidates checked at most before the best baseline grouping wins
 FLIP_ROUNDS = 3  # step 5: replicas turned mixed at most, one per round of trials
 FLIP_GAIN = 0.01  # a turn must lower the cost by this fraction
+REFINE_TOP = 2  # step 5: the pick and the next search grouping in cost order are refined; the cheaper wins
 SIMULATED = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "mean_e2e_ms")  # judged_plan(report=True)
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
 
@@ -181,13 +186,23 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
         how = "the highest saturation" if inp.rate_per_s <= 0 else f"the lowest cost at {rate:.3f} req/s"
         print(f"judge: choosing {how} (a plan of the search's own is checked on {len(CONFIRM_SEEDS)} more traces)",
               file=sys.stderr)
-    k = pick(inp, cands, reps, sat, op_idx, floor_from, rate, sweep_requests)
+    k, order = pick(inp, cands, reps, sat, op_idx, floor_from, rate, sweep_requests)
     if log:
         print(f"judge: picked candidate {k + 1} ({describe(cands[k], k in op_idx)}), {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
     if inp.rate_per_s <= 0 or rate <= 0:
         return cands[k]
-    return refine_roles(inp, ev, cands[k], rate, sweep_requests, log)
+    tries = [k] + [i for i in order[:REFINE_TOP] if i != k and i not in op_idx][:REFINE_TOP - 1]
+    refined = [refine_roles(inp, ev, cands[i], rate, sweep_requests, log) for i in tries]
+    if len(refined) == 1:
+        return refined[0]
+    traces = [sweep.make_trace(inp, JUDGE_REQUESTS, s) for s in CONFIRM_SEEDS]
+    costs = [sum(run_cost(from_grouping(inp, g), t, rate) for t in traces) for g in refined]
+    j = min(range(len(refined)), key=lambda j: (costs[j], j))
+    if log:
+        print(f"judge: refined, candidate {tries[j] + 1} costs least on {len(traces)} more traces "
+              f"({', '.join(f'{i + 1}: {c / len(traces):.3f} s' for i, c in zip(tries, costs))})", file=sys.stderr)
+    return refined[j]
 
 
 def with_roles(ev: Evaluator, g: Grouping, roles: tuple[str, ...], rate: float = 0.0) -> Grouping:
@@ -260,8 +275,9 @@ def describe(g: Grouping, baseline: bool) -> str:
 
 
 def pick(inp: PlanInputs, cands: Sequence[Grouping], reps, sat: Sequence[float], op_idx: range,
-         floor_from: Sequence[int], rate: float, sweep_requests: int) -> int:
-    """Steps 3 and 4 of the module docstring, given each candidate's saturation: the winner's index."""
+         floor_from: Sequence[int], rate: float, sweep_requests: int) -> tuple[int, list[int]]:
+    """Steps 3 and 4 of the module docstring, given each candidate's saturation: the winner's index,
+    and the eligible candidates in the order they were ranked (by cost at a given rate)."""
     ops = list(op_idx)
     for_capacity = inp.rate_per_s <= 0  # no workload rate: the highest saturation wins
     given = not for_capacity and bool(ops)  # a workload rate: its cost decides, capacity is a constraint
@@ -274,19 +290,19 @@ def pick(inp: PlanInputs, cands: Sequence[Grouping], reps, sat: Sequence[float],
         trace = sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
         order = [i for _, i in sorted((run_cost(reps[i], trace, rate), i) for i in eligible)]
     if not ops:
-        return order[0]
+        return order[0], order
     if given:
-        return confirm_cost(inp, reps, order, [i for i in order if i in op_idx], rate)
+        return confirm_cost(inp, reps, order, [i for i in order if i in op_idx], rate), order
     best_op = max(op_idx, key=lambda i: (sat[i], -i))
     longer = round(sweep_requests * CONFIRM_SCALE)
     for i in order[:CONFIRM_TOP]:
         if i in op_idx:
-            return i
+            return i, order
         mine = [saturation(inp, cands[i], reps[i], longer, s) for s in CONFIRM_SEEDS]
         theirs = [saturation(inp, cands[best_op], reps[best_op], longer, s) for s in CONFIRM_SEEDS]
         if sum(mine) >= sum(theirs) * (1 - 1e-9):
-            return i
-    return best_op
+            return i, order
+    return best_op, order
 
 
 def confirm_cost(inp: PlanInputs, reps, order: Sequence[int], ops: Sequence[int], rate: float) -> int:
