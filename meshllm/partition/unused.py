@@ -55,10 +55,14 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -
     if pred is None:
         return f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but was not chosen"
     g = ev.decode(trial)
-    after = ev.latency(g, pred.rate_per_s)
-    return (f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but at {pred.rate_per_s:.3f} req/s the "
-            f"predicted cost (e2e + {WAIT_WEIGHT:g} x wait) rises from {pred.cost(WAIT_WEIGHT):.3f} s "
-            f"to {after.cost(WAIT_WEIGHT):.3f} s")
+    before, after = pred.cost(WAIT_WEIGHT), ev.latency(g, pred.rate_per_s).cost(WAIT_WEIGHT)
+    cost = f"at {pred.rate_per_s:.3f} req/s the predicted cost (e2e + {WAIT_WEIGHT:g} x wait)"
+    if after > before:
+        return f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but {cost} rises from {before:.3f} s to {after:.3f} s"
+    # the analytic model would take it there: the grouping was chosen otherwise (the simulated
+    # judge's pick, or the search tried it in another replica)
+    return (f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) and there {cost} falls from {before:.3f} s "
+            f"to {after:.3f} s, but the chosen grouping (the simulated judge's pick, when judged) leaves it out")
 
 
 def outside_reasons(inp: PlanInputs, ev: Evaluator, grouping: Grouping, drafters: set[str]) -> dict[str, str]:
