@@ -138,3 +138,20 @@ def test_infeasible_reason_names_device_and_shortfall():
                         Workpoint("prefill", 10, 10, 0))
     assert isinstance(got, Infeasible)
     assert "pi-1" in got.reason and "short" in got.reason and "GB" in got.reason
+
+
+def test_a_member_pickled_in_one_process_gets_its_kind_in_the_other(monkeypatch):
+    """`Member.kind` numbers interchangeable devices per process: a member unpickled elsewhere
+    (a process pool's result) must not carry its old number, which names another device there."""
+    import pickle
+
+    from meshllm.partition import dp
+
+    fast = Member("gpu", DeviceProfile("fast", 24, 80, 1000, 2500), "z")
+    assert fast.kind == dp._KINDS[fast.key]
+    data = pickle.dumps(fast)
+    slow = Member("pi", DeviceProfile("slow", 8, 1, 10, 1000), "z")
+    monkeypatch.setattr(dp, "_KINDS", {slow.key: fast.kind})  # the other process: that number is a Pi's
+    there = pickle.loads(data)
+    assert there == fast and there.kind != slow.kind
+    assert there.kind == dp._KINDS[fast.key]

@@ -62,6 +62,13 @@ class Member:
         """A small int naming `key` (process-wide): cheap to hash in the split caches."""
         return _KINDS.setdefault(self.key, len(_KINDS))
 
+    def __getstate__(self) -> dict:
+        """Pickled without `kind`: its number is this process's, and another process's members
+        of another key may hold it (their split caches would mix the two)."""
+        state = dict(self.__dict__)
+        state.pop("kind", None)
+        return state
+
 
 @dataclass(frozen=True)
 class Net:
