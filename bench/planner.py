@@ -1,6 +1,7 @@
 """Planner benchmark: meshllm against baselines run as their operators would, on one simulator.
 
 Run:  python bench/planner.py [--quick] [--out bench/results] [--seed 0] [--clusters a,b]
+      python bench/planner.py --tables     (the README's tables from bench/results/planner.json)
 
 Per cluster (clusters/bench-*.yaml, and saturation only for the small example clusters), side by
 side from one run, all policies on the same trace, router and simulator (meshllm/sim/):
@@ -165,6 +166,41 @@ def goals(res: dict) -> None:
               f"gain x{g['gain']:.3f}")
 
 
+def markdown_tables(saved: dict) -> str:
+    """The README's two planner tables from a planner.json: saturation (best baseline in bold) and
+    latency, meshllm / tuned Splitwise at 50 / 70 % of its saturation and the waits at the
+    cluster file's own rate (meshllm's in bold where a baseline waits less)."""
+    sat_cols = ("meshllm",) + BASELINES
+    out = ["| cluster (devices, model) | bound | " + " | ".join(sat_cols) + " | meshllm / best baseline | meshllm / bound |",
+           "| --- " * (len(sat_cols) + 4) + "|"]
+    for res in saved["clusters"]:
+        sat, runs = res["sat"], [p for p in BASELINES if res["replicas"].get(p)]
+        best = max(runs, key=lambda p: sat[p]) if runs else None
+        cells = [("—" if not res["replicas"].get(p) else f"**{sat[p]:.2f}**" if p == best else f"{sat[p]:.2f}")
+                 for p in sat_cols]
+        ratio = f"{sat['meshllm'] / sat[best]:.3f}" if best and sat[best] > 0 else "—"
+        out.append(f"| {res['name']} ({res['devices']}, {res['model']}) | {res['bound']:.2f} | " + " | ".join(cells)
+                   + f" | {ratio} | {sat['meshllm'] / res['bound']:.3f} |")
+    out += ["", "| cluster | 50 %: wait | TTFT p50 | e2e | 70 %: wait | TTFT p50 | e2e | own rate | meshllm wait "
+            "| lowest baseline wait |", "| --- " * 10 + "|"]
+    for res in saved["clusters"]:
+        if not res["loads"]:
+            continue
+        cells = []
+        for f in LOADS[:2]:
+            got = res["loads"].get(f"splitwise@{f}")
+            m, s = (got[1]["meshllm"], got[1].get("splitwise")) if got else (None, None)
+            cells += ([f"{m[c] / s[c]:.2f}×" for c in ("mean_wait_ms", "ttft_p50_ms", "mean_e2e_ms")]
+                      if m and s else ["—"] * 3)
+        rate, got = res["loads"]["file"]
+        low = min((m["mean_wait_ms"], p) for p, m in got.items() if p in BASELINES and m)
+        mine = got["meshllm"]["mean_wait_ms"]
+        mine_s = f"**{mine:.0f} ms**" if mine > low[0] * 1.001 else f"{mine:.0f} ms"
+        cells += [f"{rate:g} req/s", mine_s, f"{low[0]:.0f} ms ({low[1]})"]
+        out.append(f"| {res['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def python_loop_s() -> float:
     """CPU seconds of a plain Python loop of 10^7 additions: how fast this (shared) box runs now."""
     t0, total = time.process_time(), 0
@@ -263,6 +299,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=0, help="traces each saturation is averaged over (default 3; --quick 1)")
     ap.add_argument("--times-only", action="store_true", help="only the planner's time against cluster size")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots from OUT/planner.json")
+    ap.add_argument("--tables", action="store_true", help="only print the README's tables from OUT/planner.json")
     a = ap.parse_args()
     if a.out:
         out = Path(a.out)
@@ -272,6 +309,9 @@ def main() -> int:
     else:
         out = REPO / "bench/results"
     out.mkdir(parents=True, exist_ok=True)
+    if a.tables:
+        print(markdown_tables(json.loads((out / "planner.json").read_text())))
+        return 0
     if a.replot:
         saved = json.loads((out / "planner.json").read_text())
         for res in saved["clusters"]:
