@@ -37,21 +37,20 @@ the one results are reported on):
    for capacity is never below the baselines it is compared with except by the sweep's noise
    on traces it was not judged on;
 5. with a rate given, the pick's replicas are turned mixed one at a time, the turn that costs
-   least first, while each lowers the cost at the rate on the judge's trace (`refine_roles`,
-   at most FLIP_ROUNDS), kept if it still sustains HEADROOM x the rate and costs no more than
-   the pick on the CONFIRM_SEEDS traces. The next search grouping in cost order is refined too
+   least first, while each lowers the cost at the rate on the judge's trace (`refine_roles`, at
+   most FLIP_ROUNDS), kept if it still sustains HEADROOM x the rate and costs no more than the
+   pick on the CONFIRM_SEEDS traces. The next search grouping in cost order is refined too
    (REFINE_TOP), and the one that then costs less on those traces wins: a grouping's cost before
    refining does not rank it after (bench-fog-40-8b at 13.9 req/s: the pick, 8 prefill, 8 decode
    and 3 mixed replicas, refined to 20.0 s a request; the runner-up, 10 prefill, 10 decode and 1
-   mixed, to 15.7 s, its mean wait 176 -> 119 ms on the reported trace). The analytic model rates a mixed replica beside
-   disaggregated ones low (a share of its compute bound, a queueing estimate), so the search
-   leaves replicas prefilling that serve better doing both: on bench-fog-40-8b at 9.9 / 13.9
-   req/s, the RTX 3060 pair's and the Orin NX + RTX 3060's prefill replicas turned mixed
-   lowered the mean wait from 104.5 to 88.6 / 206.9 to 140.5 ms (e2e 4.65 -> 4.76 / 6.67 ->
-   5.95 s; bench/planner.py): their prompts no longer wait for the RTX 4090's port to take
-   their KV. Turning replicas the other way (mixed to prefill or decode) was tried: on
-   bench-edge-8b at 1 req/s it lowered the cost by making the RTX 4090 decode-only, at 5x the
-   TTFT (p50 103 -> 550 ms), so it is not done.
+   mixed, to 15.7 s). The analytic model rates a mixed replica beside disaggregated ones low (a
+   share of its compute bound, a queueing estimate), so the search leaves replicas prefilling
+   that serve better doing both: on bench-fog-40-8b at 9.9 / 13.9 req/s, the RTX 3060 pair's and
+   the Orin NX + RTX 3060's prefill replicas turned mixed lowered the mean wait from 104.5 to
+   88.6 / 206.9 to 140.5 ms (e2e 4.65 -> 4.76 / 6.67 -> 5.95 s; bench/planner.py): their prompts
+   no longer wait for the RTX 4090's port to take their KV. Turning replicas the other way
+   (mixed to prefill or decode) was tried: on bench-edge-8b at 1 req/s it lowered the cost by
+   making the RTX 4090 decode-only, at 5x the TTFT (p50 103 -> 550 ms), so it is not done.
 """
 
 from __future__ import annotations

@@ -147,14 +147,12 @@ class SimReplica:
         if k0 <= 1:
             return min(left, budget)
         base = self.decode_iter_s(batch, context)
-        best = (0.0, 0)
-        for k in range(k0, max(1, k0 - EVEN_STEPS_FEWER) - 1, -1):
-            chunk = -(-left // k)
-            step = self.decode_iter_s(batch, context, chunk, done + chunk)
-            cost = k * step + batch * k * (step - base)
-            if not best[1] or cost < best[0]:
-                best = (cost, chunk)
-        return best[1]
+
+        def waiting(k: int) -> float:  # k steps: the prompt's time, and what the steps add to each sequence's
+            step = self.decode_iter_s(batch, context, -(-left // k), done + -(-left // k))
+            return k * step + batch * k * (step - base)
+
+        return -(-left // min(range(k0, max(1, k0 - EVEN_STEPS_FEWER) - 1, -1), key=waiting))
 
     def join_wait_s(self, batch: int, context: float) -> float:
         """Mean wait of a prompt that reaches a mixed replica decoding `batch` sequences: it starts
