@@ -7,8 +7,8 @@ Run `python launch.py --help` (or the `meshllm` console script). Modes:
     --cluster CLUSTER.yaml --serve   emulate it and keep serving the OpenAI API until Ctrl-C
     --cluster CLUSTER.yaml --kill NODE@S --partition ZA:ZB@S1-S2   ... with faults injected
     --cluster CLUSTER.yaml --judge  ... the coordinator plans as --plan --judge does
-    --plan CLUSTER.yaml         planner only (--json, --png FILE; --judge: the simulator picks
-                                among the search's candidates, as --simulate's meshllm does)
+    --plan CLUSTER.yaml         planner only (--json, --png FILE, --rate R; --judge: the simulator
+                                picks among the search's candidates, as --simulate's meshllm does)
     --simulate CLUSTER.yaml     discrete-event simulation with baselines (--json, --rate R)
     --reference                 single-process reference generation (the oracle)
     --status [ID@]HOST:PORT     ask a running node for its view of the mesh (a mesh with CURVE:
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge", action="store_true",
                    help="plan, cluster: run the search's candidate plans and the baselines' groupings through "
                         "the simulator and keep the best, as --simulate plans meshllm (seconds to minutes)")
-    p.add_argument("--rate", type=float, default=None, help="simulate: override the arrival rate (req/s)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="plan, simulate: override the workload's arrival rate (req/s) the plan is made for")
     p.add_argument("--timeout", type=float, default=None, help="status/cluster: seconds to wait")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
@@ -95,11 +96,22 @@ def cmd_reference(a: argparse.Namespace) -> int:
     return 0
 
 
+def checked_rate(rate: float) -> float:
+    """--rate as given, if it is an arrival rate (finite, > 0)."""
+    if not 0 < rate < float("inf"):
+        raise InputError(f"--rate must be a number of requests per second > 0, got {rate}")
+    return rate
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     from meshllm.config import load_cluster, plan_inputs
     from meshllm.partition.plan import plan_cluster
 
     inp = plan_inputs(load_cluster(a.plan))
+    if a.rate is not None:  # plan for another load than the file's (its latency is the objective)
+        from dataclasses import replace
+
+        inp = replace(inp, rate_per_s=checked_rate(a.rate))
     if a.judge:  # the simulator picks among the search's candidates and the baselines' groupings
         from meshllm.sim.judge import judged_plan
 
@@ -119,9 +131,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     from meshllm.sim.sweep import simulate_policies
 
     inp = plan_inputs(load_cluster(a.simulate))
-    if a.rate is not None and a.rate <= 0:
-        raise InputError(f"--rate must be > 0, got {a.rate}")
-    _emit(simulate_policies(inp, rate=a.rate, seed=a.seed, log=True), a.json)
+    _emit(simulate_policies(inp, rate=None if a.rate is None else checked_rate(a.rate), seed=a.seed, log=True), a.json)
     return 0
 
 
@@ -178,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                 "reference": cmd_reference, "status": cmd_status, "keygen": cmd_keygen}
     mode = next(k for k in handlers if getattr(a, k))
     try:
+        if a.rate is not None and mode not in ("plan", "simulate"):
+            raise InputError("--rate applies to --plan and --simulate only (a cluster's load is its "
+                             "workload: arrival_rate_per_s)")
         return handlers[mode](a)
     except InputError as e:
         print(f"meshllm: error: {e}", file=sys.stderr)

@@ -52,6 +52,28 @@ def test_plan_cli_json_and_png(tmp_path):
     assert set(obj["unused"]) <= set(obj["unused_reasons"])  # every unused node says why
 
 
+def test_plan_rate_plans_for_that_load_and_other_modes_refuse_it():
+    """`--plan --rate R`: the plan is made for R req/s instead of the file's load (the latency at
+    the rate is the search's objective), and its prediction is at R; a rate that is not > 0 is
+    exit 2, and so is --rate with a mode that does not plan (a cluster's load is its workload)."""
+    from dataclasses import replace
+
+    path = REPO / "clusters" / "bench-edge-8b.yaml"
+    r = run_cli("--plan", str(path), "--rate", "12.5", "--json")
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)
+    assert obj["prediction"]["rate_per_s"] == 12.5
+    want = plan_cluster(replace(plan_inputs(load_cluster(path)), rate_per_s=12.5), seed=0, log=False)
+    assert [(x["role"], [s["node"] for s in x["stages"]]) for x in obj["replicas"]] == \
+        [(x.role, [s.node for s in x.stages]) for x in want.replicas]
+    assert json.loads(run_cli("--plan", str(path), "--json").stdout)["prediction"]["rate_per_s"] == 1.0
+    for bad in ("0", "-1", "nan"):
+        r = run_cli("--plan", str(path), "--rate", bad)
+        assert r.returncode == 2 and "--rate must be a number of requests per second > 0" in r.stderr
+    r = run_cli("--cluster", "clusters/demo.yaml", "--rate", "2")
+    assert r.returncode == 2 and "--rate applies to --plan and --simulate only" in r.stderr
+
+
 def test_impossible_cluster_exits_2_naming_the_shortfall():
     p = run_cli("--plan", "clusters/impossible.yaml", "--json")
     assert p.returncode == 2 and p.stdout == ""
