@@ -498,6 +498,34 @@ def test_judge_confirms_a_plan_of_its_own_on_runs_as_long_as_the_reported_sweep(
     assert confirming and min(confirming) >= sweep.SWEEP_REQUESTS
 
 
+def test_at_a_rate_the_baselines_groupings_are_eligible_by_runs_as_long_as_their_sweep(monkeypatch):
+    """On bench-mesh-200 at 6.86 req/s (70% of mixed-dp's saturation) the judge's 600-request runs
+    put mixed-dp's grouping at 6.50 req/s, below HEADROOM x the rate, and shut it out: meshllm
+    waited 7.4 s where mixed-dp waits 2.5 s. On 2000 requests it sustains 9.06 (its reported
+    sweep: 9.80). So with a rate given, each baseline grouping's eligibility is judged on runs as
+    long as the reported sweep's, on the judge's trace (multi-tenant.yaml: 4 req/s)."""
+    from meshllm.partition.plan import planner_evaluator
+    from meshllm.sim import judge, sweep
+
+    calls = []
+    real = judge.saturation
+
+    def recorded(inp, g, reps, requests=judge.JUDGE_SWEEP_REQUESTS, seed=judge.JUDGE_SEED):
+        calls.append((requests, seed, g.groups, g.roles))
+        return real(inp, g, reps, requests, seed)
+
+    monkeypatch.setattr(judge, "saturation", recorded)
+    inp = plan_inputs(load_cluster(REPO / "clusters" / "multi-tenant.yaml"))
+    ops = judge.operator_groupings(inp, planner_evaluator(inp))
+    assert ops and inp.rate_per_s > 0
+    plan_cluster(inp, seed=0, log=False, judge=judge.simulated_judge)
+    long = {(g, r) for n, seed, g, r in calls if n >= sweep.SWEEP_REQUESTS and seed == judge.JUDGE_SEED}
+    assert all((o.groups, o.roles) in long for o in ops)
+    calls.clear()  # for capacity the floor is the baselines' groupings' saturation on runs as short as the rest's
+    plan_cluster(replace(inp, rate_per_s=0.0), seed=0, log=False, judge=judge.simulated_judge)
+    assert not any(n >= sweep.SWEEP_REQUESTS and seed == judge.JUDGE_SEED for n, seed, _, _ in calls)
+
+
 PAIR_AND_ORIN = """model: llama-3-8b
 nodes:
   - {id: gpu-1, device: desktop-rtx-3060-12gb, zone: fog%s}
