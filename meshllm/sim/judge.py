@@ -90,6 +90,8 @@ FLIP_GAIN = 0.01  # a turn must lower the cost by this fraction
 REFINE_TOP = 2  # step 5: the pick and the next search grouping in cost order are refined; the cheaper wins
 SIMULATED = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "mean_e2e_ms")  # judged_plan(report=True)
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
+_CONFIRM: dict[tuple, float] = {}  # (inputs, replicas, rate) -> cost over the CONFIRM_SEEDS traces
+CONFIRM_CACHE = 1024  # entries of _CONFIRM kept at most
 
 
 def operator_groupings(inp: PlanInputs, ev: Evaluator) -> list[Grouping]:
@@ -118,10 +120,29 @@ def run_cost(reps, trace, rate: float) -> float:
     return sum(r.done - r.arrival + WAIT_WEIGHT * r.wait_s for r in reqs) / len(reqs)
 
 
+def inputs_key(inp: PlanInputs) -> tuple:
+    return (inp.source, inp.args.name, inp.dtype, tuple(node.id for node in inp.nodes), inp.input_tokens,
+            inp.output_tokens)
+
+
+def confirm_total(inp: PlanInputs, reps, rate: float) -> float:
+    """The cost at `rate` summed over the CONFIRM_SEEDS traces, cached (steps 4 and 5 of the module
+    docstring ask it of the same plans: the pick, the baseline grouping it is held to, the
+    refined pair)."""
+    key = (inputs_key(inp), tuple((r.id, r.role, tuple(m.id for m in r.members), tuple(r.counts)) for r in reps),
+           rate)
+    got = _CONFIRM.get(key)
+    if got is None:
+        if len(_CONFIRM) >= CONFIRM_CACHE:
+            _CONFIRM.clear()
+        got = _CONFIRM[key] = sum(run_cost(reps, sweep.make_trace(inp, JUDGE_REQUESTS, s), rate)
+                                  for s in CONFIRM_SEEDS)
+    return got
+
+
 def saturation(inp: PlanInputs, g: Grouping, reps, requests: int = JUDGE_SWEEP_REQUESTS,
                seed: int = JUDGE_SEED) -> float:
-    key = (inp.source, inp.args.name, inp.dtype, tuple(node.id for node in inp.nodes), inp.input_tokens,
-           inp.output_tokens, g.groups, g.roles, requests, seed)
+    key = (*inputs_key(inp), g.groups, g.roles, requests, seed)
     got = _SATURATION.get(key)
     if got is None:
         most = max(requests, JUDGE_MAX_REQUESTS * requests // JUDGE_SWEEP_REQUESTS)
@@ -206,12 +227,12 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     refined = [refine_roles(inp, ev, cands[i], rate, sweep_requests, log) for i in tries]
     if len(refined) == 1:
         return refined[0]
-    traces = [sweep.make_trace(inp, JUDGE_REQUESTS, s) for s in CONFIRM_SEEDS]
-    costs = [sum(run_cost(from_grouping(inp, g), t, rate) for t in traces) for g in refined]
+    costs = [confirm_total(inp, from_grouping(inp, g), rate) for g in refined]
     j = min(range(len(refined)), key=lambda j: (costs[j], j))
     if log:
-        print(f"judge: refined, candidate {tries[j] + 1} costs least on {len(traces)} more traces "
-              f"({', '.join(f'{i + 1}: {c / len(traces):.3f} s' for i, c in zip(tries, costs))})", file=sys.stderr)
+        n = len(CONFIRM_SEEDS)
+        print(f"judge: refined, candidate {tries[j] + 1} costs least on {n} more traces "
+              f"({', '.join(f'{i + 1}: {c / n:.3f} s' for i, c in zip(tries, costs))})", file=sys.stderr)
     return refined[j]
 
 
@@ -264,10 +285,8 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
         return g
     best = with_roles(ev, best, best.roles, rate)  # with its prediction
     reps = from_grouping(inp, best)
-    traces = [sweep.make_trace(inp, JUDGE_REQUESTS, s) for s in CONFIRM_SEEDS]
     kept = (saturation(inp, best, reps, sweep_requests) >= HEADROOM * rate * (1 - 1e-9)
-            and sum(run_cost(reps, t, rate) for t in traces)
-            <= sum(run_cost(from_grouping(inp, g), t, rate) for t in traces))
+            and confirm_total(inp, reps, rate) <= confirm_total(inp, from_grouping(inp, g), rate))
     if log:
         print(f"judge: the roles turned ({role_counts(best)}) {'kept' if kept else 'not confirmed: the pick stays'} "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
@@ -321,13 +340,9 @@ def confirm_cost(inp: PlanInputs, reps, order: Sequence[int], ops: Sequence[int]
     baseline grouping eligible, the first of `order`."""
     if not ops:
         return order[0]
-    traces = [sweep.make_trace(inp, JUDGE_REQUESTS, s) for s in CONFIRM_SEEDS]
-    theirs = None
     for i in order[:CONFIRM_TOP]:
         if i in ops:
             return i
-        if theirs is None:
-            theirs = sum(run_cost(reps[ops[0]], t, rate) for t in traces)
-        if sum(run_cost(reps[i], t, rate) for t in traces) <= theirs:
+        if confirm_total(inp, reps[i], rate) <= confirm_total(inp, reps[ops[0]], rate):
             return i
     return ops[0]
