@@ -1,0 +1,157 @@
+"""Why meshllm's saturation stays below 0.93 of the physical bound on the bench clusters.
+
+Run:  python bench/bound_gap.py [--clusters bench-edge-8b,bench-fog-40-8b,bench-six-7b]
+      [--requests 2000] [--seed 0] [--jobs 2]     (~5 min on 2 cores for the default three)
+
+The bound (meshllm/sim/metrics.py, BRIEF) is the rate at which every stage-capable device is
+100% busy on useful FLOPs. Per device type of a cluster, the type's devices alone (the same
+workload, links and trace lengths) are served as tuned Splitwise and mixed-dp would serve them,
+and the better one's saturation (sim/sweep.py's stability rule) is printed as a fraction of
+the type's own bound: what that hardware reaches on its own, with no other device to help or
+to hinder. A type that cannot hold the model alone says so. The cluster's bound is the sum of
+its types' (to rounding), so the types' reach weighted by their share of the bound says how
+far a cluster of them gets by serving each type apart; meshllm's own fraction
+(bench/results/planner.json) is printed beside it.
+
+Then, for the type with the largest share, where its time goes at 95 % of that saturation: a
+mixed replica's time in steps that only decode (no prompt waits, and a decode step is
+memory-bound: its compute mostly idle), in steps with prompt tokens riding along (chunked
+prefill, compute-bound), and in whole-prompt steps, with the linear layers' FLOPs of each as
+a fraction of the device's compute in that time (attention left out, so slightly low).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from meshllm.config import load_cluster, plan_inputs  # noqa: E402
+from meshllm.partition.cost import flops_per_s  # noqa: E402
+from meshllm.partition.plan import PlanInfeasible  # noqa: E402
+from meshllm.sim import sweep  # noqa: E402
+from meshllm.sim.baselines import mixed_dp, splitwise  # noqa: E402
+from meshllm.sim.metrics import bound_rate_per_s  # noqa: E402
+from meshllm.sim.simulator import Simulator  # noqa: E402
+
+DEFAULT = ("bench-edge-8b", "bench-fog-40-8b", "bench-six-7b")  # the 70b clusters' types cannot stand alone
+LOAD = 0.95  # the time breakdown's rate, of the type's saturation
+KINDS = ("decode only", "chunked", "whole prompts")
+
+
+class StepLog(Simulator):
+    """The simulator, with the time of each run of steps of a mixed replica booked by its kind."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.kind: dict[int, str] = {}
+        self.time = defaultdict(float)
+        self.flops = defaultdict(float)
+
+    def run_steps(self, st) -> None:
+        super().run_steps(st)
+        _, _, iters, chunk, _, micro = st.chunk
+        whole = chunk and iters == 1 and micro == 1 and chunk == sum(r.n_in - d for r, d in st.prefilling)
+        self.kind[st.rep.id] = KINDS[0] if not chunk else (KINDS[2] if whole else KINDS[1])
+
+    def on_chunk(self, st, version: int) -> None:
+        if version == st.version and st.chunk and st.rep.role == "mixed":
+            _, step, iters, chunk, _, _ = st.chunk
+            kind, mc = self.kind[st.rep.id], st.rep.inp.mc
+            self.time[kind] += step * iters
+            self.flops[kind] += (len(st.active) + chunk) * iters * mc.n_layers * mc.layer_flops_per_token
+            self.flops[kind + " peak"] += step * iters * sum(flops_per_s(m.device) for m in st.rep.members)
+        super().on_chunk(st, version)
+
+
+def type_inputs(cfg, device: str):
+    return plan_inputs(replace(cfg, nodes=tuple(n for n in cfg.nodes if n.device.name == device)))
+
+
+def reach(job: tuple) -> dict:
+    """One device type of one cluster alone: its bound, the better baseline's saturation."""
+    name, device, n_req, seed = job
+    cfg = load_cluster(REPO / "clusters" / f"{name}.yaml")
+    lengths = [(a, b) for _, a, b in sweep.make_trace(plan_inputs(cfg), n_req, seed)]
+    inp = type_inputs(cfg, device)
+    out = {"cluster": name, "device": device, "devices": sum(n.device.name == device for n in cfg.nodes),
+           "bound": bound_rate_per_s(inp, lengths), "sat": {}}
+    for build in (splitwise, mixed_dp):
+        try:
+            reps = build(inp).replicas
+        except PlanInfeasible:
+            reps = []
+        out["sat"][build.__name__] = sweep.saturation_rate(reps, inp, seed, n_req) if reps else 0.0
+    return out
+
+
+def breakdown(name: str, device: str, sat: float, n_req: int, seed: int) -> dict:
+    """Where a type's mixed replicas spend their time at LOAD x `sat` (module docstring)."""
+    inp = type_inputs(load_cluster(REPO / "clusters" / f"{name}.yaml"), device)
+    sim = StepLog(mixed_dp(inp).replicas, sweep.requests_at(sweep.make_trace(inp, n_req, seed), LOAD * sat))
+    reqs = sim.run()
+    span = max(r.done for r in reqs) - min(r.arrival for r in reqs)
+    busy = sum(sim.time.values())
+    return {"rate": LOAD * sat, "replica_s": span * len(sim.states), "busy_s": busy,
+            "kinds": {k: (sim.time[k], sim.flops[k] / sim.flops[k + " peak"] if sim.time[k] else 0.0)
+                      for k in KINDS}}
+
+
+def meshllm_fraction(name: str) -> float | None:
+    saved = REPO / "bench/results/planner.json"
+    if not saved.exists():
+        return None
+    for c in json.loads(saved.read_text())["clusters"]:
+        if c["name"] == name and c["bound"]:
+            return c["sat"]["meshllm"] / c["bound"]
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clusters", default=",".join(DEFAULT))
+    ap.add_argument("--requests", type=int, default=sweep.SWEEP_REQUESTS)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=2)
+    a = ap.parse_args()
+    names = a.clusters.split(",")
+    jobs = [(name, device, a.requests, a.seed) for name in names
+            for device in sorted({n.device.name for n in load_cluster(REPO / "clusters" / f"{name}.yaml").nodes})]
+    with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        results = list(pool.map(reach, jobs))
+    for name in names:
+        rows = [r for r in results if r["cluster"] == name]
+        total = sum(r["bound"] for r in rows)
+        print(f"## {name}: the bound per device type, and what the type reaches alone "
+              f"(better of splitwise / mixed-dp)")
+        print(f"{'device':24s} {'n':>3s} {'bound':>8s} {'share':>6s} {'splitwise':>10s} {'mixed-dp':>9s} {'reach':>6s}")
+        got = 0.0
+        for r in sorted(rows, key=lambda r: -r["bound"]):
+            best = max(r["sat"].values())
+            got += best
+            frac = f"{best / r['bound']:.3f}" if best > 0 else "cannot hold the model alone"
+            print(f"{r['device']:24s} {r['devices']:3d} {r['bound']:8.3f} {r['bound'] / total:6.3f} "
+                  f"{r['sat']['splitwise']:10.3f} {r['sat']['mixed_dp']:9.3f} {frac:>6s}")
+        mine = meshllm_fraction(name)
+        print(f"the types apart: {got:.3f} req/s, {got / total:.3f} of the types' bounds; meshllm on the whole "
+              f"cluster: {'-' if mine is None else f'{mine:.3f}'} of its bound (bench/results/planner.json)")
+        top = max(rows, key=lambda r: r["bound"])
+        if top["sat"]["mixed_dp"] > 0:
+            b = breakdown(name, top["device"], top["sat"]["mixed_dp"], a.requests, a.seed)
+            print(f"{top['device']} alone as mixed-dp at {b['rate']:.3f} req/s ({LOAD:.0%} of its saturation): "
+                  f"busy {b['busy_s'] / b['replica_s']:.3f} of the time")
+            for k, (t, eff) in b["kinds"].items():
+                print(f"  {k:14s} {t / b['replica_s']:6.3f} of the time, linear-layer FLOPs {eff:.3f} of its compute")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
