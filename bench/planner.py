@@ -288,6 +288,47 @@ def plot_times(times: list, out: Path) -> None:
     plt.close(fig)
 
 
+def run_clusters(chosen: list[str], seed: int, names: tuple[str, ...], sweep_n: int, n_req: int, seeds: int,
+                 jobs: int, out: Path) -> list[dict]:
+    """Every chosen cluster benchmarked (`jobs` in parallel processes), printed and plotted in the
+    order given."""
+    t0 = time.perf_counter()
+    # largest clusters first (the shortest total time), printed in the order given
+    size = {name: len(load_cluster(REPO / "clusters" / f"{name}.yaml").nodes) for name in chosen}
+    work = [(name, seed, names, sweep_n, n_req, name not in SMALL, seeds)
+            for name in sorted(chosen, key=lambda n: -size[n])]
+    done = {}
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for fut in as_completed([pool.submit(bench_job, job) for job in work]):
+            res = fut.result()
+            done[res["name"]] = res
+            print(f"({res['name']} done in {res['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    results = [done[name] for name in chosen]
+    for res in results:
+        print_cluster(res)
+        print(f"(cluster done in {res['wall_s']:.0f} s)")
+        if res["loads"]:
+            plot_cluster(res, out)
+    if chosen:
+        print(f"\n(all clusters: {time.perf_counter() - t0:.0f} s with {jobs} processes; saturation: mean of "
+              f"{seeds} trace(s))")
+    return results
+
+
+def timed_planner(seed: int, sizes: tuple[int, ...]) -> list[tuple[int, str, float | None]]:
+    """planner_time_vs_size, printed with this machine's speed before and after."""
+    loop_s = python_loop_s()
+    times = planner_time_vs_size(seed, sizes)
+    loop_s = min(loop_s, python_loop_s())
+    print("\n## planner time vs cluster size (this machine; both GA phases + DP; best of "
+          f"{TIME_REPEATS} runs, each in a fresh process)")
+    print(f"(this machine's speed: a Python loop of 10^7 additions, best of two, before and after: {loop_s:.2f} s)")
+    print(f"{'devices':>8s} {'model':>12s} {'planner s':>10s}")
+    for n, model, t in times:
+        print(f"{n:8d} {model:>12s} {('infeasible' if t is None else f'{t:.2f}'):>10s}")
+    return times
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -324,35 +365,8 @@ def main() -> int:
     chosen = a.clusters.split(",") if a.clusters else ([BENCH[0]] if a.quick else list(BENCH) + list(SMALL))
     chosen = [] if a.times_only else chosen
     seeds = a.seeds or (1 if a.quick else 3)
-    t0 = time.perf_counter()
-    # largest clusters first (the shortest total time), printed in the order given
-    size = {name: len(load_cluster(REPO / "clusters" / f"{name}.yaml").nodes) for name in chosen}
-    jobs = [(name, a.seed, names, sweep_n, n_req, name not in SMALL, seeds)
-            for name in sorted(chosen, key=lambda n: -size[n])]
-    done = {}
-    with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        for fut in as_completed([pool.submit(bench_job, job) for job in jobs]):
-            res = fut.result()
-            done[res["name"]] = res
-            print(f"({res['name']} done in {res['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    results = [done[name] for name in chosen]
-    for res in results:
-        print_cluster(res)
-        print(f"(cluster done in {res['wall_s']:.0f} s)")
-        if res["loads"]:
-            plot_cluster(res, out)
-    if chosen:
-        print(f"\n(all clusters: {time.perf_counter() - t0:.0f} s with {a.jobs} processes; saturation: mean of "
-              f"{seeds} trace(s))")
-    loop_s = python_loop_s()
-    times = planner_time_vs_size(a.seed, SIZES[:2] if a.quick else SIZES)
-    loop_s = min(loop_s, python_loop_s())
-    print("\n## planner time vs cluster size (this machine; both GA phases + DP; best of "
-          f"{TIME_REPEATS} runs, each in a fresh process)")
-    print(f"(this machine's speed: a Python loop of 10^7 additions, best of two, before and after: {loop_s:.2f} s)")
-    print(f"{'devices':>8s} {'model':>12s} {'planner s':>10s}")
-    for n, model, t in times:
-        print(f"{n:8d} {model:>12s} {('infeasible' if t is None else f'{t:.2f}'):>10s}")
+    results = run_clusters(chosen, a.seed, names, sweep_n, n_req, seeds, a.jobs, out)
+    times = timed_planner(a.seed, SIZES[:2] if a.quick else SIZES)
     plot_times(times, out)
     saved = out / "planner.json"
     if a.times_only and saved.exists():  # keep the clusters' figures, replace the times

@@ -206,7 +206,8 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
         if log:
             print(f"judge: candidate {k + 1}/{len(cands)} ({describe(g, k in op_idx)}) sustains {sat[-1]:.3f} req/s "
                   f"in the simulator, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    if inp.rate_per_s > 0 and rate > 0:  # step 3: a baseline's grouping is eligible by a run as long as its sweep's
+    at_rate = inp.rate_per_s > 0 and rate > 0  # planning for a workload's rate, not for capacity
+    if at_rate:  # step 3: a baseline's grouping is eligible by a run as long as its sweep's
         longer = round(sweep_requests * CONFIRM_SCALE)
         for k in op_idx:
             sat[k] = saturation(inp, cands[k], reps[k], longer)
@@ -221,7 +222,7 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     if log:
         print(f"judge: picked candidate {k + 1} ({describe(cands[k], k in op_idx)}), {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
-    if inp.rate_per_s <= 0 or rate <= 0:
+    if not at_rate:
         return cands[k]
     tries = [k] + [i for i in order[:REFINE_TOP] if i != k and i not in op_idx][:REFINE_TOP - 1]
     refined = [refine_roles(inp, ev, cands[i], rate, sweep_requests, log) for i in tries]
