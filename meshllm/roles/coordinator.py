@@ -83,10 +83,13 @@ class Coordinator:
         if not self.is_coordinator():
             return
         ids = {p.id for p in live}
-        if self.cfg.expect_nodes and not set(self.cfg.expect_nodes) <= ids and self.published is None:
+        # a plan is in force once anyone published one: a coordinator that takes over from a dead
+        # one re-plans the live set (it must not wait for every expected node, some are dead)
+        started = self.published is not None or self.current_version() > 0
+        if self.cfg.expect_nodes and not set(self.cfg.expect_nodes) <= ids and not started:
             return  # the emulated cluster is still starting
-        settle = (0.0 if self.cfg.expect_nodes and self.published is None
-                  else REPLAN_SETTLE_S if self.published is not None else self.cfg.plan_settle_s)
+        settle = (0.0 if self.cfg.expect_nodes and not started
+                  else REPLAN_SETTLE_S if started else self.cfg.plan_settle_s)
         if key != self.planned_for and not self._planning and now - self._changed_at >= settle:
             self._planning = True
             self.worker.submit(lambda: self._plan(live, key))
