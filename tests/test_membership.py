@@ -141,3 +141,26 @@ def test_mdns_binds_the_advertised_address_interface_only():
     lan = {"127.0.0.1", "192.168.1.10", "10.8.0.2"}  # a LAN and a VPN address
     assert mdns_interfaces("192.168.1.10", lan) == ["192.168.1.10"]
     assert mdns_interfaces("203.0.113.7", lan) is None
+
+
+def test_a_coordinator_numbers_its_plan_above_what_live_peers_have_seen() -> None:
+    """After a healed partition the other side's coordinator may have published v2, which this
+    side never got; a node ignores a version it already holds, so the next plan must be above
+    the newest version any live peer's heartbeat says it has seen (dead peers and garbage ignored)."""
+    from meshllm.roles.coordinator import newest_plan_seen
+
+    m = table()
+    assert newest_plan_seen(m) == 0
+    for pid, port in (("b", 7702), ("c", 7703), ("d", 7704), ("e", 7705)):
+        m.observe(info(pid, address=f"127.0.0.1:{port}"), 0.0, first_hand=True)
+    m.heartbeat("b", 1, 0.5, {"plan_seen": 2})
+    m.heartbeat("c", 1, 0.5, {"plan_seen": "9"})
+    m.heartbeat("d", 1, 0.5, {"plan_seen": True})
+    assert newest_plan_seen(m) == 2
+    m.heartbeat("e", 1, 0.5, {"plan_seen": 7})
+    assert newest_plan_seen(m) == 7
+    for k in range(1, 8):  # e falls silent and is declared dead; the others keep beating
+        for pid in "bcd":
+            m.heartbeat(pid, 1, 0.5 + k * 0.5, {"plan_seen": 2} if pid == "b" else {})
+        m.tick(0.5 + k * 0.5 + 0.1)
+    assert m.get("e").state is PeerState.DEAD and newest_plan_seen(m) == 2

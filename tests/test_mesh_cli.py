@@ -124,6 +124,7 @@ def test_six_nodes_with_seeds_form_a_mesh(mesh: Mesh) -> None:
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
     assert st["node"] == "n3" and isinstance(st["plan_version"], int) and isinstance(st["load"], dict)
+    assert isinstance(st["load"]["plan_seen"], int)  # heartbeats carry it (see newest_plan_seen)
     assert isinstance(st["roles"], list)
     assert sorted(p["id"] for p in st["peers"]) == ["n0", "n1", "n2", "n4", "n5"]
     for p in st["peers"]:

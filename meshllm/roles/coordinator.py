@@ -3,7 +3,8 @@
 Election is deterministic and needs no messages: the coordinator is the live node with the
 lowest id (every node runs this module; all but one stay quiet). If it dies, the next-lowest
 sees it dead and takes over; plan versions only grow (a new coordinator starts above every
-version it has seen), so nodes never go back to an older plan.
+version it has seen or that a live peer's heartbeat says it has seen: after a healed partition
+the other side may have planned), so nodes never go back to an older plan.
 
 When to plan: under `--cluster` every node file lists `expect_nodes`, and the first plan is
 made as soon as all of them are alive; otherwise after membership has been quiet for
@@ -38,6 +39,15 @@ NODE_ROLE_NAMES = {str(r) for r in NODE_ROLES}
 TICK_S = 0.25
 REPLAN_SETTLE_S = 0.5  # after a change of the live set, wait this long for it to settle
 PLAN_REPUBLISH_S = 1.0
+
+
+def newest_plan_seen(members: Membership) -> int:
+    """The newest plan version a live peer's heartbeat (`load.plan_seen`) says it has seen. After
+    a healed partition the other side's coordinator may have published versions this node never
+    got; a node ignores a plan whose version it already holds, so the next one must be above."""
+    seen = [p.load.get("plan_seen") for p in members.peers()
+            if p.state in (PeerState.ALIVE, PeerState.SUSPECT) and isinstance(p.load, dict)]
+    return max((v for v in seen if isinstance(v, int) and not isinstance(v, bool) and v >= 0), default=0)
 
 
 class Coordinator:
@@ -119,7 +129,7 @@ class Coordinator:
         self.planned_for = key
         if plan is None:
             return
-        version = max(self.current_version(), self.published[0] if self.published else 0) + 1
+        version = max(self.current_version(), self.published[0] if self.published else 0, newest_plan_seen(self.members)) + 1
         self.published = (version, plan.to_json(), addresses)
         self.last_error = None
         log.info("%s: coordinator published plan v%d for %d nodes:\n%s", self.me.id, version, len(addresses),

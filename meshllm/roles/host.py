@@ -239,8 +239,8 @@ class HostFigures:
     def load(self) -> dict[str, Any]:
         """This node's serving figures, from any thread: the compute thread's latest snapshot."""
         h = self.host
-        return {**self._snapshot, "plan_version": h.ready_version, "rss_mb": round(rss_mb(), 1),
-                **h.weights.announce()}
+        return {**self._snapshot, "plan_version": h.ready_version, "plan_seen": h.max_seen,
+                "rss_mb": round(rss_mb(), 1), **h.weights.announce()}
 
     def refresh(self, force: bool = False) -> None:
         """Compute thread: snapshot the figures (at most every SNAPSHOT_S) and, on a decode
