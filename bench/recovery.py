@@ -7,9 +7,10 @@ the lowest id, also a drafter --, the prefill/decode node fog-4 and the drafter 
 seed, `launch.py --cluster clusters/failure.yaml --json --kill NODE@S` kills that node with
 kill -9 at a seeded random moment 0.5-3 s after the workload's first request; then, per seed,
 the only decode stage and 0.7 s later the coordinator (before it has re-planned, so the next
-coordinator must); then one run with a partition between the zones that heals. Printed per run: requests, resumed requests, whether
-every output equals the single-process reference (BRIEF's tie rule), and the recovery gaps (the
-longest pause between two tokens a client saw across a resume). Goal: every gap <= 5 s with the
+coordinator must); then one run with a partition between the zones that heals. Printed per run:
+requests, resumed requests, whether every output equals the single-process reference (BRIEF's
+tie rule), and the recovery gaps (the longest pause between two tokens a client saw across a
+resume). Goal: every gap <= 5 s with the
 default failure detection (heartbeat 0.5 s, dead after 2.5 s). Bounded: each run has a timeout.
 """
 

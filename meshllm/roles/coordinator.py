@@ -93,9 +93,9 @@ class Coordinator:
         if not self.is_coordinator():
             return
         ids = {p.id for p in live}
-        # a plan is in force once anyone published one: a coordinator that takes over from a dead
-        # one re-plans the live set (it must not wait for every expected node, some are dead)
-        started = self.published is not None or self.current_version() > 0
+        # a plan is in force once anyone published one (this node's own plans reach its host too):
+        # a coordinator that takes over re-plans the live set, not waiting for dead expected nodes
+        started = self.current_version() > 0
         if self.cfg.expect_nodes and not set(self.cfg.expect_nodes) <= ids and not started:
             return  # the emulated cluster is still starting
         settle = (0.0 if self.cfg.expect_nodes and not started
