@@ -105,7 +105,9 @@ def test_gguf_tensor_types_load(tmp_path):
 
 
 def test_gguf_reader_agrees_with_gguf_package_on_every_type(tmp_path):
-    """Our fast header parser finds the same bytes as gguf.GGUFReader for legacy and K-quant types."""
+    """Our fast header parser finds the same bytes as gguf.GGUFReader for legacy and K-quant types,
+    and our dequantization (torch for F32/F16/Q4_0/Q4_1/Q8_0, gguf's for the rest) gives the same
+    fp32 values bit for bit."""
     import gguf
     import numpy as np
 
@@ -118,6 +120,7 @@ def test_gguf_reader_agrees_with_gguf_package_on_every_type(tmp_path):
     for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16):
         w.add_tensor(f"t.{t.name}", gguf.quants.quantize(x, t), raw_dtype=t)
     w.add_tensor("t.F16", x.astype(np.float16))
+    w.add_tensor("t.F32", x)
     block_bytes = {T.Q4_K: 144, T.Q6_K: 210}  # random K-quant blocks with small fp16 scales
     for t, nb in block_bytes.items():
         raw = rng.integers(0, 256, (3, nb), dtype=np.uint8)
@@ -131,11 +134,12 @@ def test_gguf_reader_agrees_with_gguf_package_on_every_type(tmp_path):
     w.close()
     ours = GGUFFile(tmp_path / "types.gguf")
     ref = gguf.GGUFReader(str(tmp_path / "types.gguf"))
-    assert len(ref.tensors) == len(ours.tensors) == 9
+    assert len(ref.tensors) == len(ours.tensors) == 10
     for t in ref.tensors:
-        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(3, 256)
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(3, 256).astype(np.float32)
         got = ours.dequantize(t.name)
-        assert got.shape == (3, 256) and np.array_equal(got, want.astype(np.float32)), t.name
+        assert got.shape == (3, 256) and got.dtype == np.float32 and got.flags.writeable, t.name
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), t.name
 
 
 def test_bad_model_paths(tmp_path):

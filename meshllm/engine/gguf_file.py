@@ -2,8 +2,11 @@
 
 `gguf.GGUFReader` builds numpy views for every metadata string and takes ~5 s
 on SmolLM2's 49k-token vocabulary; this parser reads the same header with
-`struct` in ~0.1 s. Dequantization is still the `gguf` package's
-(`gguf.quants.dequantize`), so every tensor type it knows is supported.
+`struct` in ~0.1 s. Dequantization: the types llama.cpp's small models ship in
+(F32, F16, Q4_0, Q4_1, Q8_0) by torch, with the same fp32 operations in the same
+order as the `gguf` package (bit for bit, tested), ~5x faster than its numpy (1.6 -> 0.3 s
+for SmolLM2-135M Q4_1 on one core: every node of a mesh loads its layers this way);
+every other type by `gguf.quants.dequantize`.
 
 Layout (GGUF v2/v3, little-endian): "GGUF", u32 version, u64 n_tensors,
 u64 n_kv; n_kv x (string key, u32 type, value); n_tensors x (string name,
@@ -134,11 +137,43 @@ def tensor_nbytes(shape: tuple[int, ...], ggml_type: int) -> int:
     return int(np.prod(shape)) // block * size
 
 
+# the types dequantized here: ggml type id -> bytes per block of 32 weights (F32, F16: per weight)
+_FAST = {0: 4, 1: 2, 2: 18, 3: 20, 8: 34}  # F32, F16, Q4_0, Q4_1, Q8_0
+
+
 def dequantize_tensor(raw: np.ndarray, t: TensorInfo) -> np.ndarray:
     """A tensor's raw bytes shaped (rows, bytes_per_row), from a GGUF file or the mesh's tensor cache
     -> a writable fp32 array in torch order (rows, ..., ne0)."""
+    if t.ggml_type in _FAST:
+        return _dequantize_fast(raw, t)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     arr = dequantize(raw, GGMLQuantizationType(t.ggml_type))
     return np.array(arr, dtype=np.float32).reshape(t.shape)  # a writable copy
+
+
+def _dequantize_fast(raw: np.ndarray, t: TensorInfo) -> np.ndarray:
+    """F32, F16, Q4_0, Q4_1, Q8_0 as gguf.quants computes them (fp32: the scale d times the
+    quant, plus the minimum m for Q4_1; a block's low nibbles are its first 16 weights)."""
+    import torch
+
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1))  # a copy of the bytes: writable
+    kind = t.ggml_type
+    if kind == 0:
+        out = b.view(torch.float32)
+    elif kind == 1:
+        out = b.view(torch.float16).float()
+    else:
+        b = b.view(-1, _FAST[kind])
+        d = b[:, 0:2].contiguous().view(torch.float16).float()
+        if kind == 8:
+            out = b[:, 2:].contiguous().view(torch.int8).float().mul_(d)
+        else:
+            qs = b[:, 4:] if kind == 3 else b[:, 2:]
+            q = torch.cat((qs & 0x0F, qs >> 4), dim=1)
+            if kind == 2:
+                out = (q.to(torch.int8) - 8).float().mul_(d)
+            else:
+                out = q.float().mul_(d).add_(b[:, 2:4].contiguous().view(torch.float16).float())
+    return out.reshape(t.shape).numpy()

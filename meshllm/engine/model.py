@@ -200,7 +200,12 @@ class Transformer(nn.Module):
         self.args, self.start, self.end = args, start, end
         self.has_embed = start == 0 if embed is None else embed
         self.has_head = end == args.n_layers if head is None else head
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if self.has_embed else None
+        self.tok_embeddings = None
+        if self.has_embed:  # on the meta device (a shard to load into) without an init draw: normal_
+            # there goes through torch._refs and imports torch._dynamo, 1.2-1.9 s of every node's start
+            meta = torch.empty(0).is_meta
+            weight = torch.empty(args.vocab_size, args.dim) if meta else None
+            self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=weight)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(start, end))
         self.norm = RMSNorm(args.dim, args.norm_eps) if self.has_head else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if self.has_head else None
