@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from meshllm.partition.cost import (
+    BITS_PER_BYTE,
     ModelCosts,
     bytes_per_s,
     decode_iteration_s,
@@ -209,7 +210,8 @@ def pipe_arrays(seq: Sequence[Member], counts: Sequence[int]) -> dict:
         flags[0, 0] = flags[-1, 1] = 1.0
         got = _PIPES[key] = {
             "n": np.array(counts, dtype=float).reshape(k, 1), "first": flags[:, :1], "last": flags[:, 1:],
-            "flop_s": dev[:, 0:1], "byte_s": dev[:, 1:2], "memory": dev[:, 2:3], "port": dev[:, 3:4], "hops": {}}
+            "flop_s": dev[:, 0:1], "byte_s": dev[:, 1:2], "memory": dev[:, 2:3], "port": dev[:, 3:4], "hops": {},
+            "rows": [(float(c), float(i == k - 1), f, b) for i, (c, (f, b, _, _)) in enumerate(zip(counts, dev.tolist()))]}
     return got
 
 
@@ -223,15 +225,41 @@ def pipe_hops(p: dict, seq: Sequence[Member], net: Net) -> tuple[np.ndarray, np.
     return got[0], got[1]
 
 
+def pipe_hop_lists(p: dict, seq: Sequence[Member], net: Net) -> tuple:
+    """`pipe_hops` as plain floats, with the ring link (last stage -> first: rtt/2 seconds, Mb/s;
+    Mb/s 0 for a one-stage pipeline, which has none), cached in `p` per net."""
+    got = p["hops"].get(("lists", id(net)))
+    if got is None or got[4] is not net:
+        half_rtt, mbps = pipe_hops(p, seq, net)
+        ring = (net.rtt_mbps(seq[-1].zone, seq[0].zone)[0] / 2000.0, hop_mbps(net, seq[-1], seq[0])) \
+            if len(seq) > 1 else (0.0, 0.0)
+        got = p["hops"][("lists", id(net))] = (half_rtt.ravel().tolist(), mbps.ravel().tolist(), *ring, net)
+    return got
+
+
 def fused_step_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], net: Net, batch: float,
                  context: float, chunk=0.0, chunk_ctx=0.0, prompts: int = 0):
     """Seconds for each of `batch` decoding sequences to get one token, in min(stages, batch +
     prompts) micro-batches, while `chunk` tokens of `prompts` prompts (attending as one span
     ending at `chunk_ctx`) ride along, split over the micro-batches (chunked prefill, Sarathi /
-    vLLM). `chunk` / `chunk_ctx` may be numpy arrays (one step time per chunk size)."""
+    vLLM). `chunk` / `chunk_ctx` may be numpy arrays (one step time per chunk size).
+
+    A scalar chunk (the simulator's and the router's millions of calls) is costed stage by stage
+    in plain floats (`_scalar_step_s`), with the numpy path's operations in its order and its
+    pairwise sums, so both give the same seconds bit for bit (tested): numpy's per-call overhead
+    on arrays of a few stages was ~45 % of a saturation sweep."""
     k, p = len(seq), pipe_arrays(seq, counts)
-    half_rtt, mbps = pipe_hops(p, seq, net)
     micro = max(1, min(k, math.ceil(batch) + prompts))
+    if np.ndim(chunk) == 0:
+        return _scalar_step_s(mc, p, pipe_hop_lists(p, seq, net), batch, context, float(chunk), float(chunk_ctx),
+                              micro)
+    return _array_step_s(mc, p, seq, net, batch, context, chunk, chunk_ctx, micro)
+
+
+def _array_step_s(mc: ModelCosts, p: dict, seq: Sequence[Member], net: Net, batch: float, context: float,
+                  chunk, chunk_ctx, micro: int):
+    """fused_step_s with numpy columns of stages (and chunk sizes when `chunk` is an array)."""
+    half_rtt, mbps = pipe_hops(p, seq, net)
     scalar = np.ndim(chunk) == 0
     if scalar and chunk == 0:  # a plain decode step: the same sums with the chunk's zeros left out
         b = batch / micro
@@ -246,6 +274,62 @@ def fused_step_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], n
     hops = half_rtt + transfer_s((b + t) * mc.act_bytes_per_token, mbps)  # (k - 1, chunks)
     out = decode_iteration_s(stages, hops, ring_s(net, seq, b), micro)
     return float(out[0]) if scalar else out
+
+
+def numpy_sum(xs: Sequence[float]) -> float:
+    """The sum numpy gives for a float64 column (`a.sum(axis=0)` of shape (n, 1)): pairwise, with
+    eight accumulators from eight values on, so a plain-float path matches it bit for bit."""
+    n = len(xs)
+    if n < 8:
+        res = 0.0
+        for x in xs:
+            res += x
+        return res
+    if n > 128:  # numpy's block size: halves, at a multiple of eight
+        half = n // 2
+        half -= half % 8
+        return numpy_sum(xs[:half]) + numpy_sum(xs[half:])
+    r = list(xs[:8])
+    i, end = 8, n - n % 8
+    while i < end:
+        for j in range(8):
+            r[j] += xs[i + j]
+        i += 8
+    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    for x in xs[i:]:
+        res += x
+    return res
+
+
+def _scalar_step_s(mc: ModelCosts, p: dict, hops: tuple, batch: float, context: float, chunk: float,
+                   chunk_ctx: float, micro: int) -> float:
+    """_array_step_s for one chunk size, in plain floats (decode_work, span_work, roofline_at,
+    transfer_s, ring_s and decode_iteration_s written out per stage, in their order)."""
+    half_rtt, mbps, ring_half_rtt, ring_mbps, _ = hops
+    b = batch / micro
+    per_token = mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * context
+    kv_read = b * context
+    bits = BITS_PER_BYTE
+    stages = []
+    if chunk:
+        t = chunk / micro
+        span = mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * (chunk_ctx - t / 2)
+        for n, last, flop_s, byte_s in p["rows"]:
+            flops = b * (n * per_token + last * mc.head_flops_per_token) + t * n * span
+            nbytes = (n * mc.layer_bytes + False * mc.embed_bytes + last * mc.head_bytes
+                      + kv_read * n * mc.kv_bytes_per_token) + chunk_ctx * n * mc.kv_bytes_per_token / micro
+            stages.append(max(flops / flop_s, nbytes / byte_s))
+        act = (b + t) * mc.act_bytes_per_token
+    else:
+        for n, last, flop_s, byte_s in p["rows"]:
+            flops = b * (n * per_token + last * mc.head_flops_per_token)
+            nbytes = n * mc.layer_bytes + False * mc.embed_bytes + last * mc.head_bytes + kv_read * n * mc.kv_bytes_per_token
+            stages.append(max(flops / flop_s, nbytes / byte_s))
+        act = b * mc.act_bytes_per_token
+    links = [h + act * bits / (m * 1e6) for h, m in zip(half_rtt, mbps)]
+    ring = ring_half_rtt + b * TOKEN_ID_BYTES * bits / (ring_mbps * 1e6) if ring_mbps else 0.0
+    occupancy = max(max(stages), max(links, default=0.0))
+    return max(micro * occupancy, numpy_sum(stages) + numpy_sum(links) + ring)
 
 
 def hop_mbps(net: Net, a: Member, b: Member) -> float:

@@ -364,17 +364,20 @@ class Simulator:
             tokens = floor(part + iters + 1e-9)  # whole tokens this run completed
             if tokens:
                 first = start + step * (1.0 - part)
-                req.gaps.append((first - req.last_token, 1))
+                gaps = req.gaps
+                gaps.append((first - req.last_token, 1))
                 if tokens > 1:
-                    req.gaps.append((step, tokens - 1))
-                req.last_token = first + step * (tokens - 1)
+                    gaps.append((step, tokens - 1))
+                    req.last_token = first + step * (tokens - 1)
+                else:
+                    req.last_token = first
                 made += tokens
+                left -= tokens
             if chunk:
                 req.wait_s += stretch
                 req.paused_s += stretch
-            left -= tokens
-            item[1] = left
             if left > 0:
+                item[1] = left
                 rest = part + iters - tokens
                 item[2] = rest if rest > 0.0 else 0.0
                 keep.append(item)
