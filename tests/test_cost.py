@@ -126,3 +126,38 @@ def test_pipeline_columns_cost_each_stage_exactly_as_the_per_stage_formulas():
                      + decode_work(mc, n, mix.mean_out - 1, mix.decode_ctx, i == k - 1)[0]) / flops_per_s(m.device)
                     for i, (m, n) in enumerate(zip(seq, counts)))
         assert mixed_compute_req_s(mc, seq, counts, mix) == 1.0 / worst
+
+
+def test_a_step_of_one_chunk_size_costs_bit_for_bit_what_the_numpy_columns_give():
+    """fused_step_s costs a scalar chunk stage by stage in plain floats (the simulator's hot path);
+    it must give exactly the numpy columns' seconds, pipelines of 8 stages or more included
+    (numpy sums those pairwise, in eight accumulators), with or without a chunk riding along."""
+    import math
+    import random
+
+    import numpy as np
+
+    from meshllm.device import load_device
+    from meshllm.partition.dp import Member, Net
+    from meshllm.partition.replica import _array_step_s, fused_step_s, numpy_sum, pipe_arrays
+
+    mc = model_costs(model_args("llama-2-70b"))
+    net = Net({frozenset(("a", "b")): (30.0, 200.0), frozenset(("b", "c")): (80.0, 50.0)})
+    names = ["desktop-rtx-4090", "desktop-rtx-3060-12gb", "jetson-orin-nano-8gb", "mac-mini-m2", "raspberry-pi-5-8gb"]
+    rng = random.Random(7)
+    for _ in range(600):
+        k = rng.choice([1, 2, 3, rng.randint(4, 40)])
+        seq = [Member(f"m{i}", load_device(rng.choice(names)), rng.choice("abc")) for i in range(k)]
+        counts = [rng.randint(1, 4) for _ in range(k)]
+        batch = rng.choice([rng.randint(1, 256), 0.5 + 40 * rng.random()])
+        context = 3000 * rng.random()
+        chunk = rng.choice([0, rng.randint(1, 4096)])
+        chunk_ctx = chunk + 2000 * rng.random() if chunk else 0.0
+        prompts = rng.randint(0, 4) if chunk else 0
+        micro = max(1, min(k, math.ceil(batch) + prompts))
+        want = _array_step_s(mc, pipe_arrays(seq, counts), seq, net, batch, context, chunk, chunk_ctx, micro)
+        assert fused_step_s(mc, seq, counts, net, batch, context, chunk, chunk_ctx, prompts) == want
+    for n in (0, 1, 7, 8, 9, 17, 64, 130, 300):
+        xs = [rng.random() * 10 ** rng.randint(-6, 3) for _ in range(n)]
+        assert numpy_sum(xs) == float(np.array(xs).reshape(n, 1).sum(axis=0)[0])
+
