@@ -194,6 +194,18 @@ def test_a_chunk_between_cache_buckets_costs_between_theirs(demo):
     assert step[0] < step[1] < step[2]
 
 
+def test_a_stability_run_without_token_gaps_serves_exactly_the_same(demo):
+    """The sweep's stability runs skip recording each token gap (only the ITL figures need them;
+    millions of them made a bench-edge-8b sweep 1.8x slower): every other figure is unchanged."""
+    _, inp = demo
+    reps = from_plan(inp, plan_cluster(inp, log=False))
+    trace = make_trace(inp, 300, 0)
+    full, bare = simulate(reps, trace, 2.0), simulate(reps, trace, 2.0, gaps=False)
+    assert sum(len(r.gaps) for r in full) > 0 and all(r.gaps == [] for r in bare)
+    strip = lambda reqs: [replace(r, gaps=[]) for r in reqs]  # noqa: E731
+    assert strip(full) == strip(bare)
+
+
 def test_the_sweep_confirms_its_result_on_a_longer_run(demo):
     """The highest rate many short runs call stable is confirmed on a run CONFIRM_SCALE x as
     long, stepping down until one holds: the result never rises, and the longer run at the

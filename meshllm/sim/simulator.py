@@ -126,7 +126,8 @@ class RepState:
 
 class Simulator:
     def __init__(self, reps: Sequence[SimReplica], requests: Sequence[Request],
-                 route_wait_weight: float = ROUTE_WAIT_WEIGHT):
+                 route_wait_weight: float = ROUTE_WAIT_WEIGHT, gaps: bool = True):
+        self.gaps = gaps  # record each request's gaps between tokens (ITL); a stability run needs none
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
@@ -357,20 +358,18 @@ class Simulator:
             return
         start, step, iters, chunk, base, _ = st.chunk
         st.busy, st.chunk = False, ()
-        keep, made, floor = [], 0, math.floor  # the hot loop of the simulator: per sequence per run
+        keep, made, floor, gaps = [], 0, math.floor, self.gaps  # the hot loop of the simulator: per sequence per run
         stretch = iters * (step - base) if chunk else 0.0  # the prompt riding along made these steps longer
         for item in st.active:
             req, left, part = item
             tokens = floor(part + iters + 1e-9)  # whole tokens this run completed
             if tokens:
                 first = start + step * (1.0 - part)
-                gaps = req.gaps
-                gaps.append((first - req.last_token, 1))
-                if tokens > 1:
-                    gaps.append((step, tokens - 1))
-                    req.last_token = first + step * (tokens - 1)
-                else:
-                    req.last_token = first
+                if gaps:
+                    req.gaps.append((first - req.last_token, 1))
+                    if tokens > 1:
+                        req.gaps.append((step, tokens - 1))
+                req.last_token = first + step * (tokens - 1) if tokens > 1 else first
                 made += tokens
                 left -= tokens
             if chunk:

@@ -94,8 +94,10 @@ def requests_at(trace: Trace, rate: float) -> list[Request]:
 
 
 def simulate(reps: Sequence[SimReplica], trace: Trace, rate: float,
-             route_wait_weight: float = ROUTE_WAIT_WEIGHT) -> list[Request]:
-    return Simulator(reps, requests_at(trace, rate), route_wait_weight).run()
+             route_wait_weight: float = ROUTE_WAIT_WEIGHT, gaps: bool = True) -> list[Request]:
+    """The requests of `trace` at `rate`, served (gaps=False: without their token gaps, which
+    only the ITL figures need)."""
+    return Simulator(reps, requests_at(trace, rate), route_wait_weight, gaps).run()
 
 
 def service_s(reqs: Sequence[Request]) -> float:
@@ -147,7 +149,7 @@ class Sweep:
 
     def ok(self, rate: float, scale: int = 1) -> bool:
         n = scale * self.n_at(rate)
-        return stable(simulate(self.reps, self.trace[:2 * n], rate), self.service)
+        return stable(simulate(self.reps, self.trace[:2 * n], rate, gaps=False), self.service)
 
     def saturation(self, bisect_steps: int = BISECT_STEPS) -> float:
         lo = self.search(self.hint, 1, bisect_steps)
