@@ -36,12 +36,17 @@ from meshllm.roles.context import PlanContext
 from meshllm.roles.dispatch import DataPlane
 from meshllm.roles.pacer import pacer_factory
 from meshllm.roles.shard import ShardHolder, rss_mb
-from meshllm.roles.verifier import draft_topic
 from meshllm.roles.weights_fetch import MeshWeights
 
 log = logging.getLogger("meshllm.host")
 
 SNAPSHOT_S = 0.5  # how stale the figures in heartbeats and --status may be
+
+
+def draft_topic(rid: int) -> str:
+    """The pub/sub topic a decode replica's drafters publish their blocks on."""
+    return f"draft/{rid}"
+
 
 class RoleHost:
     def __init__(self, transport: Transport, cfg: NodeConfig, members: Membership | None = None):

@@ -56,10 +56,6 @@ class Block:
     branch: bool = False  # drafted in a proactive branch (after one of the draft's other choices)
 
 
-def draft_topic(rid: int) -> str:
-    return f"draft/{rid}"
-
-
 class Verifier:
     def __init__(self, leader, send: Callable[[str, Message], None], alive: Callable[[str], bool],
                  time_scale: float = 1.0, max_batch: int = 0):
