@@ -80,7 +80,7 @@ def test_stage_batch_time_matches_prefill_and_decode_formulas():
 
 
 def test_pipeline_columns_cost_each_stage_exactly_as_the_per_stage_formulas():
-    """replica.py costs a pipeline's stages as numpy columns (one cached entry per pipeline);
+    """steps.py costs a pipeline's stages as numpy columns (one cached entry per pipeline);
     every figure equals cost.py's per-stage formula for that device, bit for bit."""
     import math
     import random
@@ -94,8 +94,8 @@ def test_pipeline_columns_cost_each_stage_exactly_as_the_per_stage_formulas():
         decode_concurrency,
         mixed_compute_req_s,
         port_s,
-        prefill_stage_s,
     )
+    from meshllm.partition.steps import prefill_stage_s
 
     mc, mix = model_costs(model_args("llama-3-8b")), Mix(700, 150)
     net = Net({frozenset(("a", "b")): (30.0, 200.0)})
@@ -139,7 +139,7 @@ def test_a_step_of_one_chunk_size_costs_bit_for_bit_what_the_numpy_columns_give(
 
     from meshllm.device import load_device
     from meshllm.partition.dp import Member, Net
-    from meshllm.partition.replica import _array_step_s, fused_step_s, numpy_sum, pipe_arrays
+    from meshllm.partition.steps import _array_step_s, fused_step_s, numpy_sum, pipe_arrays
 
     mc = model_costs(model_args("llama-2-70b"))
     net = Net({frozenset(("a", "b")): (30.0, 200.0), frozenset(("b", "c")): (80.0, 50.0)})

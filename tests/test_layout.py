@@ -13,6 +13,7 @@ from tests.conftest import REPO
 PURE = {
     "meshllm.partition.plan": ("torch", "yaml", "zmq", "meshllm.config", "meshllm.roles"),
     "meshllm.partition.draw": ("torch", "yaml", "zmq", "meshllm.config"),
+    "meshllm.partition.steps": ("torch", "yaml", "zmq", "meshllm.config", "meshllm.sim"),
     "meshllm.sim.sweep": ("torch", "yaml", "zmq", "meshllm.config", "meshllm.roles"),
     "meshllm.mesh.protocol": ("torch", "yaml", "zmq"),
     "meshllm.mesh.membership": ("torch", "yaml", "zmq"),

@@ -428,7 +428,7 @@ def test_replicas_of_one_shape_share_their_step_times_and_others_do_not(demo):
     """Step times depend on the members' devices and zones, the split and the inputs only: twin
     replicas (another id, another role, other nodes of the same kinds) share one cache, so the
     judge's candidates and the baselines do not recompute them; any other shape has its own."""
-    from meshllm.partition.replica import fused_step_s
+    from meshllm.partition.steps import fused_step_s
 
     _, inp = demo
     twin = DeviceProfile("t", 8, 10, 100, 1000)

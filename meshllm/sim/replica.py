@@ -1,5 +1,5 @@
 """Replicas as the simulator (and the router) see them: members in pipeline order, their layer
-counts, and timing from the planner's own functions (partition/replica.py over cost.py; no
+counts, and timing from the planner's own functions (partition/steps.py over cost.py; no
 formula is re-derived here), cached per prompt length / (batch, context bucket) and shared by
 the replicas of one shape (`PlanInputs.step_caches`).
 `from_plan` builds them from a Plan, `from_grouping` from a GA grouping.
@@ -16,12 +16,8 @@ from meshllm.partition.dp import Member
 from meshllm.partition.grouping import Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.plan import Plan
-from meshllm.partition.replica import (
-    decode_concurrency,
-    free_chunk_tokens,
-    fused_step_s,
-    prefill_stage_s,
-)
+from meshllm.partition.replica import decode_concurrency
+from meshllm.partition.steps import free_chunk_tokens, fused_step_s, prefill_stage_s
 
 CTX_BUCKET = 64  # tokens: step times are cached per context rounded to this (attention is a small term)
 CHUNK_BUCKET = 16  # tokens: step times are cached at prompt chunks of multiples of this, interpolated between

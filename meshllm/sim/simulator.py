@@ -309,7 +309,7 @@ class Simulator:
         base = st.rep.decode_iter_s(b, ctx) if b else 0.0
         iters = min((left - part for _, left, part in st.active), default=math.inf)
         chunk, pos, prompts = 0, 0.0, 0
-        micro = max(1, min(len(st.rep.members), b))  # micro-batches of a step (replica.fused_step_s)
+        micro = max(1, min(len(st.rep.members), b))  # micro-batches of a step (steps.fused_step_s)
         lefts = [r.n_in - done for r, done in st.prefilling]
         whole = st.load.prefill_queued >= b and (len(lefts) > 1 or (lefts and st.rep.goes_whole(
             b, ctx, st.load.prefill_queued, lefts[0], st.load.prefill_queued_tokens)))
