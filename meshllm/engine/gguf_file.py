@@ -4,9 +4,9 @@
 on SmolLM2's 49k-token vocabulary; this parser reads the same header with
 `struct` in ~0.1 s. Dequantization: the types llama.cpp's small models ship in
 (F32, F16, Q4_0, Q4_1, Q8_0) by torch, with the same fp32 operations in the same
-order as the `gguf` package (bit for bit, tested), ~5x faster than its numpy (1.6 -> 0.3 s
-for SmolLM2-135M Q4_1 on one core: every node of a mesh loads its layers this way);
-every other type by `gguf.quants.dequantize`.
+order as the `gguf` package (bit for bit, tested), 3.5x faster than its numpy (0.78 ->
+0.22 s for SmolLM2-135M Q4_1 on one core, bench/load.py: every node of a mesh loads its
+layers this way); every other type by `gguf.quants.dequantize`.
 
 Layout (GGUF v2/v3, little-endian): "GGUF", u32 version, u64 n_tensors,
 u64 n_kv; n_kv x (string key, u32 type, value); n_tensors x (string name,
