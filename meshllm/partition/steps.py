@@ -140,7 +140,8 @@ def fused_step_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], n
 
 def _array_step_s(mc: ModelCosts, p: dict, seq: Sequence[Member], net: Net, batch: float, context: float,
                   chunk, chunk_ctx, micro: int):
-    """fused_step_s with numpy columns of stages (and chunk sizes when `chunk` is an array)."""
+    """fused_step_s with numpy columns of stages (and chunk sizes when `chunk` is an array). With a
+    scalar chunk it is the reference `_scalar_step_s` must equal bit for bit (tests/test_cost.py)."""
     half_rtt, mbps = pipe_hops(p, seq, net)
     scalar = np.ndim(chunk) == 0
     if scalar and chunk == 0:  # a plain decode step: the same sums with the chunk's zeros left out
@@ -186,7 +187,8 @@ def numpy_sum(xs: Sequence[float]) -> float:
 def _scalar_step_s(mc: ModelCosts, p: dict, hops: tuple, batch: float, context: float, chunk: float,
                    chunk_ctx: float, micro: int) -> float:
     """_array_step_s for one chunk size, in plain floats (decode_work, span_work, roofline_at,
-    transfer_s, ring_s and decode_iteration_s written out per stage, in their order)."""
+    transfer_s, ring_s and decode_iteration_s written out per stage, in their order; the
+    weights' `first * embed_bytes` term is 0.0 on a decode step and left out, which is exact)."""
     half_rtt, mbps, ring_half_rtt, ring_mbps, _ = hops
     b = batch / micro
     per_token = mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * context
@@ -198,14 +200,14 @@ def _scalar_step_s(mc: ModelCosts, p: dict, hops: tuple, batch: float, context: 
         span = mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * (chunk_ctx - t / 2)
         for n, last, flop_s, byte_s in p["rows"]:
             flops = b * (n * per_token + last * mc.head_flops_per_token) + t * n * span
-            nbytes = (n * mc.layer_bytes + False * mc.embed_bytes + last * mc.head_bytes
+            nbytes = (n * mc.layer_bytes + last * mc.head_bytes
                       + kv_read * n * mc.kv_bytes_per_token) + chunk_ctx * n * mc.kv_bytes_per_token / micro
             stages.append(max(flops / flop_s, nbytes / byte_s))
         act = (b + t) * mc.act_bytes_per_token
     else:
         for n, last, flop_s, byte_s in p["rows"]:
             flops = b * (n * per_token + last * mc.head_flops_per_token)
-            nbytes = n * mc.layer_bytes + False * mc.embed_bytes + last * mc.head_bytes + kv_read * n * mc.kv_bytes_per_token
+            nbytes = n * mc.layer_bytes + last * mc.head_bytes + kv_read * n * mc.kv_bytes_per_token
             stages.append(max(flops / flop_s, nbytes / byte_s))
         act = b * mc.act_bytes_per_token
     links = [h + act * bits / (m * 1e6) for h, m in zip(half_rtt, mbps)]
