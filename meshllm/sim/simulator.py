@@ -109,6 +109,10 @@ class PromptQueue:
 
 @dataclass
 class RepState:
+    """One replica in the simulation: its queues and batch, and the scheduling that is its own
+    (which prompts start, what its next run of steps is, a prompt's progress). The Simulator
+    owns the clock, the events and the ports."""
+
     rep: SimReplica
     load: ReplicaLoad
     kv_cap: float
@@ -122,6 +126,111 @@ class RepState:
     chunk: tuple = ()  # (start, step, iterations, prompt tokens per step, step without them) in flight
     version: int = 0
     prefilling: list = field(default_factory=list)  # mixed: [request, prompt tokens done] in progress
+
+    def activate(self, req: Request) -> None:
+        """`req` starts decoding here: its first token is out, n_out - 1 to go."""
+        self.active.append([req, req.n_out - 1, 0.0])
+        self.context += req.n_in + 1
+        self.left += req.n_out - 1
+
+    def decode_context(self) -> float:
+        b = len(self.active)
+        return self.context / b if b else 0.0
+
+    def could_join(self) -> bool:
+        """A request waits for this replica's run to end: a decode slot or a prompt to start."""
+        if len(self.active) + len(self.prefilling) >= self.load.max_batch:
+            return False
+        return bool(self.waiting) or (not self.prefilling and bool(self.queue))
+
+    def prompt_budget(self, head: int) -> int:
+        """Prompt tokens a mixed replica's next decode step takes (SimReplica.chunk_tokens), from
+        as many prompts as it needs, the next one `head` tokens long."""
+        backlog = self.load.prefill_queued_tokens
+        return self.rep.chunk_tokens(len(self.active), self.decode_context(), max(head, backlog), backlog,
+                                     self.load.prefill_queued)
+
+    def start_prompts(self, now: float) -> None:
+        """Mixed: prompts riding along the decode steps in chunks, as many as the step's prompt
+        budget holds (`prompt_budget`; as roles/leader.py fills its token budget with several
+        prompts' chunks); or, when at least as many prompts wait as sequences decode, whole
+        prompts, at least as many as the pipeline has stages and more while the budget holds
+        (a lone prompt starts alone either way; next_run decides whether it goes whole). One
+        prompt per stage and step, the old rule, drained a queue of short prompts at one
+        prompt a step: on clusters/wan.yaml one trace's queue, once formed, grew without end
+        at 10000 req/s while chunked steps kept up with 12500 (meshllm's saturation there rose
+        from 0.84 to about 1.0 of the bound)."""
+        whole = self.load.prefill_queued >= len(self.active)
+        budget = self.prompt_budget(self.queue.peek().n_in) if self.queue else 0
+        taken = sum(r.n_in - done for r, done in self.prefilling)  # prompt tokens left of those started
+        while self.queue and len(self.active) + len(self.prefilling) < self.load.max_batch and (
+                len(self.prefilling) < (len(self.rep.members) if whole else 1) or taken < budget):
+            req = self.queue.pop()
+            taken += req.n_in
+            self.load.prefill_queued_s -= self.rep.prefill_s(req.n_in)[0]
+            req.prefill_start = now
+            req.wait_s += now - req.arrival
+            self.prefilling.append([req, 0])
+
+    def next_run(self) -> tuple[float, float, float, float, int]:
+        """The next run of identical steps, until a sequence finishes or a prompt is prefilled:
+        (seconds a step, steps, prompt tokens a step, a step's seconds without them, micro-batches)."""
+        b = len(self.active)
+        ctx = self.decode_context()
+        base = self.rep.decode_iter_s(b, ctx) if b else 0.0
+        iters = min((left - part for _, left, part in self.active), default=math.inf)
+        chunk, pos, prompts = 0, 0.0, 0
+        micro = max(1, min(len(self.rep.members), b))  # micro-batches of a step (steps.fused_step_s)
+        lefts = [r.n_in - done for r, done in self.prefilling]
+        whole = self.load.prefill_queued >= b and (len(lefts) > 1 or (lefts and self.rep.goes_whole(
+            b, ctx, self.load.prefill_queued, lefts[0], self.load.prefill_queued_tokens)))
+        heads = 0.0  # prompts ending in a step: their first token's LM head
+        if whole:
+            chunk, iters, prompts, micro = sum(lefts), 1, len(lefts), 1  # a whole prompt's step is not cut
+            pos = chunk / 2 + sum(x * x for x in lefts) / (2 * chunk)  # attention of separate prompts
+            heads = len(lefts)
+        elif len(lefts) > 1:  # chunks of several prompts, in order, fill the budget: one step
+            chunk = min(sum(lefts), self.prompt_budget(lefts[0]))
+            parts, rest = [], chunk
+            for (_, done), left in zip(self.prefilling, lefts):
+                parts.append((min(left, rest), done, left))
+                rest -= parts[-1][0]
+            parts = [part for part in parts if part[0] > 0]
+            iters, prompts = 1, len(parts)
+            pos = chunk / 2 + sum(n * (done + n / 2) for n, done, _ in parts) / chunk  # separate spans
+            heads = sum(1 for n, _, left in parts if n == left)
+        elif self.prefilling:
+            req, done = self.prefilling[0]
+            chunk = self.rep.lone_chunk(b, ctx, lefts[0], done, self.prompt_budget(req.n_in))
+            steps = math.ceil(lefts[0] / chunk)
+            iters, pos = min(iters, steps), done + chunk
+            heads = 1.0 / iters if steps <= iters else 0.0  # the run's last step ends the prompt
+        if chunk and not b and len(self.prefilling) == 1 and self.prefilling[0][1] == 0:
+            step, micro = self.rep.prefill_s(chunk)[1], 1  # a whole prompt alone (its head included)
+        else:
+            step = self.rep.decode_iter_s(b, ctx, chunk, pos, prompts) + heads * self.rep.head_s()
+        return step, iters, chunk, base, micro
+
+    def advance_prompt(self, tokens: int, now: float) -> None:
+        """`tokens` more prompt tokens are prefilled (in order); a finished prompt decodes here."""
+        keep = []
+        for item in self.prefilling:
+            req = item[0]
+            got = min(tokens, req.n_in - item[1])
+            item[1] += got
+            tokens -= got
+            self.load.prefill_queued_tokens -= got
+            if item[1] < req.n_in:
+                keep.append(item)
+                continue
+            self.load.prefill_queued -= 1
+            req.first_token = req.last_token = req.decode_start = now
+            req.wait_s += max(0.0, now - req.prefill_start - self.rep.prefill_s(req.n_in)[1])  # chunking
+            if req.n_out <= 1:
+                req.done = now
+            else:
+                self.activate(req)
+        self.prefilling = keep
 
 
 class Simulator:
@@ -239,7 +348,7 @@ class Simulator:
     # -- decode ---------------------------------------------------------------------------------
     def try_iterate(self, st: RepState) -> None:
         if st.busy:
-            if self.could_join(st):
+            if st.could_join():
                 self.cut_chunk(st)
             return
         while st.waiting and len(st.active) < st.load.max_batch:
@@ -248,96 +357,18 @@ class Simulator:
             req.slot_wait_s += self.now - req.kv_ready
             req.decode_start = self.now
             st.load.waiting -= 1
-            self.activate(st, req)
+            st.activate(req)
         if st.rep.role == "mixed":
-            self.start_prompts(st)
+            st.start_prompts(self.now)
         st.load.active = len(st.active)
         if st.active or st.prefilling:
             self.run_steps(st)
 
-    def could_join(self, st: RepState) -> bool:
-        """A request waits for this replica's run to end: a decode slot or a prompt to start."""
-        if len(st.active) + len(st.prefilling) >= st.load.max_batch:
-            return False
-        return bool(st.waiting) or (not st.prefilling and bool(st.queue))
-
-    def start_prompts(self, st: RepState) -> None:
-        """Mixed: prompts riding along the decode steps in chunks, as many as the step's prompt
-        budget holds (`prompt_budget`; as roles/leader.py fills its token budget with several
-        prompts' chunks); or, when at least as many prompts wait as sequences decode, whole
-        prompts, at least as many as the pipeline has stages and more while the budget holds
-        (a lone prompt starts alone either way; run_steps decides whether it goes whole). One
-        prompt per stage and step, the old rule, drained a queue of short prompts at one
-        prompt a step: on clusters/wan.yaml one trace's queue, once formed, grew without end
-        at 10000 req/s while chunked steps kept up with 12500 (meshllm's saturation there rose
-        from 0.84 to about 1.0 of the bound)."""
-        whole = st.load.prefill_queued >= len(st.active)
-        budget = self.prompt_budget(st, st.queue.peek().n_in) if st.queue else 0
-        taken = sum(r.n_in - done for r, done in st.prefilling)  # prompt tokens left of those started
-        while st.queue and len(st.active) + len(st.prefilling) < st.load.max_batch and (
-                len(st.prefilling) < (len(st.rep.members) if whole else 1) or taken < budget):
-            req = st.queue.pop()
-            taken += req.n_in
-            st.load.prefill_queued_s -= st.rep.prefill_s(req.n_in)[0]
-            req.prefill_start = self.now
-            req.wait_s += self.now - req.arrival
-            st.prefilling.append([req, 0])
-
-    @staticmethod
-    def activate(st: RepState, req: Request) -> None:
-        """`req` starts decoding here: its first token is out, n_out - 1 to go."""
-        st.active.append([req, req.n_out - 1, 0.0])
-        st.context += req.n_in + 1
-        st.left += req.n_out - 1
-
-    @staticmethod
-    def decode_context(st: RepState) -> float:
-        b = len(st.active)
-        return st.context / b if b else 0.0
-
-    def prompt_budget(self, st: RepState, head: int) -> int:
-        """Prompt tokens a mixed replica's next decode step takes (SimReplica.chunk_tokens), from
-        as many prompts as it needs, the next one `head` tokens long."""
-        backlog = st.load.prefill_queued_tokens
-        return st.rep.chunk_tokens(len(st.active), self.decode_context(st), max(head, backlog), backlog,
-                                   st.load.prefill_queued)
-
     def run_steps(self, st: RepState) -> None:
-        """Start a run of identical steps: until a sequence finishes or a prompt is prefilled."""
+        """Start a run of identical steps (RepState.next_run): until a sequence finishes or a
+        prompt is prefilled."""
+        step, iters, chunk, base, micro = st.next_run()
         b = len(st.active)
-        ctx = self.decode_context(st)
-        base = st.rep.decode_iter_s(b, ctx) if b else 0.0
-        iters = min((left - part for _, left, part in st.active), default=math.inf)
-        chunk, pos, prompts = 0, 0.0, 0
-        micro = max(1, min(len(st.rep.members), b))  # micro-batches of a step (steps.fused_step_s)
-        lefts = [r.n_in - done for r, done in st.prefilling]
-        whole = st.load.prefill_queued >= b and (len(lefts) > 1 or (lefts and st.rep.goes_whole(
-            b, ctx, st.load.prefill_queued, lefts[0], st.load.prefill_queued_tokens)))
-        heads = 0.0  # prompts ending in a step: their first token's LM head
-        if whole:
-            chunk, iters, prompts, micro = sum(lefts), 1, len(lefts), 1  # a whole prompt's step is not cut
-            pos = chunk / 2 + sum(x * x for x in lefts) / (2 * chunk)  # attention of separate prompts
-            heads = len(lefts)
-        elif len(lefts) > 1:  # chunks of several prompts, in order, fill the budget: one step
-            chunk = min(sum(lefts), self.prompt_budget(st, lefts[0]))
-            parts, rest = [], chunk
-            for (_, done), left in zip(st.prefilling, lefts):
-                parts.append((min(left, rest), done, left))
-                rest -= parts[-1][0]
-            parts = [part for part in parts if part[0] > 0]
-            iters, prompts = 1, len(parts)
-            pos = chunk / 2 + sum(n * (done + n / 2) for n, done, _ in parts) / chunk  # separate spans
-            heads = sum(1 for n, _, left in parts if n == left)
-        elif st.prefilling:
-            req, done = st.prefilling[0]
-            chunk = st.rep.lone_chunk(b, ctx, lefts[0], done, self.prompt_budget(st, req.n_in))
-            steps = math.ceil(lefts[0] / chunk)
-            iters, pos = min(iters, steps), done + chunk
-            heads = 1.0 / iters if steps <= iters else 0.0  # the run's last step ends the prompt
-        if chunk and not b and len(st.prefilling) == 1 and st.prefilling[0][1] == 0:
-            step, micro = st.rep.prefill_s(chunk)[1], 1  # a whole prompt alone (its head included)
-        else:
-            step = st.rep.decode_iter_s(b, ctx, chunk, pos, prompts) + heads * st.rep.head_s()
         st.load.tokens_left = st.left / b if b else 0.0
         st.busy, st.chunk = True, (self.now, step, iters, chunk, base, micro)
         self.push(self.now + step * iters, self.on_chunk, st, st.version)
@@ -389,29 +420,8 @@ class Simulator:
         self.book_activations(st, start, len(st.active) * iters)
         st.active = keep
         if chunk:
-            self.advance_prompt(st, math.floor(iters * chunk + 1e-9))
+            st.advance_prompt(math.floor(iters * chunk + 1e-9), self.now)
         self.try_iterate(st)
-
-    def advance_prompt(self, st: RepState, tokens: int) -> None:
-        """`tokens` more prompt tokens are prefilled (in order); a finished prompt decodes here."""
-        keep = []
-        for item in st.prefilling:
-            req = item[0]
-            got = min(tokens, req.n_in - item[1])
-            item[1] += got
-            tokens -= got
-            st.load.prefill_queued_tokens -= got
-            if item[1] < req.n_in:
-                keep.append(item)
-                continue
-            st.load.prefill_queued -= 1
-            req.first_token = req.last_token = req.decode_start = self.now
-            req.wait_s += max(0.0, self.now - req.prefill_start - st.rep.prefill_s(req.n_in)[1])  # chunking
-            if req.n_out <= 1:
-                req.done = self.now
-            else:
-                self.activate(st, req)
-        st.prefilling = keep
 
     def book_activations(self, st: RepState, start: float, tokens: int) -> None:
         """A decode run's activations between a decode replica's stages, booked from its start."""
