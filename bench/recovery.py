@@ -10,7 +10,7 @@ the only decode stage and 0.7 s later the coordinator (before it has re-planned,
 coordinator must); then one run with a partition between the zones that heals. Printed per run:
 requests, resumed requests, whether every output equals the single-process reference (BRIEF's
 tie rule), and the recovery gaps (the longest pause between two tokens a client saw across a
-resume). Goal: every gap <= 5 s with the
+resume); for the partition, how long after its end the mesh used every node again. Goal: every gap <= 5 s with the
 default failure detection (heartbeat 0.5 s, dead after 2.5 s). Bounded: each run has a timeout.
 """
 
@@ -85,8 +85,11 @@ def summarize(label: str, out: dict, ref: Reference) -> dict:
     row = dict(label=label, faults=out["faults"], requests=len(results), errors=len(errors), equal=equal,
                resumed=out["metrics"].get("resumed_requests", 0), gaps_s=sorted(gaps), wall_s=out["wall_s"])
     gap = f"max {max(gaps):.2f} s, median {statistics.median(gaps):.2f} s" if gaps else "no request paused"
+    healed = [f.get("healed_after_s", "not watched") for f in out["faults"] if f["kind"] == "partition"]
+    heal = "".join(f"; every node in use again {h} s after the partition ended" if isinstance(h, float)
+                   else f"; mesh healed: {h}" for h in healed)
     emit(f"{label:38s} requests {row['requests']:2d}  errors {row['errors']}  equal to reference "
-         f"{equal}/{len(results)}  resumed {row['resumed']:2d}  gaps: {gap}")
+         f"{equal}/{len(results)}  resumed {row['resumed']:2d}  gaps: {gap}{heal}")
     return row
 
 

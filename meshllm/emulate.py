@@ -45,10 +45,11 @@ from typing import Any
 from meshllm.config import ClusterConfig, NodeSpec
 from meshllm.defaults import EMULATED_BUSY_POLL_MS, STAGE_ROLES, Role, served_name
 from meshllm.errors import InputError
-from meshllm.faults import FaultInjector, parse_faults
+from meshllm.faults import HEAL_TIMEOUT_S, FaultInjector, parse_faults
 from meshllm.mesh.keys import NodeKeys, generate_key
 from meshllm.mesh.node import query_status
 from meshllm.mesh.sockets import free_port_pair
+from meshllm.partition.plan import Plan, PlanError
 from meshllm.workload import Job, node_figures, run_jobs, serving_figures, summarize
 
 log = logging.getLogger("meshllm.emulate")
@@ -323,7 +324,7 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
             log.info("serving after %.1f s", time.monotonic() - t0)
             if getattr(args, "serve", False):
                 return serve_until_interrupted(cluster)
-            injector = FaultInjector(cluster, faults)
+            injector = FaultInjector(cluster, faults, *healing_watch(cluster, faults, cfg.time_scale))
             outs = run_jobs(f"http://{cluster.gateway}", served_name(cfg.model), jobs,
                             cfg.workload.arrival_rate_per_s, getattr(args, "seed", 0) or 0,
                             progress=len(jobs) > 1, on_start=injector.start, headers=cluster.api_headers)
@@ -334,6 +335,24 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def healing_watch(cluster: EmulatedCluster, faults: list, time_scale: float) -> tuple:
+    """FaultInjector's (live_plan, in_use, heal_timeout_s) for a run with a partition: the gateway's
+    plan, the nodes it uses now (before the faults), the bound on healing; () without one."""
+    if not any(f.kind == "partition" for f in faults):
+        return ()
+    url = f"http://{cluster.gateway}/v1/plan"
+
+    def live_plan() -> Any:
+        return http_json(url, headers=cluster.api_headers)[1].get("plan")
+
+    try:
+        in_use = Plan.from_json(live_plan()).nodes_in_use()
+    except PlanError as e:
+        log.warning("the gateway gave no plan (%s): the partition's healing is not watched", e)
+        return ()
+    return live_plan, in_use, HEAL_TIMEOUT_S * time_scale
 
 
 def workload_jobs(cfg: ClusterConfig, args: Any) -> list[Job]:

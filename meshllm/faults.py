@@ -3,7 +3,10 @@
 apart for a while (a FAULT control message to every live node: each drops the other zone's
 traffic until it ends). Times count from the workload's first request; every fault is checked
 against the cluster file before anything starts (exit 2), and `FaultInjector.done` lists what
-ran, for the report.
+ran, for the report. After a partition the injector watches the mesh heal: from the partition's
+end it polls the gateway's live plan until every node the plan used before the faults (and still
+alive) is in use again, at most HEAL_TIMEOUT_S (x the cluster's time_scale), and reports the
+seconds that took (`healed_after_s`; null if it did not within the bound, with a warning).
 """
 
 from __future__ import annotations
@@ -13,17 +16,22 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from meshllm.config import ClusterConfig
 from meshllm.errors import InputError
 from meshllm.mesh.node import send_control
 from meshllm.mesh.protocol import MsgType, make
+from meshllm.partition.plan import Plan, PlanError
 
 if TYPE_CHECKING:
     from meshllm.emulate import EmulatedCluster
 
 log = logging.getLogger("meshllm.emulate")
+
+HEAL_TIMEOUT_S = 30.0  # after a partition ends: the live plan uses every node again by then, or the report says not
+HEAL_POLL_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +79,14 @@ def _seconds(v: str, what: str) -> float:
 
 
 class FaultInjector:
-    """Runs the faults on schedule from the workload's first request (a thread; bounded)."""
+    """Runs the faults on schedule from the workload's first request (a thread; bounded), then
+    watches the mesh heal after a partition. `live_plan`: the gateway's plan JSON now; `in_use`:
+    the nodes the plan used before the faults."""
 
-    def __init__(self, cluster: EmulatedCluster, faults: list[Fault]):
+    def __init__(self, cluster: EmulatedCluster, faults: list[Fault], live_plan: Callable[[], Any] | None = None,
+                 in_use: set[str] | None = None, heal_timeout_s: float = HEAL_TIMEOUT_S):
         self.cluster, self.faults, self.done = cluster, faults, []
+        self.live_plan, self.in_use, self.heal_timeout_s = live_plan, set(in_use or ()), heal_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -84,15 +96,19 @@ class FaultInjector:
             self._thread.start()
 
     def stop(self) -> None:
+        """The workload is done: no fault still pending runs; a heal being watched is waited for."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            if self._thread.is_alive() and any(d["kind"] == "partition" for d in self.done):
+                log.info("workload done; watching the mesh heal after the partition (at most %.0f s after it ends)",
+                         self.heal_timeout_s)
+            self._thread.join(timeout=self.heal_timeout_s + max((f.until_s for f in self.faults), default=0) + 10)
 
     def _run(self) -> None:
         t0 = time.monotonic()
         for f in self.faults:
             if self._stop.wait(max(0.0, t0 + f.at_s - time.monotonic())):
-                return
+                break
             at = round(time.monotonic() - t0, 3)
             if f.kind == "kill":
                 self.cluster.kill(f.node)
@@ -100,6 +116,9 @@ class FaultInjector:
                 self.done.append({"kind": "kill", "node": f.node, "at_s": at})
             else:
                 self._partition(f, at)
+        parts = [d for d in self.done if d["kind"] == "partition"]
+        if parts and self.live_plan is not None:
+            self._watch_heal(parts[-1], t0 + max(d["until_s"] for d in parts))
 
     def _partition(self, f: Fault, at: float) -> None:
         msg = make(MsgType.FAULT, zones=list(f.zones), seconds=f.until_s - f.at_s)
@@ -110,3 +129,25 @@ class FaultInjector:
         log.warning("fault: partition %s:%s from %.1f s for %.1f s", *f.zones, at, f.until_s - f.at_s)
         self.done.append({"kind": "partition", "zones": list(f.zones), "at_s": at,
                           "until_s": round(at + f.until_s - f.at_s, 3)})
+
+    def _watch_heal(self, entry: dict, end: float) -> None:
+        """From the last partition's end, poll the live plan until it uses every node it used before
+        the faults that is still alive; record the seconds that took in `entry`."""
+        time.sleep(max(0.0, end - time.monotonic()))
+        deadline, missing = end + self.heal_timeout_s, set()
+        while True:
+            want = self.in_use - self.cluster.dead()
+            try:
+                missing = want - Plan.from_json(self.live_plan()).nodes_in_use()
+            except (PlanError, OSError, ValueError) as e:  # the gateway busy re-planning: ask again
+                missing = {f"(no plan: {e})"}
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(HEAL_POLL_S)
+        entry["healed_after_s"] = None if missing else round(max(0.0, time.monotonic() - end), 3)
+        if missing:
+            log.warning("fault: the mesh did not heal within %.0f s of the partition's end: %s not in use again",
+                        self.heal_timeout_s, ", ".join(sorted(missing)))
+        else:
+            log.info("fault: the mesh healed %.1f s after the partition ended (every node in use again)",
+                     entry["healed_after_s"])

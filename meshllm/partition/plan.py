@@ -113,6 +113,10 @@ class Plan:
             check_cover(r.id, [s.layers for s in r.stages], plan.n_layers)
         return plan
 
+    def nodes_in_use(self) -> set[str]:
+        """Every node with a stage or a drafter's job in this plan."""
+        return {s.node for r in self.replicas for s in r.stages} | set(self.drafters)
+
     def replica_of(self, node: str) -> tuple[Replica, int] | None:
         """(replica, stage index) holding `node`, if any."""
         for r in self.replicas:
