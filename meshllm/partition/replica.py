@@ -32,7 +32,10 @@ from meshllm.partition.cost import (
 from meshllm.partition.dp import Infeasible, Member, Net, Split, Splitter, Workpoint, candidate_orders
 from meshllm.partition.steps import decode_step_s, free_chunk_tokens, pipe_arrays, prefill_stage_s
 
-MAX_DECODE_BATCH = 256  # sequences a replica decodes concurrently at most (runtime limit)
+# sequences a replica decodes concurrently at most, where their KV fits (vLLM's default max_num_seqs), in
+# the planner and the simulator; the live leader admits MAX_ACTIVE_SEQS (roles/leader.py: its CPU
+# micro-batches hold TOKEN_BUDGET rows) and the live router counts the smaller of the two
+MAX_DECODE_BATCH = 256
 DECODE_REF_BATCH = 16  # batch the DP's decode split is optimised for
 KV_RESERVE_SEQS = 4  # sequences of KV every stage must hold besides weights (DP memory budget)
 # What the chunked-prefill scheduler reaches of a mixed replica's compute bound, in the simulator:

@@ -12,7 +12,7 @@ activation bytes token-passes per second, each through at most as many layers as
 Memory bandwidth caps it too, in the roofline of cost.py: a decode step streams the weights
 of its layers and the KV of its batch, so a device does decode FLOPs at most at its best
 step's rate (`decode_flops_cap`: over the layer counts n it can hold, the largest batch whose
-KV fits beside n layers, at most the runtime's MAX_DECODE_BATCH). A step that is memory-bound
+KV fits beside n layers, at most the planner's MAX_DECODE_BATCH). A step that is memory-bound
 leaves compute idle, which chunked prefill fills, so the two phases overlap on a device: the
 rate is bounded by all the FLOPs at the devices' compute, and separately by the decode FLOPs
 at those decode caps (`decode_memory_rate_per_s`), not by a time-share of the two (one that
