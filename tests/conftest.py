@@ -20,6 +20,24 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"  # oracle data from llam
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def temp_files_under_pytest(tmp_path_factory: pytest.TempPathFactory):
+    """Temporary files of the tests and of every process they start (an emulated cluster's node
+    files and logs, which it keeps after a run it did not finish: interrupted, killed, timed out)
+    go under pytest's own temporary directory, which pytest prunes, never loose in /tmp."""
+    import tempfile
+
+    tmp = str(tmp_path_factory.mktemp("tmp"))
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = tmp, None
+    yield tmp
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    tempfile.tempdir = None
+
+
 def run_cli(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python launch.py ARGS` as a user would; returns the completed process."""
     e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

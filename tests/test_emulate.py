@@ -137,7 +137,9 @@ def gone(pids: list[int], timeout_s: float = 10.0) -> bool:
 
 @pytest.mark.slow
 def test_cluster_reports_the_mesh_and_leaves_no_process(tmp_path: Path) -> None:
-    r = run_cli("--cluster", str(cluster_yaml(tmp_path, 4)), "--json", timeout=300)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = run_cli("--cluster", str(cluster_yaml(tmp_path, 4)), "--json", timeout=300, env={"TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)  # exactly one JSON object on stdout
     assert len(out["results"]) == 1 and len(out["results"][0]["token_ids"]) == 3
@@ -154,6 +156,7 @@ def test_cluster_reports_the_mesh_and_leaves_no_process(tmp_path: Path) -> None:
         assert n["address"].startswith("127.0.0.1:")
     assert out["mesh"]["formation_s"] > 0
     assert gone([n["pid"] for n in nodes])
+    assert list(tmp.iterdir()) == []  # a finished run removes its node files and logs
 
 
 def spawn_cluster(path: Path, ignore_sigint: bool = False) -> tuple[subprocess.Popen, list[int]]:
