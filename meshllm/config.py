@@ -295,11 +295,13 @@ def plan_inputs(cfg: ClusterConfig) -> PlanInputs:
     return _plan_inputs(cfg, nodes, cfg.source)
 
 
-def _plan_inputs(cfg: ClusterConfig | NodeConfig, nodes: tuple[PlanNode, ...], source: str) -> PlanInputs:
+def _plan_inputs(cfg: ClusterConfig | NodeConfig, nodes: tuple[PlanNode, ...], source: str,
+                 args=None) -> PlanInputs:
+    """`args`: the model's shape when known otherwise (a node without the file: a peer's index)."""
     wl = cfg.workload
     spec_on = cfg.speculation.mode != "off" and cfg.draft.quant != "none"
     return PlanInputs(
-        source=source, args=resolve_args(cfg.model), dtype=cfg.weights_dtype, nodes=nodes,
+        source=source, args=args if args is not None else resolve_args(cfg.model), dtype=cfg.weights_dtype, nodes=nodes,
         links=tuple(cfg.links),
         input_tokens=wl.input_tokens, output_tokens=wl.output_tokens, rate_per_s=wl.arrival_rate_per_s,
         requests=wl.requests, n_prompts=len(wl.prompts), draft_quant=cfg.draft.quant if spec_on else None,

@@ -94,10 +94,10 @@ class NodeConfig:
         return f"{host}:{port}"
 
 
-def plan_inputs_for_nodes(cfg: NodeConfig, nodes: tuple[PlanNode, ...], source: str) -> PlanInputs:
+def plan_inputs_for_nodes(cfg: NodeConfig, nodes: tuple[PlanNode, ...], source: str, args=None) -> PlanInputs:
     """What a live coordinator plans for: the nodes of its peer table, with its own node file's
-    model, links and serving settings."""
-    return _plan_inputs(cfg, nodes, source)
+    model, links and serving settings (`args`: the model's shape, if not from the file)."""
+    return _plan_inputs(cfg, nodes, source, args)
 
 
 # -- node file ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from meshllm.defaults import NODE_ROLES, Role
 from meshllm.device import device_from_mapping
@@ -52,8 +53,10 @@ def newest_plan_seen(members: Membership) -> int:
 
 class Coordinator:
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo, cfg: NodeConfig,
-                 current_version: Callable[[], int], deliver: Callable[[int, dict, dict, str], None]):
+                 current_version: Callable[[], int], deliver: Callable[[int, dict, dict, str], None],
+                 model_args: Callable[[], Any] | None = None):
         self.t, self.members, self.me, self.cfg = transport, members, me, cfg
+        self.model_args = model_args  # the model's shape (None: from this node's model file)
         self.current_version, self.deliver = current_version, deliver  # the local RoleHost
         self.worker = Worker(f"planner-{me.id}")
         self.published: tuple[int, dict, dict] | None = None  # (version, plan json, addresses)
@@ -138,7 +141,9 @@ class Coordinator:
         self.deliver(version, plan.to_json(), addresses, self.me.id)
 
     def inputs(self, live: list[PeerInfo]) -> PlanInputs:
-        return live_plan_inputs(self.cfg, live)
+        """On the planner thread: the model's shape from `model_args` (a node without the model
+        file asks a peer for its index, RoleHost's MeshWeights.args), else from the file."""
+        return live_plan_inputs(self.cfg, live, self.model_args() if self.model_args is not None else None)
 
 
 def plan_for(cfg: NodeConfig, inp: PlanInputs) -> Plan:
@@ -152,12 +157,13 @@ def plan_for(cfg: NodeConfig, inp: PlanInputs) -> Plan:
     return plan_cluster(inp, log=False)
 
 
-def live_plan_inputs(cfg: NodeConfig, infos: list[PeerInfo]) -> PlanInputs:
+def live_plan_inputs(cfg: NodeConfig, infos: list[PeerInfo], args=None) -> PlanInputs:
     """PlanInputs for the nodes of the peer table (device profiles, zones and roles as they
-    announced them), with this node's model, links and serving settings."""
+    announced them), with this node's model, links and serving settings; `args`: the model's
+    shape, when this node has no model file (else it is read from the file)."""
     nodes = []
     for p in infos:
         dev = device_from_mapping(str(p.device.get("name", p.id)), dict(p.device), f"peer {p.id}")
         roles = tuple(Role(str(r)) for r in p.roles if str(r) in NODE_ROLE_NAMES) or None
         nodes.append(PlanNode(p.id, dev, p.zone, roles))
-    return plan_inputs_for_nodes(cfg, tuple(nodes), source=f"the live mesh of {len(nodes)} nodes")
+    return plan_inputs_for_nodes(cfg, tuple(nodes), source=f"the live mesh of {len(nodes)} nodes", args=args)
