@@ -5,8 +5,9 @@ the mesh (seeds and/or mDNS), heartbeats, answers `--status`, takes part in the
 coordinator election, applies every plan (loading its own layer range, roles/host.py),
 runs the OpenAI-compatible gateway if its node file has `gateway: {listen: HOST:PORT}`,
 and on SIGINT or SIGTERM tells its peers it is leaving and exits 0. A node refused
-for a duplicate id exits 1. Torch is imported only once the node holds a stage, so a
-node joins the mesh in well under a second.
+for a duplicate id exits 1. A node that may compute imports torch before it joins (about
+1.4 s here; `roles.host.preload_compute`): on the compute thread, once a plan came, the import
+stalled the I/O thread's heartbeats. The module itself imports no torch (`--status` stays fast).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from meshllm.mesh.sockets import client_socket
 from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig
 from meshllm.roles.coordinator import Coordinator
-from meshllm.roles.host import RoleHost
+from meshllm.roles.host import RoleHost, preload_compute
 
 log = logging.getLogger("meshllm.mesh.node")
 
@@ -81,6 +82,7 @@ class Node:
             self.api = ApiServer(self.gateway, cfg.gateway, cfg.api_token)
 
     def start(self) -> Node:
+        preload_compute(self.cfg)  # before the I/O thread heartbeats: importing torch stalls it
         if self.gateway is not None:
             self.gateway.load_model_info()  # a bad model path fails here, before joining
             self.api.start()

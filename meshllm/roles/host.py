@@ -288,6 +288,20 @@ class HostFigures:
         return ["drafter"] if self.host.me in ctx.plan.drafters else []
 
 
+def preload_compute(cfg: NodeConfig) -> bool:
+    """Import torch and the roles that compute, now, if this node may hold a stage or draft. A node
+    calls it before it joins: imported later, on the compute thread when the first plan came,
+    torch held the GIL long enough to stall the I/O thread's heartbeats (0.27 s alone, up to 0.87 s
+    with six nodes on two cores; every node of an emulated clusters/failure.yaml was marked
+    suspect by its peers then). False for a node whose `roles:` allow no computing."""
+    if cfg.roles is not None and not {Role.DRAFTER, Role.PREFILL, Role.DECODE} & set(cfg.roles):
+        return False
+    import meshllm.roles.drafter  # noqa: F401  (torch, the engine and every compute role)
+    import meshllm.roles.leader  # noqa: F401
+    import meshllm.roles.prefill  # noqa: F401
+    return True
+
+
 def describe(ctx: PlanContext, me: str) -> str:
     """This node's part in a plan, for the log."""
     mine = ctx.mine
