@@ -291,9 +291,9 @@ class HostFigures:
 def preload_compute(cfg: NodeConfig) -> bool:
     """Import torch and the roles that compute, now, if this node may hold a stage or draft. A node
     calls it before it joins: imported later, on the compute thread when the first plan came,
-    torch held the GIL long enough to stall the I/O thread's heartbeats (0.27 s alone, up to 0.87 s
-    with six nodes on two cores; every node of an emulated clusters/failure.yaml was marked
-    suspect by its peers then). False for a node whose `roles:` allow no computing."""
+    torch held the GIL long enough to stall the I/O thread's heartbeats (0.23 s alone, 0.93 s with
+    six nodes on two cores: peers marked the nodes of an emulated clusters/failure.yaml suspect
+    21-24 times a run; bench/heartbeat.py). False for a node whose `roles:` allow no computing."""
     if cfg.roles is not None and not {Role.DRAFTER, Role.PREFILL, Role.DECODE} & set(cfg.roles):
         return False
     import meshllm.roles.drafter  # noqa: F401  (torch, the engine and every compute role)
