@@ -355,8 +355,6 @@ def test_a_node_without_the_file_serves_its_stage_and_resumes_after_a_kill(tmp_p
     started again, resumes, serves its stage; greedy output through the gateway equals the
     reference; the bytes fetched in both runs add up to its range's tensors."""
     from meshllm.engine.weights import embedded_gguf_path
-    from tests.serving_util import reference, same_up_to_tie
-    from tests.test_deploy import complete, wait_healthy
 
     links = [{"zones": ["a", "b"], "rtt_ms": 2, "bandwidth_mbps": 100}]
     a1, a2, gw = (f"127.0.0.1:{free_port_pair()}" for _ in range(3))
@@ -395,18 +393,26 @@ def test_a_node_without_the_file_serves_its_stage_and_resumes_after_a_kill(tmp_p
         assert on_disk_in_range + fetch["bytes"] - fetch["total_bytes"] in range(0, n_parts + 1)
         assert fetch["mbps"] >= 50, fetch  # the bench reports the exact ratio; this only catches a broken pipeline
         assert {p.name[:-4] for p in d.glob("*.bin")} == set(want) and not list(d.glob("*.part"))
-        url = f"http://{gw}"
-        deadline = time.monotonic() + 120
-        while wait_healthy(url)["status"] != "ok":
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-        body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0}
-        code, res = complete(url, body)
-        assert code == 200, res
-        ok, why = same_up_to_tie(res["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, body["prompt"], 10))
-        assert ok, why
+        greedy_equals_reference(f"http://{gw}", smollm2, smollm2_tokenizer, 120, lambda: "")
     finally:
         stop_processes(procs.values())
+
+
+def greedy_equals_reference(url: str, model, tok, timeout_s: float, why) -> None:
+    """Once the gateway at `url` says ok (within `timeout_s`; `why()`: what to show if not), a greedy
+    completion through it equals the single-process reference."""
+    from tests.serving_util import reference, same_up_to_tie
+    from tests.test_deploy import complete, wait_healthy
+
+    deadline = time.monotonic() + timeout_s
+    while wait_healthy(url)["status"] != "ok":
+        assert time.monotonic() < deadline, why()
+        time.sleep(0.5)
+    body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0}
+    code, res = complete(url, body)
+    assert code == 200, res
+    ok, why_not = same_up_to_tie(res["choices"][0]["token_ids"], reference(model, tok, body["prompt"], 10))
+    assert ok, why_not
 
 
 @pytest.mark.slow
@@ -415,26 +421,15 @@ def test_a_coordinator_without_the_file_plans_from_a_peers_index(tmp_path, smoll
     in c1's index (it used to fail, "cannot plan", and the mesh never served), fetches the layers
     the plan gives it, and greedy output through c1's gateway equals the reference."""
     from meshllm.engine.weights import embedded_gguf_path
-    from tests.serving_util import reference, same_up_to_tie
-    from tests.test_deploy import complete, wait_healthy
 
     a0, a1, gw = (f"127.0.0.1:{free_port_pair()}" for _ in range(3))
     missing = tmp_path / "nowhere" / embedded_gguf_path().name
     procs = {"c0": _start(tmp_path, "c0", [], a0, zone="a", model=str(missing), weights_cache=str(tmp_path / "cache"))}
     try:
         procs["c1"] = _start(tmp_path, "c1", [a0], a1, zone="a", gateway={"listen": gw})
-        url = f"http://{gw}"
-        deadline = time.monotonic() + 180
-        while wait_healthy(url)["status"] != "ok":
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), \
-                (tmp_path / "c0.log").read_text()[-3000:]
-            time.sleep(0.5)
+        greedy_equals_reference(f"http://{gw}", smollm2, smollm2_tokenizer, 180,
+                                lambda: (tmp_path / "c0.log").read_text()[-3000:])
         assert "c0: coordinator published plan" in (tmp_path / "c0.log").read_text()
         assert "stage" in _status(a0)["load"] and "weights_fetch" in _status(a0)["load"]
-        body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-        code, res = complete(url, body)
-        assert code == 200, res
-        ok, why = same_up_to_tie(res["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, body["prompt"], 8))
-        assert ok, why
     finally:
         stop_processes(procs.values())
