@@ -101,3 +101,18 @@ def test_w8_draft_runs(tiny_model):
     assert out.shape == (3, tiny_model.args.vocab_size) and torch.isfinite(out).all()
     with pytest.raises(ValueError, match="known: w4a16, w8a16"):
         quantize_model(copy.deepcopy(tiny_model), "w3")
+
+
+def test_a_draft_quantized_from_unpacked_weights_is_the_same_bit_for_bit(smollm2):
+    """Drafters load the target with pack=False (packing every linear for oneDNN first was ~0.85 s
+    of a drafter's start): the quantized draft must not change by a bit."""
+    from meshllm.engine.model import PackedLinear
+    from meshllm.engine.weights import load_transformer
+
+    unpacked = load_transformer("smollm2-135m", pack=False)
+    assert not any(isinstance(m, PackedLinear) for m in unpacked.modules())
+    got = quantize_model(unpacked, "w4a16", 64).state_dict()
+    want = quantize_model(copy.deepcopy(smollm2), "w4a16", 64).state_dict()
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name

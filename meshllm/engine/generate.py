@@ -86,8 +86,10 @@ def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtyp
     src = resolve_model(model_spec)
     tok = load_tokenizer(src)
     t0 = time.perf_counter()
-    model = load_transformer(src, dtype=torch.float32 if draft or dtype == "float32" else torch.bfloat16)
-    if draft and draft != "none":
+    quantized = bool(draft) and draft != "none"
+    model = load_transformer(src, dtype=torch.float32 if draft or dtype == "float32" else torch.bfloat16,
+                             pack=not quantized)
+    if quantized:
         quantize_model(model, draft, group_size)
     log.info("loaded %s%s in %.1f s", src.name, f" ({draft} g{group_size} draft)" if draft else "",
              time.perf_counter() - t0)

@@ -26,9 +26,9 @@ class ShardHolder:
         self.model = None  # the Transformer shard held
         self.weights_mb = 0.0
 
-    def load(self, layers: tuple[int, int | None]):
+    def load(self, layers: tuple[int, int | None], pack: bool = True):
         """The target's layers [a, b): the shard held already, carved out of a larger shard held,
-        or loaded from the model."""
+        or loaded from the model (`pack`: see load_transformer)."""
         key = (self.model_spec, tuple(layers))
         if key == self.key:
             return self.model
@@ -43,7 +43,7 @@ class ShardHolder:
             how = "carved from the layers held"
         else:
             self.model = None  # free the old shard before loading the new one
-            self.model = load_transformer(self.weights.source(a, b), a, b)  # fetched from a peer if not here
+            self.model = load_transformer(self.weights.source(a, b), a, b, pack=pack)  # fetched from a peer if not here
             how = "loaded"
         del held
         release_freed_memory()
@@ -63,7 +63,7 @@ class ShardHolder:
 
         t0 = time.perf_counter()
         self.model = None
-        full = self.load((0, None))
+        full = self.load((0, None), pack=spec.quant not in ("w4a16", "w8a16"))  # quantized at once
         if spec.quant == "random":  # same shape, weights of no use: the verifier rejects ~everything
             from meshllm.engine.weights import randomize_weights
 
