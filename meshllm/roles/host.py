@@ -291,7 +291,7 @@ class HostFigures:
 def preload_compute(cfg: NodeConfig) -> bool:
     """Import torch and the roles that compute, now, if this node may hold a stage or draft. A node
     calls it before it joins: imported later, on the compute thread when the first plan came,
-    torch held the GIL long enough to stall the I/O thread's heartbeats (0.23 s alone, 0.93 s with
+    torch held the GIL long enough to stall the I/O thread's heartbeats (0.25 s alone, 0.85 s with
     six nodes on two cores: peers marked the nodes of an emulated clusters/failure.yaml suspect
     21-24 times a run; bench/heartbeat.py). False for a node whose `roles:` allow no computing."""
     if cfg.roles is not None and not {Role.DRAFTER, Role.PREFILL, Role.DECODE} & set(cfg.roles):
