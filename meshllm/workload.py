@@ -246,6 +246,24 @@ def format_report(r: dict[str, Any]) -> str:
         rows.append(("acceptance rate / mean length", f"{m['acceptance_rate']} / {m['mean_acceptance_length']}"))
     rows += [(f"node {k} {','.join(v['roles']) or '-'} layers {v['layers'] or '-'}", f"{v['rss_mb']} MB")
              for k, v in m.get("nodes", {}).items()]
+    rows += fault_rows(r.get("faults") or [], m)
     width = max(len(a) for a, _ in rows)
     lines += [f"{a:<{width}}  {b}" for a, b in rows]
     return "\n".join(lines)
+
+
+def fault_rows(faults: list[dict[str, Any]], m: dict[str, Any]) -> list[tuple[str, str]]:
+    """The report's rows for `--kill` / `--partition` runs: each fault, and what the clients saw."""
+    rows = []
+    for f in faults:
+        if f["kind"] == "kill":
+            rows.append((f"fault: kill -9 {f['node']}", f"at {f['at_s']} s"))
+        else:
+            healed = f.get("healed_after_s")
+            heal = "" if "healed_after_s" not in f else (
+                f", every node in use again {healed} s after" if healed is not None else ", not healed")
+            rows.append((f"fault: partition {':'.join(f['zones'])}", f"{f['at_s']}-{f['until_s']} s{heal}"))
+    if faults:
+        rows.append(("resumed requests / recovery gap max (ms)",
+                     f"{m.get('resumed_requests', 0)} / {m.get('recovery_gap_ms_max') or '-'}"))
+    return rows

@@ -260,3 +260,22 @@ def test_formation_timeout_is_a_runtime_error_without_orphans(tmp_path: Path) ->
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and out == "" and "did not form" in err
     assert kids and gone(kids)
+
+
+def test_the_readable_report_names_the_faults_and_what_clients_saw() -> None:
+    """Without --json a fault run said nothing of its faults, resumes or the healing."""
+    from meshllm.workload import format_report
+
+    m = {"requests": 9, "failed": 0, "ttft_ms_mean": 1, "ttft_ms_p99": 2, "itl_ms_mean": 1, "itl_ms_p50": 1,
+         "itl_ms_p99": 2, "output_tokens_per_s": 3, "queue_wait_ms_mean": 0, "acceptance_rate": None,
+         "resumed_requests": 5, "recovery_gap_ms_max": 3720.5}
+    faults = [{"kind": "kill", "node": "fog-2", "at_s": 2.02},
+              {"kind": "partition", "zones": ["edge", "fog"], "at_s": 0.5, "until_s": 4.0, "healed_after_s": 0.93},
+              {"kind": "partition", "zones": ["edge", "fog"], "at_s": 5.0, "until_s": 6.0, "healed_after_s": None}]
+    lines = format_report({"results": [], "metrics": m, "faults": faults}).splitlines()
+    assert any("kill -9 fog-2" in ln and "at 2.02 s" in ln for ln in lines)
+    assert any("partition edge:fog" in ln and "0.5-4.0 s, every node in use again 0.93 s after" in ln for ln in lines)
+    assert any("5.0-6.0 s, not healed" in ln for ln in lines)
+    assert any(ln.startswith("resumed requests / recovery gap max") and ln.endswith("5 / 3720.5") for ln in lines)
+    plain = format_report({"results": [], "metrics": m}).splitlines()
+    assert not any("fault" in ln or "resumed" in ln for ln in plain)  # a run without faults: no such rows
