@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from meshllm.defaults import Role
+from meshllm.defaults import STAGE_ROLES, Role
 from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, PeerState
 from meshllm.mesh.protocol import (
@@ -294,7 +294,7 @@ def preload_compute(cfg: NodeConfig) -> bool:
     torch held the GIL long enough to stall the I/O thread's heartbeats (0.25 s alone, 0.85 s with
     six nodes on two cores: peers marked the nodes of an emulated clusters/failure.yaml suspect
     21-24 times a run; bench/heartbeat.py). False for a node whose `roles:` allow no computing."""
-    if cfg.roles is not None and not {Role.DRAFTER, Role.PREFILL, Role.DECODE} & set(cfg.roles):
+    if cfg.roles is not None and not {Role.DRAFTER, *STAGE_ROLES} & set(cfg.roles):
         return False
     import meshllm.roles.drafter  # noqa: F401  (torch, the engine and every compute role)
     import meshllm.roles.leader  # noqa: F401

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 
-from meshllm.defaults import Role
+from meshllm.defaults import DRAFT_QUANTS, STAGE_ROLES
 from meshllm.node_config import NodeConfig
 from meshllm.roles.weights_fetch import MeshWeights
 
@@ -63,7 +63,7 @@ class ShardHolder:
 
         t0 = time.perf_counter()
         self.model = None
-        full = self.load((0, None), pack=spec.quant not in ("w4a16", "w8a16"))  # quantized at once
+        full = self.load((0, None), pack=spec.quant not in DRAFT_QUANTS)  # quantized at once
         if spec.quant == "random":  # same shape, weights of no use: the verifier rejects ~everything
             from meshllm.engine.weights import randomize_weights
 
@@ -79,7 +79,7 @@ class ShardHolder:
         """A node the plan leaves without a role loads the whole target when its memory allows,
         so that a re-plan that gives it a stage after a failure does not wait for the model file
         (the shard is carved out of it: see `load`)."""
-        if self.cfg.roles is not None and not {Role.PREFILL, Role.DECODE} & set(self.cfg.roles):
+        if self.cfg.roles is not None and not set(STAGE_ROLES) & set(self.cfg.roles):
             return
         if self.weights.missing() is not None:
             return  # no model file here: only the layers a plan gives this node are fetched
