@@ -21,8 +21,8 @@ PURE = {
     "meshllm.mesh.loop": ("torch", "yaml", "zmq"),
     "meshllm.engine.model": ("zmq", "yaml", "meshllm.mesh", "meshllm.roles"),
     "meshllm.engine.sampling": ("zmq", "yaml", "meshllm.mesh", "meshllm.roles"),
-    # not pure, but torch-free: a node joins the mesh before it imports torch (for a stage or
-    # a draft), and the emulator's parent process, `--status` and a bad `--kill` never do
+    # not pure, but torch-free on import: the emulator's parent process, `--status` and a bad
+    # `--kill` never import torch (a node that may compute imports it in Node.start, before it joins)
     "meshllm.mesh.node": ("torch",),
     "meshllm.emulate": ("torch",),
     "meshllm.launch": ("torch",),
