@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,16 +104,67 @@ def test_w8_draft_runs(tiny_model):
         quantize_model(copy.deepcopy(tiny_model), "w3")
 
 
-def test_a_draft_quantized_from_unpacked_weights_is_the_same_bit_for_bit(smollm2):
-    """Drafters load the target with pack=False (packing every linear for oneDNN first was ~0.85 s
-    of a drafter's start): the quantized draft must not change by a bit."""
+@pytest.mark.parametrize("quant", ["w4a16", "w8a16"])
+def test_a_draft_built_a_layer_at_a_time_is_the_whole_targets_draft_bit_for_bit(smollm2, quant, monkeypatch):
+    """Drafters and `--reference --draft` build the draft with weights.load_quantized: one layer's
+    fp32 weights at a time (each quantized and freed before the next), the embedding and head a
+    block of rows at a time, never the whole fp32 target (~32 GB for llama-3-8b, whose draft the
+    planner puts on an 8 GB device). Same draft, bit for bit, as quantizing the whole target."""
+    from meshllm.engine import weights
     from meshllm.engine.model import PackedLinear
-    from meshllm.engine.weights import load_transformer
+    from meshllm.engine.quant import row_block
 
-    unpacked = load_transformer("smollm2-135m", pack=False)
-    assert not any(isinstance(m, PackedLinear) for m in unpacked.modules())
-    got = quantize_model(unpacked, "w4a16", 64).state_dict()
-    want = quantize_model(copy.deepcopy(smollm2), "w4a16", 64).state_dict()
+    reads, slices = [], []
+    file_state, get_rows = weights._file_state, weights.FileRows.__getitem__
+
+    def spy_state(src, start, end, embed, head, skip=()):
+        sd = file_state(src, start, end, embed, head, skip)
+        reads.append((end - start, sorted(k for k in sd if not k.startswith("layers."))))
+        return sd
+
+    def spy_rows(self, rows):
+        t = get_rows(self, rows)
+        slices.append((self.name, t.shape[0]))
+        return t
+
+    monkeypatch.setattr(weights, "_file_state", spy_state)
+    monkeypatch.setattr(weights.FileRows, "__getitem__", spy_rows)
+    draft = weights.load_quantized("smollm2-135m", quant, 64)
+    assert len(reads) == smollm2.args.n_layers + 2 and all(n <= 1 for n, _ in reads)
+    assert [k for _, keys in reads for k in keys] == ["norm.weight"]  # embedding and head: by rows
+    for name in ("token_embd.weight",):  # tied: the head is read from the embedding's tensor too
+        blocks = [n for got, n in slices if got == name]
+        assert len(blocks) >= 2 * 2 and max(blocks) <= row_block(smollm2.args.dim)
+        assert sum(blocks) == 2 * smollm2.args.vocab_size
+    assert not any(isinstance(m, PackedLinear) for m in draft.modules())
+    got = draft.state_dict()
+    want = quantize_model(copy.deepcopy(smollm2), quant, 64).state_dict()
     assert got.keys() == want.keys()
     for name, t in want.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+def test_quantizing_by_blocks_of_rows_is_the_same_as_whole(monkeypatch):
+    """quant.by_rows: quantizing (and packing for the int4 kernel) a block of rows at a time keeps
+    the temporaries small and changes no bit; row slices of a GGUF tensor dequantize to the same
+    rows as the whole tensor."""
+    from meshllm.engine import quant
+    from meshllm.engine.weights import embedded_gguf_path, gguf_reader
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1040, 256, generator=g)
+    whole4, whole8 = quantize_int4(w, 64), quantize_int8(w)
+    kernel = Int4Linear.from_quantized(whole4, 64, use_kernel=HAS_INT4_KERNEL)
+    monkeypatch.setattr(quant, "ROW_BLOCK", 64 * 256)  # 17 blocks, the last of 16 rows
+    assert quant.row_block(256) == 64
+    for got, want in ((quantize_int4(w, 64), whole4), (quantize_int8(w), whole8)):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    blocked = Int4Linear.from_quantized(whole4, 64, use_kernel=HAS_INT4_KERNEL)
+    assert all(torch.equal(a, b) for a, b in zip(blocked.buffers(), kernel.buffers()))
+    reader = gguf_reader(embedded_gguf_path())
+    for name in ("token_embd.weight", "blk.0.ffn_down.weight"):  # Q8_0, Q4_1
+        rows = reader.tensors[name].shape[0]
+        a, b = rows // 3, rows // 3 + 100
+        assert np.array_equal(reader.dequantize(name, (a, b)), reader.dequantize(name)[a:b])
+    with pytest.raises(ValueError, match="1-D"):
+        reader.dequantize("blk.0.attn_norm.weight", (0, 10))

@@ -75,9 +75,8 @@ def generate(model: Transformer, prompt_ids: list[int], opts: GenerationOptions,
 
 def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtype: str):
     """(model, tokenizer) for the reference: the target, or its quantized draft."""
-    from meshllm.engine.quant import quantize_model
     from meshllm.engine.tokenizer import load_tokenizer
-    from meshllm.engine.weights import load_transformer, resolve_model
+    from meshllm.engine.weights import load_quantized, load_transformer, resolve_model
 
     if draft not in (None, "none", "w4a16", "w8a16"):
         raise InputError(f"unknown draft {draft!r}; known: w4a16, w8a16, none")
@@ -86,11 +85,10 @@ def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtyp
     src = resolve_model(model_spec)
     tok = load_tokenizer(src)
     t0 = time.perf_counter()
-    quantized = bool(draft) and draft != "none"
-    model = load_transformer(src, dtype=torch.float32 if draft or dtype == "float32" else torch.bfloat16,
-                             pack=not quantized)
-    if quantized:
-        quantize_model(model, draft, group_size)
+    if draft and draft != "none":
+        model = load_quantized(src, draft, group_size)  # as a drafter builds it
+    else:
+        model = load_transformer(src, dtype=torch.float32 if draft or dtype == "float32" else torch.bfloat16)
     log.info("loaded %s%s in %.1f s", src.name, f" ({draft} g{group_size} draft)" if draft else "",
              time.perf_counter() - t0)
     return model, tok

@@ -117,9 +117,9 @@ class GGUFFile:
         rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
         return self._mm[t.offset:t.offset + t.nbytes].reshape(rows, -1)
 
-    def dequantize(self, name: str) -> np.ndarray:
-        """fp32 array in torch order (rows, ..., ne0)."""
-        return dequantize_tensor(self.raw(name), self.tensors[name])
+    def dequantize(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """fp32 array in torch order (rows, ..., ne0); of a 2-D tensor's `rows` [a, b) only if given."""
+        return dequantize_tensor(self.raw(name), self.tensors[name], rows)
 
     def header_bytes(self) -> memoryview:
         """The metadata and tensor directory (everything before the tensor data)."""
@@ -141,9 +141,16 @@ def tensor_nbytes(shape: tuple[int, ...], ggml_type: int) -> int:
 _FAST = {0: 4, 1: 2, 2: 18, 3: 20, 8: 34}  # F32, F16, Q4_0, Q4_1, Q8_0
 
 
-def dequantize_tensor(raw: np.ndarray, t: TensorInfo) -> np.ndarray:
+def dequantize_tensor(raw: np.ndarray, t: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
     """A tensor's raw bytes shaped (rows, bytes_per_row), from a GGUF file or the mesh's tensor cache
-    -> a writable fp32 array in torch order (rows, ..., ne0)."""
+    -> a writable fp32 array in torch order (rows, ..., ne0). With `rows` = (a, b), a 2-D tensor's
+    rows [a, b) only (a row is whole blocks: the same values as those rows of the whole)."""
+    if rows is not None:
+        if len(t.shape) != 2:
+            raise ValueError(f"{t.name}: rows of a {len(t.shape)}-D tensor")
+        a, b = rows
+        raw = raw[a:b]
+        t = TensorInfo(t.name, (raw.shape[0], t.shape[1]), t.ggml_type, 0, raw.nbytes)
     if t.ggml_type in _FAST:
         return _dequantize_fast(raw, t)
     from gguf import GGMLQuantizationType

@@ -45,21 +45,53 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0x0F, p >> 4), dim=-1).flatten(-2)
 
 
+ROW_BLOCK = 1 << 22  # weights per block of rows a weight is quantized in (a multiple of 64 rows)
+
+
+def by_rows(fn, w, *args) -> dict[str, torch.Tensor]:
+    """fn(w, *args) for a function of each output row alone (a dict of row-aligned tensors), in
+    blocks of about ROW_BLOCK weights: its fp32 temporaries stay a few blocks in size, not a few
+    times the weight (the LM head of llama-3-8b is 2.1 GB in fp32), and the result is the same.
+    `w`: a 2-D tensor, or anything with a `shape` whose row slices are tensors (a weight read
+    from the model file a block at a time: weights.FileRows)."""
+    N, K = w.shape
+    rows = row_block(K)
+    if N <= rows:
+        return fn(w[0:N], *args)
+    parts = [fn(w[a:a + rows], *args) for a in range(0, N, rows)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def row_block(k: int) -> int:
+    """Rows of `k` weights in a block of by_rows: about ROW_BLOCK weights, a multiple of 64 rows."""
+    return max(64, ROW_BLOCK // max(1, k) // 64 * 64)
+
+
 def quantize_int4(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     """Round-to-nearest asymmetric int4 per group of `group_size` input columns.
 
     w: (N, K) -> packed (N, K/2) uint8, scales and mins (N, K/group_size) bf16.
     """
-    w = w.contiguous()
     N, K = w.shape
     if K % group_size or K % 2:
         raise ValueError(f"in_features {K} is not a multiple of group_size {group_size}")
+    return by_rows(_quantize_int4_rows, w, group_size)
+
+
+def _quantize_int4_rows(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    w = w.contiguous()
+    N, K = w.shape
     wg = w.float().reshape(N, K // group_size, group_size)
     lo, hi = wg.amin(-1), wg.amax(-1)
     scales = ((hi - lo) / 15).clamp(min=1e-8).to(ACT_DTYPE)
     mins = lo.to(ACT_DTYPE)
     q = ((wg - mins.float()[..., None]) / scales.float()[..., None]).round().clamp(0, 15)
     return {"packed": pack_nibbles(q.reshape(N, K)), "scales": scales, "mins": mins}
+
+
+def _kernel_pack(packed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Canonical nibbles -> the CPU int4 kernel's own layout (row by row; it unpacks to int32)."""
+    return {"packed": torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(packed).int(), 2)}
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -71,6 +103,10 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
 
 def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """Symmetric per-output-channel int8: (N, K) -> int8 (N, K), scales (N,) bf16."""
+    return by_rows(_quantize_int8_rows, w)
+
+
+def _quantize_int8_rows(w: torch.Tensor) -> dict[str, torch.Tensor]:
     w = w.contiguous()
     scales = (w.float().abs().amax(-1) / 127).clamp(min=1e-8).to(ACT_DTYPE)
     q = (w.float() / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
@@ -96,7 +132,7 @@ class Int4Linear(nn.Module):
         N, half_k = q["packed"].shape
         m = cls(half_k * 2, N, group_size, use_kernel)
         if m.use_kernel:
-            m.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(q["packed"]).int(), 2)
+            m.packed = by_rows(_kernel_pack, q["packed"])["packed"]
             zeros = q["mins"].float() + 8 * q["scales"].float()
             m.scales_and_zeros = torch.stack((q["scales"].float().t(), zeros.t()), -1).to(ACT_DTYPE).contiguous()
         else:
@@ -133,12 +169,16 @@ class Int8Linear(nn.Module):
 
 
 def quantize_linear(lin: nn.Linear | PackedLinear, quant: str, group_size: int, use_kernel: bool = True) -> nn.Module:
+    return quantize_weight(lin.weight.data, quant, group_size, use_kernel)
+
+
+def quantize_weight(w, quant: str, group_size: int, use_kernel: bool = True) -> nn.Module:
+    """The quantized linear layer of weight `w` (out, in): a tensor, or row blocks (`by_rows`)."""
     if quant == "w4a16":
-        return Int4Linear.from_quantized(quantize_int4(lin.weight.data, group_size), group_size,
-                                         use_kernel and HAS_INT4_KERNEL)
+        return Int4Linear.from_quantized(quantize_int4(w, group_size), group_size, use_kernel and HAS_INT4_KERNEL)
     if quant == "w8a16":
-        q = quantize_int8(lin.weight.data)
-        m = Int8Linear(lin.in_features, lin.out_features, use_kernel and HAS_INT8_KERNEL)
+        q = quantize_int8(w)
+        m = Int8Linear(w.shape[1], w.shape[0], use_kernel and HAS_INT8_KERNEL)
         m.weight, m.scales = q["weight"], q["scales"]
         return m
     raise ValueError(f"unknown quantization {quant!r}; known: w4a16, w8a16")
@@ -146,10 +186,13 @@ def quantize_linear(lin: nn.Linear | PackedLinear, quant: str, group_size: int, 
 
 def quantize_model(model: nn.Module, quant: str = "w4a16", group_size: int = 64, use_kernel: bool = True) -> nn.Module:
     """Swap every nn.Linear (attention, FFN, LM head) for its quantized version, in place;
-    norms and embeddings move to bf16 so the whole draft runs with 16-bit activations."""
+    norms and embeddings move to bf16 so the whole draft runs with 16-bit activations. Modules
+    whose weights are still on the meta device are left as they are."""
     if quant not in ("w4a16", "w8a16"):
         raise ValueError(f"unknown draft quantization {quant!r}; known: w4a16, w8a16")
     for name, child in list(model.named_children()):
+        if any(t.is_meta for t in child.parameters(recurse=False)):
+            continue  # not loaded yet (weights.load_quantized loads and quantizes a piece at a time)
         if isinstance(child, (nn.Linear, PackedLinear)):
             setattr(model, name, quantize_linear(child, quant, group_size, use_kernel))
         elif isinstance(child, (nn.Embedding, RMSNorm)):

@@ -154,9 +154,9 @@ class TensorCache:
         rows = int(np.prod(e["shape"][:-1])) if len(e["shape"]) > 1 else 1
         return np.memmap(self._bin(name), dtype=np.uint8, mode="r").reshape(rows, -1)
 
-    def dequantize(self, name: str) -> np.ndarray:
+    def dequantize(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         e = self.index["tensors"][name]
-        return dequantize_tensor(self.raw(name), TensorInfo(name, tuple(e["shape"]), e["type"], 0, e["nbytes"]))
+        return dequantize_tensor(self.raw(name), TensorInfo(name, tuple(e["shape"]), e["type"], 0, e["nbytes"]), rows)
 
     def source(self) -> ModelSource:
         return ModelSource(self.index["model"], "cache", self.dir, self.args)

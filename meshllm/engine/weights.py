@@ -47,11 +47,14 @@ def tensor_reader(src: ModelSource):
     return gguf_reader(src.path)
 
 
-def _gguf_state(src: ModelSource, start: int, end: int, embed: bool, head: bool) -> dict[str, torch.Tensor]:
+def _gguf_state(src: ModelSource, start: int, end: int, embed: bool, head: bool,
+                skip: dict | tuple = ()) -> dict[str, torch.Tensor]:
     reader = tensor_reader(src)
     have = reader.tensors
     sd = {}
     for ours, name in gguf_shard_names(src.args, start, end, embed, head).items():
+        if ours in skip:
+            continue
         if name not in have:
             raise ModelFileError(f"{src.path}: tensor {name!r} missing")
         sd[ours] = torch.from_numpy(reader.dequantize(name))
@@ -120,27 +123,95 @@ def load_transformer(spec: str | ModelSource, start: int = 0, end: int | None = 
                      dtype: torch.dtype = torch.float32, embed: bool | None = None,
                      head: bool | None = None, pack: bool = True) -> Transformer:
     """Build the shard [start, end) of a model and load only its weights. `pack=False` leaves the
-    linears unpacked for a model about to be quantized (packing them for oneDNN was ~0.85 s of a
-    drafter's ~2.7 s start, and the quantized draft is the same bit for bit)."""
+    linears unpacked for a model about to be quantized (packing them for oneDNN is wasted there:
+    it was ~0.85 s of a drafter's ~2.7 s start)."""
     src = resolve_model(spec) if isinstance(spec, str) else spec
     with torch.device("meta"):
         model = Transformer(src.args, start, end, embed, head)
     if src.kind == "random":
         sd = _random_state(model)
-    elif src.kind == "hf":
-        sd = _hf_state(src, model.start, model.end, model.has_embed, model.has_head)
-    else:  # "gguf" or "cache"
-        sd = _gguf_state(src, model.start, model.end, model.has_embed, model.has_head)
+    else:
+        sd = _file_state(src, model.start, model.end, model.has_embed, model.has_head)
     model.load_state_dict(fuse_state_dict(sd), strict=False, assign=True)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ModelFileError(f"{src.name}: weights missing for {missing[:3]}")
+    _check_loaded(src, model)
     model = model.to(dtype).eval()
     if pack:
         model = pack_linear_weights(model)
     del sd
     release_freed_memory()
     return model
+
+
+def _file_state(src: ModelSource, start: int, end: int, embed: bool, head: bool,
+                skip: dict | tuple = ()) -> dict[str, torch.Tensor]:
+    """The fp32 tensors of layers [start, end) (named from 0, as a shard of them names them), and
+    of the embedding / final norm and head if asked, read from a model file or the tensor cache
+    (a GGUF model's tensors named in `skip` left out)."""
+    if src.kind == "hf":
+        return _hf_state(src, start, end, embed, head)
+    return _gguf_state(src, start, end, embed, head, skip)  # "gguf" or "cache"
+
+
+def _check_loaded(src: ModelSource, model: Transformer) -> None:
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelFileError(f"{src.name}: weights missing for {missing[:3]}")
+
+
+def _renumber(key: str, first: int) -> str:
+    """A shard's state-dict name (its layers counted from 0) -> the whole model's."""
+    m = re.match(r"layers\.(\d+)\.", key)
+    return f"layers.{int(m.group(1)) + first}.{key[m.end():]}" if m else key
+
+
+class FileRows:
+    """A 2-D tensor of a GGUF model (its file or the tensor cache), dequantized to fp32 only a
+    block of rows at a time, as it is sliced (quant.by_rows)."""
+
+    def __init__(self, reader, name: str) -> None:
+        self.reader, self.name = reader, name
+        self.shape = tuple(reader.tensors[name].shape)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        a, b, _ = rows.indices(self.shape[0])
+        return torch.from_numpy(self.reader.dequantize(self.name, (a, b)))
+
+
+def load_quantized(spec: str | ModelSource, quant: str, group_size: int) -> Transformer:
+    """The whole model as a W4A16 / W8A16 draft (engine/quant.py), quantized as it loads: each
+    layer read in fp32, quantized and its fp32 copy freed before the next; a GGUF model's
+    embedding and LM head (the largest tensors) a block of rows at a time. A drafter's peak
+    memory is the draft plus one fp32 layer, not the whole fp32 target (4 bytes a weight: ~32 GB
+    for llama-3-8b, whose W4A16 draft the planner places on an 8 GB device). Bit for bit the draft
+    `quantize_model` makes of `load_transformer(spec, pack=False)`. A random test model is drawn
+    whole (it is small)."""
+    from meshllm.engine.quant import ACT_DTYPE, quantize_model, quantize_weight, row_block
+
+    src = resolve_model(spec) if isinstance(spec, str) else spec
+    if src.kind == "random":
+        return quantize_model(load_transformer(src, pack=False), quant, group_size)
+    n = src.args.n_layers
+    with torch.device("meta"):
+        model = Transformer(src.args)
+    by_rows = {}  # ours -> the file's name, for the tensors read a block of rows at a time
+    if src.kind != "hf":
+        reader = tensor_reader(src)
+        names = gguf_shard_names(src.args, n, n, True, True)
+        by_rows = {k: names[k] for k in ("tok_embeddings.weight", "output.weight")}
+        rows = FileRows(reader, by_rows["tok_embeddings.weight"])
+        step = row_block(rows.shape[1])
+        model.tok_embeddings.weight = torch.nn.Parameter(torch.cat(
+            [rows[a:a + step].to(ACT_DTYPE) for a in range(0, rows.shape[0], step)]), requires_grad=False)
+        model.output = quantize_weight(FileRows(reader, by_rows["output.weight"]), quant, group_size)
+    for start, end in [(0, 0)] + [(i, i + 1) for i in range(n)] + [(n, n)]:
+        sd = {_renumber(k, start): v.float()
+              for k, v in _file_state(src, start, end, start == end == 0, start == end == n, skip=by_rows).items()}
+        model.load_state_dict(fuse_state_dict(sd), strict=False, assign=True)
+        del sd
+        quantize_model(model, quant, group_size)  # the piece just loaded; the rest is still meta
+    release_freed_memory()
+    _check_loaded(src, model)
+    return model.eval()
 
 
 def randomize_weights(model: Transformer, seed: int) -> Transformer:

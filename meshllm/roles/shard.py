@@ -26,9 +26,9 @@ class ShardHolder:
         self.model = None  # the Transformer shard held
         self.weights_mb = 0.0
 
-    def load(self, layers: tuple[int, int | None], pack: bool = True):
+    def load(self, layers: tuple[int, int | None]):
         """The target's layers [a, b): the shard held already, carved out of a larger shard held,
-        or loaded from the model (`pack`: see load_transformer)."""
+        or loaded from the model."""
         key = (self.model_spec, tuple(layers))
         if key == self.key:
             return self.model
@@ -43,7 +43,7 @@ class ShardHolder:
             how = "carved from the layers held"
         else:
             self.model = None  # free the old shard before loading the new one
-            self.model = load_transformer(self.weights.source(a, b), a, b, pack=pack)  # fetched from a peer if not here
+            self.model = load_transformer(self.weights.source(a, b), a, b)  # fetched from a peer if not here
             how = "loaded"
         del held
         release_freed_memory()
@@ -54,21 +54,28 @@ class ShardHolder:
         return self.model
 
     def draft(self):
-        """The W4A16 (or W8A16) draft, quantized from the whole target at the cluster's group size."""
+        """The W4A16 (or W8A16) draft of the whole target at the cluster's group size: quantized as
+        it loads, a layer at a time (weights.load_quantized: the node never holds the fp32 target),
+        or from the whole target when this node holds it already (a warm spare)."""
         spec = self.cfg.draft
         if self.key == ("draft", spec):
             return self.model
         from meshllm.engine.quant import quantize_model
-        from meshllm.engine.weights import release_freed_memory
+        from meshllm.engine.weights import load_quantized, release_freed_memory
 
         t0 = time.perf_counter()
-        self.model = None
-        full = self.load((0, None), pack=spec.quant not in DRAFT_QUANTS)  # quantized at once
-        if spec.quant == "random":  # same shape, weights of no use: the verifier rejects ~everything
-            from meshllm.engine.weights import randomize_weights
+        held = self.model is not None and self.key == (self.model_spec, (0, self.model.args.n_layers))
+        full, self.model, self.key = (self.model if held else None), None, None
+        if spec.quant in DRAFT_QUANTS:
+            self.model = quantize_model(full, spec.quant, spec.group_size) if full is not None else \
+                load_quantized(self.weights.source(0, None), spec.quant, spec.group_size)
+        else:  # fp32, or "random": same shape, weights of no use (the verifier rejects ~everything)
+            self.model = full if full is not None else self.load((0, None))
+            if spec.quant == "random":
+                from meshllm.engine.weights import randomize_weights
 
-            randomize_weights(full, seed=1234)
-        self.model = full if spec.quant in ("fp32", "random") else quantize_model(full, spec.quant, spec.group_size)
+                randomize_weights(self.model, seed=1234)
+        del full
         self.key = ("draft", spec)
         release_freed_memory()
         log.info("%s: %s g%d draft ready in %.1f s (resident %.0f MB)", self.me, spec.quant, spec.group_size,
