@@ -168,3 +168,19 @@ def test_coordinator_plans_with_the_judge_when_its_node_file_asks():
     assert judged.replicas == judged_plan(inp).replicas
     assert plain.replicas == plan_cluster(inp, log=False).replicas
     assert [r.role for r in judged.replicas] == ["mixed"] * 4 and len(plain.replicas) == 3
+
+
+def test_a_drafter_must_hold_the_draft_and_one_fp32_layer_while_it_builds_it():
+    """Drafters build the draft a layer at a time (weights.load_quantized): a node is a drafter when
+    the W4A16 draft and one fp32 layer of the target fit its memory, not the draft alone."""
+    from meshllm.partition.cost import model_costs
+
+    data = {"model": "llama-3-8b", "nodes": [{"id": "gpu", "device": "desktop-rtx-4090", "zone": "f"}]}
+    args = plan_inputs(parse_cluster(data, "inline.yaml")).args
+    draft, layer = model_costs(args, "int4").weight_bytes, model_costs(args, "fp32").layer_bytes
+    for nid, gb in (("tight", (draft + layer / 2) / 1e9), ("room", (draft + layer * 1.01) / 1e9)):
+        data["nodes"].append({"id": nid, "zone": "e", "roles": ["drafter"], "device": {
+            "name": nid, "memory_gb": gb, "compute_tflops": 1, "memory_bandwidth_gbps": 60, "network_mbps": 1000,
+            "source": "test profile"}})
+    plan = plan_cluster(plan_inputs(parse_cluster(data, "inline.yaml")), log=False)
+    assert "room" in plan.drafters and "tight" not in plan.drafters and "tight" in plan.unused

@@ -163,10 +163,12 @@ def build_replicas(inp: PlanInputs, grouping: Grouping) -> tuple[Replica, ...]:
 
 
 def choose_drafters(inp: PlanInputs, in_replicas: set[str]) -> tuple[list[str], list[str]]:
-    """Nodes outside replicas become drafters if allowed and they can hold the draft model."""
+    """Nodes outside replicas become drafters if allowed and they can hold the draft model while
+    they build it: the draft and one layer of the target in fp32 (weights.load_quantized)."""
     quant = inp.draft_quant
     spec_on = quant in DRAFT_DTYPE
-    draft_bytes = model_costs(inp.args, DRAFT_DTYPE[quant]).weight_bytes if spec_on else float("inf")
+    draft_bytes = model_costs(inp.args, DRAFT_DTYPE[quant]).weight_bytes \
+        + model_costs(inp.args, "fp32").layer_bytes if spec_on else float("inf")
     drafters, unused = [], []
     for n in inp.nodes:
         if n.id in in_replicas:
