@@ -315,6 +315,44 @@ def test_a_server_refuses_what_it_should(mesh, model_file, tmp_path):
         me.t.request(srv.cfg.listen, make(MsgType.WEIGHTS_INDEX_REQ, model="nope"), 5)
 
 
+def test_a_gateway_without_the_file_takes_the_tokenizer_from_a_peers_header(mesh, small_chunks, tmp_path):
+    """The file's header (its metadata: the tokenizer, the chat template) travels as one more
+    entry of the index, verified against the index's fingerprint and cached: the tokenizer built
+    from it is the file's. A corrupt cached header is caught and fetched again."""
+    from meshllm.engine.tokenizer import load_tokenizer, tokenizer_from_gguf
+    from meshllm.engine.weights import embedded_gguf_path, resolve_model
+
+    real = embedded_gguf_path()
+    srv = mesh.add("a", str(real))
+    me = mesh.add("b", str(tmp_path / "x" / real.name))
+    path, args = me.weights.header()
+    size = GGUFFile(real).data_start
+    assert path.stat().st_size == size == srv.weights.server.bytes_sent and args == resolve_model("smollm2-135m").args
+    got, want = tokenizer_from_gguf(GGUFFile(path, header_only=True)), load_tokenizer(resolve_model("smollm2-135m"))
+    chat = [{"role": "user", "content": "Name 3 colours, then count to 12."}]
+    for text in ("The capital of France is", " 1234 multi  spaces\n", want.render_chat(chat)):
+        assert got.encode(text) == want.encode(text)
+    assert (got.eos_ids, got.bos_id, got.render_chat(chat)) == (want.eos_ids, want.bos_id, want.render_chat(chat))
+    assert not [p for p in path.parent.glob("*.bin") if p != path]  # the header alone, no tensor
+    with pytest.MonkeyPatch.context() as mp:  # cached: no network
+        mp.setattr(me.weights, "_candidates", lambda: pytest.fail("a cached header asked the network"))
+        assert me.weights.header()[0] == path
+    raw = bytearray(path.read_bytes())
+    raw[size // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert me.weights.header()[0] == path and srv.weights.server.bytes_sent == 2 * size
+    assert GGUFFile(path, header_only=True).fields == GGUFFile(real).fields
+
+
+def test_the_api_answers_503_until_a_gateway_without_the_file_has_its_tokenizer():
+    from meshllm.roles.http_api import ApiError, parse_params
+
+    gw = SimpleNamespace(model_name="m", tokenizer=None, info_error="fetching m's tokenizer from a peer")
+    with pytest.raises(ApiError) as e:
+        parse_params({"model": "m", "prompt": "hi"}, gw, chat=False)
+    assert e.value.status == 503 and "no tokenizer yet: fetching m's tokenizer" in str(e.value)
+
+
 # -- a real mesh, killed mid-fetch ------------------------------------------------------------------
 def _start(tmp: Path, nid: str, seeds: list[str], address: str, **extra) -> subprocess.Popen:
     cfg = {"id": nid, "device": {**DEVICE, "memory_gb": 0.4}, "zone": extra.pop("zone"), "listen": address,
@@ -398,9 +436,9 @@ def test_a_node_without_the_file_serves_its_stage_and_resumes_after_a_kill(tmp_p
         stop_processes(procs.values())
 
 
-def greedy_equals_reference(url: str, model, tok, timeout_s: float, why) -> None:
+def greedy_equals_reference(url: str, model, tok, timeout_s: float, why, name: str = "smollm2-135m") -> None:
     """Once the gateway at `url` says ok (within `timeout_s`; `why()`: what to show if not), a greedy
-    completion through it equals the single-process reference."""
+    completion through it (of the model it serves as `name`) equals the single-process reference."""
     from tests.serving_util import reference, same_up_to_tie
     from tests.test_deploy import complete, wait_healthy
 
@@ -408,7 +446,7 @@ def greedy_equals_reference(url: str, model, tok, timeout_s: float, why) -> None
     while wait_healthy(url)["status"] != "ok":
         assert time.monotonic() < deadline, why()
         time.sleep(0.5)
-    body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0}
+    body = {"model": name, "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0}
     code, res = complete(url, body)
     assert code == 200, res
     ok, why_not = same_up_to_tie(res["choices"][0]["token_ids"], reference(model, tok, body["prompt"], 10))
@@ -416,20 +454,23 @@ def greedy_equals_reference(url: str, model, tok, timeout_s: float, why) -> None
 
 
 @pytest.mark.slow
-def test_a_coordinator_without_the_file_plans_from_a_peers_index(tmp_path, smollm2, smollm2_tokenizer):
-    """c0, the lowest id and so the coordinator, has no model file: it plans from the model's shape
-    in c1's index (it used to fail, "cannot plan", and the mesh never served), fetches the layers
-    the plan gives it, and greedy output through c1's gateway equals the reference."""
+def test_a_coordinator_and_gateway_without_the_file_plans_and_serves(tmp_path, smollm2, smollm2_tokenizer):
+    """c0, the lowest id and so the coordinator, and the gateway, has no model file: it plans from
+    the model's shape in c1's index (it used to fail, "cannot plan", and the mesh never served),
+    takes the tokenizer from the file's header that c1 sends (a gateway needed the file), fetches
+    the layers the plan gives it, and greedy output through its gateway equals the reference."""
     from meshllm.engine.weights import embedded_gguf_path
 
     a0, a1, gw = (f"127.0.0.1:{free_port_pair()}" for _ in range(3))
     missing = tmp_path / "nowhere" / embedded_gguf_path().name
-    procs = {"c0": _start(tmp_path, "c0", [], a0, zone="a", model=str(missing), weights_cache=str(tmp_path / "cache"))}
+    procs = {"c0": _start(tmp_path, "c0", [], a0, zone="a", model=str(missing), weights_cache=str(tmp_path / "cache"),
+                          gateway={"listen": gw})}
     try:
-        procs["c1"] = _start(tmp_path, "c1", [a0], a1, zone="a", gateway={"listen": gw})
+        procs["c1"] = _start(tmp_path, "c1", [a0], a1, zone="a")
         greedy_equals_reference(f"http://{gw}", smollm2, smollm2_tokenizer, 180,
-                                lambda: (tmp_path / "c0.log").read_text()[-3000:])
-        assert "c0: coordinator published plan" in (tmp_path / "c0.log").read_text()
+                                lambda: (tmp_path / "c0.log").read_text()[-3000:], name=missing.name)
+        log = (tmp_path / "c0.log").read_text()
+        assert "c0: coordinator published plan" in log and "c0: tokenizer of" in log
         assert "stage" in _status(a0)["load"] and "weights_fetch" in _status(a0)["load"]
     finally:
         stop_processes(procs.values())

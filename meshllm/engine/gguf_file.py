@@ -40,8 +40,10 @@ class TensorInfo:
 
 
 class GGUFFile:
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, header_only: bool = False):
+        """`header_only`: the file holds the header alone (fetched over the mesh for its metadata:
+        tensor_cache.HEADER); the tensor directory is read, no tensor's bytes are expected."""
+        self.path, self.header_only = Path(path), header_only
         try:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as e:
@@ -106,7 +108,7 @@ class GGUFFile:
             block, size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
             n = int(np.prod(shape))
             info = TensorInfo(name, shape, gtype, data_start + off, n // block * size)
-            if info.offset + info.nbytes > len(self._mm):
+            if not self.header_only and info.offset + info.nbytes > len(self._mm):
                 raise ModelFileError(f"{self.path}: tensor {name} runs past the end of the file (truncated?)")
             self.tensors[name] = info
 

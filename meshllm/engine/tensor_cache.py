@@ -10,6 +10,10 @@ peer (roles/weights_fetch.py) into a directory of this layout:
     <root>/<model name>/<tensor>.part   the first bytes of a tensor being fetched (a contiguous
                                         prefix: its size is where the fetch resumes)
 
+The file's header (everything before the tensor data: its metadata, the tokenizer among them) is
+listed as one more entry, HEADER, of raw bytes (its sha256 is the index's fingerprint): a gateway
+without the file fetches it for the tokenizer (roles/gateway.py).
+
 `index.json` is the serving peer's directory (validated by `parse_index`, the same check for the
 network and for this file), so a node with a complete cache builds its shard with no network at
 all. `TensorCache` reads like a `GGUFFile` (`tensors`, `raw`, `dequantize`), and
@@ -36,6 +40,8 @@ from meshllm.shapes import ModelArgs
 
 FORMAT = 1
 INDEX_FILE = "index.json"
+HEADER = "gguf-header"  # the file's header (metadata: the tokenizer) as one more "tensor" of raw bytes
+HEADER_TYPE = 24  # GGML I8: one byte per element, so the header's entry is [24, [n], n]
 MAX_TENSORS = 100_000
 MAX_TENSOR_BYTES = 1 << 40
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # a file name, never a path
@@ -160,6 +166,11 @@ class TensorCache:
 
     def source(self) -> ModelSource:
         return ModelSource(self.index["model"], "cache", self.dir, self.args)
+
+    def header_path(self) -> Path | None:
+        """The file's header, fetched and verified (its sha256 is the index's fingerprint), or None."""
+        ok = self.index is not None and HEADER in self.index["tensors"] and self.verify(HEADER)
+        return self._bin(HEADER) if ok and self.index["sha256"][HEADER] == self.index["fingerprint"] else None
 
     # -- state -------------------------------------------------------------------------------
     def nbytes(self, name: str) -> int:

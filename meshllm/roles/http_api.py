@@ -92,6 +92,8 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
     if model != gw.model_name:
         raise ApiError(404, f"model {model!r} is not served here; this mesh serves {gw.model_name!r}", "model",
                        "model_not_found")
+    if gw.tokenizer is None:  # a gateway without the model file, its header not fetched yet
+        raise ApiError(503, f"this gateway has no tokenizer yet: {gw.info_error}", None, "unavailable")
     ids = _chat_ids(body, gw) if chat else _prompt_ids(body, gw)
     if len(ids) >= gw.max_context:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context holds {gw.max_context}",

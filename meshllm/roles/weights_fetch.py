@@ -11,8 +11,10 @@ Wire (types in mesh/protocol.py):
 - **What moves**: the raw GGUF tensor bytes (Q4_1 is ~7x smaller than fp32) of the shard's tensors
   only, `engine/sources.py`'s `gguf_shard_names` (the rule the loader uses): `blk.{i}.*` for i in
   [a, b), `token_embd.weight` when a == 0, `output_norm.weight` and the head (`output.weight`, or
-  `token_embd.weight` when tied) when b == n_layers. Never the header (the index carries the shape
-  the shard needs: ModelArgs and each tensor's type, shape and size), never another range.
+  `token_embd.weight` when tied) when b == n_layers (the index carries the shape the shard needs:
+  ModelArgs and each tensor's type, shape and size), never another range. A gateway without the
+  file fetches the file's header instead (`MeshWeights.header`: the index lists it as one more
+  entry, tensor_cache.HEADER, whose sha256 is the fingerprint), for the tokenizer.
 - **Serving** (`WeightsServer`, roles/weights_serve.py): a node whose `model:` is a GGUF file on its
   disk announces the names it serves in its heartbeat load (`has_model`) and answers on its own
   `weights` Worker (never the I/O thread) from the memory-mapped file, sending each chunk only to
@@ -31,9 +33,8 @@ Wire (types in mesh/protocol.py):
   nothing for STALL_S or dies (membership) or answers an error is left for the next peer;
   MAX_ROUNDS passes over the peers, then a ModelFileError that names what each peer said.
 
-Out of scope: the gateway (it needs the tokenizer from the file), a coordinator without the file
-(it plans from the model's shape: give the lowest id the file, or a complete cache is not enough
-either), HF safetensors directories (only GGUF files are served), and serving from a cache.
+A coordinator without the file plans from the shape in a peer's index (`MeshWeights.args`).
+Out of scope: HF safetensors directories (only GGUF files are served), and serving from a cache.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import Any
 
 from meshllm.defaults import served_name
 from meshllm.engine.sources import ModelSource, gguf_shard_names, resolve_model
-from meshllm.engine.tensor_cache import TensorCache, is_sha256, parse_index, safe_dir_name
+from meshllm.engine.tensor_cache import HEADER, TensorCache, is_sha256, parse_index, safe_dir_name
 from meshllm.errors import ModelFileError
 from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, Peer, PeerState
@@ -349,15 +350,40 @@ class MeshWeights:
             self._with_a_peer(lambda peer: cache.set_index(self.fetcher.index(peer, self.name)), "its shape")
         return cache.args
 
+    def header(self) -> tuple[Path, ModelArgs]:
+        """The model file's header (its metadata: the tokenizer, the chat template) and the model's
+        shape, for a gateway without the file: from the cache, else fetched from a peer first."""
+        self.check_fetch_allowed()
+        cache = TensorCache(self.cache_dir)
+        path = cache.header_path()
+        if path is None:
+            def fetch(peer: Peer) -> None:
+                cache.set_index(self.fetcher.index(peer, self.name))
+                if HEADER not in cache.index["tensors"]:
+                    raise PeerFailed("its index lists no file header (an older meshllm)")
+                log.info("%s: fetching the header of %s (%.1f MB: the tokenizer) from %s", self.t.node_id,
+                         self.name, cache.nbytes(HEADER) / 1e6, peer.info.id)
+                self.fetcher.pull(peer, self.name, cache, [HEADER])
+                if cache.header_path() is None:
+                    raise PeerFailed("the header failed its sha256 check after the fetch")
+
+            self._with_a_peer(fetch, "the file's header (the tokenizer)")
+            path = cache.header_path()
+        return path, cache.args
+
+    def check_fetch_allowed(self) -> None:
+        """ModelFileError if the file is not here and the node file forbids fetching it."""
+        err = self.missing()
+        if err is not None and not self.cfg.fetch_weights:
+            raise ModelFileError(f"{err}; fetch_weights is false in {self.cfg.source}, so it is not fetched "
+                                 "from a peer")
+
     def source(self, start: int, end: int | None) -> str | ModelSource:
         """What load_transformer builds the shard [start, end) from: the model spec when the file is
         here; else the tensor cache, once it holds every tensor of the range, verified."""
-        err = self.missing()
-        if err is None:
+        if self.missing() is None:
             return self.spec
-        if not self.cfg.fetch_weights:
-            raise ModelFileError(f"{err}; fetch_weights is false in {self.cfg.source}, so it is not fetched "
-                                 "from a peer")
+        self.check_fetch_allowed()
         cache = TensorCache(self.cache_dir)
         if cache.index is not None:
             names = self._names(cache.args, start, end)

@@ -23,7 +23,7 @@ import numpy as np
 
 from meshllm.defaults import served_name
 from meshllm.engine.sources import gguf_reader, local_gguf_path, resolve_model
-from meshllm.engine.tensor_cache import args_to_wire, is_tensor_name
+from meshllm.engine.tensor_cache import HEADER, HEADER_TYPE, args_to_wire, is_tensor_name
 from meshllm.errors import ModelFileError
 from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, PeerState
@@ -61,13 +61,18 @@ class WeightsServer:
         t.on(MsgType.WEIGHTS_REQ, self._on_req)  # I/O thread: counts the request, the worker answers it
 
     def directory(self) -> dict[str, Any]:
-        """WEIGHTS_INDEX fields: the header's sha256, the model's shape and every tensor's type, shape and size."""
+        """WEIGHTS_INDEX fields: the header's sha256, the model's shape and every tensor's type, shape
+        and size, and the header itself as one more entry of raw bytes (tensor_cache.HEADER)."""
         if self._directory is None:
             f = gguf_reader(self.path)
             args = replace(resolve_model(self.spec).args, name=self.name)
+            fingerprint = hashlib.sha256(f.header_bytes()).hexdigest()
+            size = len(f.header_bytes())
+            self._sha[HEADER] = fingerprint
             self._directory = {
-                "fingerprint": hashlib.sha256(f.header_bytes()).hexdigest(), "args": args_to_wire(args),
-                "directory": {n: [t.ggml_type, list(t.shape), t.nbytes] for n, t in f.tensors.items()}}
+                "fingerprint": fingerprint, "args": args_to_wire(args),
+                "directory": {HEADER: [HEADER_TYPE, [size], size]} | {
+                    n: [t.ggml_type, list(t.shape), t.nbytes] for n, t in f.tensors.items()}}
         return self._directory
 
     def _requester(self, node: str) -> str | None:
@@ -121,9 +126,8 @@ class WeightsServer:
             chunk = make(MsgType.WEIGHTS_CHUNK, tensors={"data": np.zeros(0, np.uint8)}, total=0, sha256="",
                          error=error, **head)
         else:
-            f = gguf_reader(self.path)
-            data = f.raw(name).reshape(-1)[off:off + length]  # a view of the memory-mapped file
-            chunk = make(MsgType.WEIGHTS_CHUNK, tensors={"data": data}, total=f.tensors[name].nbytes,
+            data = self._bytes(name)[off:off + length]  # a view of the memory-mapped file
+            chunk = make(MsgType.WEIGHTS_CHUNK, tensors={"data": data}, total=self.directory()["directory"][name][2],
                          sha256=self._tensor_sha(name), **head)
         try:
             self.t.send(to, chunk)
@@ -151,9 +155,15 @@ class WeightsServer:
             return f"bytes [{off}, {off}+{length}) are not within {name}'s {total} (chunks up to {MAX_CHUNK_BYTES})"
         return None
 
+    def _bytes(self, name: str) -> np.ndarray:
+        """A tensor's raw bytes (or the header's), flat, from the memory-mapped file."""
+        f = gguf_reader(self.path)
+        return np.frombuffer(f.header_bytes(), np.uint8) if name == HEADER else f.raw(name).reshape(-1)
+
     def _tensor_sha(self, name: str) -> str:
-        """sha256 of a tensor's raw bytes, computed the first time it is asked for."""
+        """sha256 of a tensor's raw bytes, computed the first time it is asked for (the header's is
+        the fingerprint)."""
         h = self._sha.get(name)
         if h is None:
-            h = self._sha[name] = hashlib.sha256(gguf_reader(self.path).raw(name)).hexdigest()
+            h = self._sha[name] = hashlib.sha256(self._bytes(name)).hexdigest()
         return h
