@@ -71,7 +71,9 @@ def test_parse_index_rejects_hostile_directories():
            ("t", "a" * 64, args, {"x/y": [0, [4], 16]}),
            ("t", "a" * 64, args, {"blk.0.attn_q.weight": [8, [64, 64], 1]}),  # size that its type cannot have
            ("t", "a" * 64, args, {"w": [8, [64, 60], 4080]}),  # not whole Q8_0 blocks
-           ("t", "a" * 64, args, {"w": [999, [64], 64]})]
+           ("t", "a" * 64, args, {"w": [999, [64], 64]}),
+           ("t", "a" * 64, args, {**ok, "gguf-header": [24, [1 << 30], 1 << 30]}),  # a header too large to be one
+           ("t", "a" * 64, args, {**ok, "gguf-header": [8, [64, 64], 4352]})]
     for case in bad:
         with pytest.raises(ValueError):
             parse_index(*case)

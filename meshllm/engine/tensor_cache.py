@@ -42,6 +42,7 @@ FORMAT = 1
 INDEX_FILE = "index.json"
 HEADER = "gguf-header"  # the file's header (metadata: the tokenizer) as one more "tensor" of raw bytes
 HEADER_TYPE = 24  # GGML I8: one byte per element, so the header's entry is [24, [n], n]
+MAX_HEADER_BYTES = 256 << 20  # a GGUF header with a 256k-token vocabulary is ~20 MB
 MAX_TENSORS = 100_000
 MAX_TENSOR_BYTES = 1 << 40
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # a file name, never a path
@@ -108,6 +109,9 @@ def parse_index(model: str, fingerprint: Any, args: Any, tensors: Any) -> dict[s
             raise ValueError(f"tensor {name}: {e}") from None
         if nbytes != want or not 0 < want <= MAX_TENSOR_BYTES:
             raise ValueError(f"tensor {name}: {nbytes!r:.20} bytes, its type and shape need {want}")
+        if name == HEADER and (gtype != HEADER_TYPE or len(shape) != 1 or want > MAX_HEADER_BYTES):
+            raise ValueError(f"the file header's entry must be [{HEADER_TYPE}, [n], n] with n <= {MAX_HEADER_BYTES}, "
+                             f"got {entry!r:.80}")
         out[name] = {"type": gtype, "shape": list(shape), "nbytes": want}
     return {"format": FORMAT, "model": model, "fingerprint": fingerprint, "args": args_to_wire(a), "tensors": out}
 
