@@ -285,7 +285,7 @@ class Mesh:
         self.gateway = Gateway(FakeTransport(self.net, "gw", GW), self.gw_members,
                                PeerInfo("gw", GW, "fog", {}, ("gateway",), 1), gw_cfg)
         self.gateway.ctx, self.gateway.local_version = self.ctx, self.VERSION
-        self.gateway.vocab, self.gateway.max_context = self.model_args().vocab_size, self.model_args().max_seq_len
+        self.gateway.model.vocab, self.gateway.model.max_context = self.model_args().vocab_size, self.model_args().max_seq_len
         self.model = self.hosts["mx"].stage.model  # the whole model (the mixed replica's one stage)
         self.vocab = self.model.args.vocab_size
         self.victims: list[Victim] = []

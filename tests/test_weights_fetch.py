@@ -348,8 +348,10 @@ def test_a_gateway_without_the_file_takes_the_tokenizer_from_a_peers_header(mesh
 
 def test_the_api_answers_503_until_a_gateway_without_the_file_has_its_tokenizer():
     from meshllm.roles.http_api import ApiError, parse_params
+    from meshllm.roles.model_info import ModelInfo
 
-    gw = SimpleNamespace(model_name="m", tokenizer=None, info_error="fetching m's tokenizer from a peer")
+    gw = SimpleNamespace(model_name="m", model=ModelInfo("gw", "m"))
+    gw.model.error = "fetching m's tokenizer from a peer"
     with pytest.raises(ApiError) as e:
         parse_params({"model": "m", "prompt": "hi"}, gw, chat=False)
     assert e.value.status == 503 and "no tokenizer yet: fetching m's tokenizer" in str(e.value)

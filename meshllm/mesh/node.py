@@ -84,14 +84,14 @@ class Node:
     def start(self) -> Node:
         preload_compute(self.cfg)  # before the I/O thread heartbeats: importing torch stalls it
         if self.gateway is not None:
-            self.gateway.load_model_info(self.host.weights)  # a bad model path fails here, before joining
+            self.gateway.model.load(self.cfg.model, self.host.weights)  # a bad model path fails here, before joining
             self.api.start()
             log.info("%s: gateway serving the OpenAI API on http://%s", self.me.id, self.cfg.gateway)
         self.host.start()
         self.coordinator.start()
         self.transport.start()
         if self.gateway is not None:
-            self.gateway.start()  # a gateway without the model file fetches the tokenizer now
+            self.gateway.model.start()  # a gateway without the model file fetches the tokenizer now
         if self.mdns is not None:
             self.mdns.start()
         log.info("%s: listening on %s (zone %s, incarnation %d)", self.me.id, self.me.address, self.me.zone,

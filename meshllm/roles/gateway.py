@@ -36,6 +36,7 @@ from meshllm.roles.context import PlanContext
 from meshllm.roles.coordinator import live_plan_inputs
 from meshllm.roles.leader import MAX_ACTIVE_SEQS
 from meshllm.roles.metrics import GatewayMetrics
+from meshllm.roles.model_info import ModelInfo
 from meshllm.sim.ports import PortBook
 from meshllm.sim.replica import SimReplica, from_plan
 from meshllm.sim.router import ReplicaLoad, Router
@@ -46,7 +47,6 @@ STALL_TIMEOUT_S = 60.0  # no token for this long (x time_scale): the attempt is 
 MAX_ATTEMPTS = 5  # a request is resumed at most 4 times (a partition may cost two re-plans)
 RESUME_WAIT_S = 60.0  # x time_scale: how long a resumed request waits for a ready replica
 RESUME_POLL_S = 0.2
-INFO_RETRY_S = 10.0  # a gateway without the model file that could not fetch its header tries again after this
 READY_WAIT_S = 15.0  # x time_scale: a new request waits this long for a ready replica, then 503
 SEND_POOL_THREADS = 1
 MAX_PENDING = 4096  # TOKENS held out of order per request (and token ids per TOKENS message)
@@ -188,13 +188,7 @@ class Gateway:
         self.view = RouterView(cfg.time_scale)  # what the router knows of the replicas
         self.ctx: PlanContext | None = None
         self.local_version = 0  # plan version this node itself has loaded
-        self.tokenizer = None
-        self.max_context = 0
-        self.vocab = 0
-        self.info_error = ""  # why there is no tokenizer yet (a gateway without the model file)
-        self._info_from = None  # the MeshWeights to fetch the file's header from, once the node has joined
-        self.model_args = None  # the model's shape (ModelArgs), when the file is here
-        self._closed = threading.Event()
+        self.model = ModelInfo(self.me, self.model_name)  # tokenizer, context, shape (Node.start loads it)
         self.metrics = GatewayMetrics()
         self.local_load = lambda: {}  # this node's own load (the Node wires its RoleHost in)
         self._streams: dict[int, Stream] = {}
@@ -204,53 +198,6 @@ class Gateway:
         self._send_pool = ThreadPoolExecutor(SEND_POOL_THREADS, thread_name_prefix=f"gw-send-{self.me}")
         transport.on(MsgType.TOKENS, self._on_tokens)
 
-    def load_model_info(self, weights) -> None:
-        """Tokenizer and context size (the gateway holds no weights), from the model file. A node
-        without the file takes them from the file's header, fetched from a peer that has it
-        (weights.header(); cached) once the node has joined (`start`); until then the API answers
-        503 with the reason. A bad model path, or fetch_weights: false, fails here."""
-        from meshllm.engine.tokenizer import load_tokenizer
-        from meshllm.engine.weights import resolve_model
-
-        if weights.missing() is not None:
-            weights.check_fetch_allowed()
-            self._info_from, self.info_error = weights, f"fetching {self.model_name}'s tokenizer from a peer"
-            return
-        src = resolve_model(self.model_spec)
-        self.tokenizer = load_tokenizer(src)
-        self.model_args, self.max_context, self.vocab = src.args, src.args.max_seq_len, src.args.vocab_size
-
-    def start(self) -> None:
-        """After the node has joined: fetch the tokenizer on a thread of its own if the file is not here."""
-        if self._info_from is not None:
-            threading.Thread(target=self._fetch_model_info, args=(self._info_from,), daemon=True,
-                             name=f"gw-info-{self.me}").start()
-
-    def _fetch_model_info(self, weights) -> None:
-        from meshllm.engine.gguf_file import GGUFFile
-        from meshllm.engine.tokenizer import tokenizer_from_gguf
-        from meshllm.errors import ModelFileError
-
-        while not self._closed.is_set():
-            try:
-                path, args = weights.header()
-                break
-            except ModelFileError as e:
-                self.info_error = str(e)
-                log.warning("%s: no tokenizer yet: %s; trying again in %.0f s", self.me, e, INFO_RETRY_S)
-                self._closed.wait(INFO_RETRY_S)
-        else:
-            return
-        try:
-            tok = tokenizer_from_gguf(GGUFFile(path, header_only=True))
-        except ModelFileError as e:
-            self.info_error = f"the model's tokenizer cannot be used: {e}"
-            log.error("%s: %s", self.me, self.info_error)
-            return
-        self.max_context, self.vocab = args.max_seq_len, args.vocab_size
-        self.tokenizer, self.info_error = tok, ""
-        log.info("%s: tokenizer of %s from the file's header (%s)", self.me, self.model_name, path)
-
     # -- plan and readiness ----------------------------------------------------------------------
     def on_plan(self, ctx: PlanContext) -> None:
         """The local RoleHost applied `ctx` (called on its compute thread): the router's view of
@@ -259,8 +206,7 @@ class Gateway:
         and a leader that died cannot say so itself)."""
         infos = {self.me: self.me_info} | {p.info.id: p.info for p in self.members.peers()}
         named = {s.node for r in ctx.plan.replicas for s in r.stages}
-        args = self.model_args or self._info_from.args()  # no file here: the shape from a peer's index
-        inp = live_plan_inputs(self.cfg, [infos[n] for n in sorted(named) if n in infos], args)
+        inp = live_plan_inputs(self.cfg, [infos[n] for n in sorted(named) if n in infos], self.model.shape())
         reps = {r.id: r for r in from_plan(inp, ctx.plan)} if named <= set(infos) else {}
         keep = {rid for rid in reps if ctx.unchanged(self.ctx, rid)}
         self.view.replan(reps, inp, keep)
@@ -290,7 +236,7 @@ class Gateway:
         """Serving: every replica of the current plan is loaded, and so is every drafter when
         speculation is on (requests are routed to what is ready before that)."""
         ctx = self.ctx
-        if ctx is None or not ctx.plan.replicas or self.tokenizer is None:
+        if ctx is None or not ctx.plan.replicas or self.model.tokenizer is None:
             return False
         ready = set(self.ready_replicas())
         drafters = ctx.plan.drafters if self.cfg.speculation.mode != "off" else ()
@@ -334,7 +280,7 @@ class Gateway:
         with self._lock:
             self._streams[seq] = s
         self.view.book(s, "prefill", +1)
-        stop = sorted(self.tokenizer.eos_ids)
+        stop = sorted(self.model.tokenizer.eos_ids)
         msgs = [(ctx.leader(pre), make(MsgType.GENERATE_REQ, seq=seq, prompt_token_ids=ids, max_tokens=left,
                                        sampling=st["sampling"], stop_ids=stop, decode_replica=dec,
                                        gateway=self.address, drafter=drafter, plan_version=ctx.version,
@@ -417,7 +363,7 @@ class Gateway:
         if s is None:
             return  # finished or abandoned already
         idx = msg["index"]
-        toks = check_int_list(msg["token_ids"], "token_ids", 0, self.vocab - 1 if self.vocab else None, MAX_PENDING)
+        toks = check_int_list(msg["token_ids"], "token_ids", 0, self.model.vocab - 1 if self.model.vocab else None, MAX_PENDING)
         err = msg.fields.get("error") if msg["finish_reason"] == "error" else None
         if err is not None:
             s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", str(err)))
@@ -477,5 +423,5 @@ class Gateway:
             return len(self._streams)
 
     def close(self) -> None:
-        self._closed.set()
+        self.model.close()
         self._send_pool.shutdown(wait=False, cancel_futures=True)

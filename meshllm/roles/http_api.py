@@ -92,13 +92,13 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
     if model != gw.model_name:
         raise ApiError(404, f"model {model!r} is not served here; this mesh serves {gw.model_name!r}", "model",
                        "model_not_found")
-    if gw.tokenizer is None:  # a gateway without the model file, its header not fetched yet
-        raise ApiError(503, f"this gateway has no tokenizer yet: {gw.info_error}", None, "unavailable")
+    if gw.model.tokenizer is None:  # a gateway without the model file, its header not fetched yet
+        raise ApiError(503, f"this gateway has no tokenizer yet: {gw.model.error}", None, "unavailable")
     ids = _chat_ids(body, gw) if chat else _prompt_ids(body, gw)
-    if len(ids) >= gw.max_context:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context holds {gw.max_context}",
+    if len(ids) >= gw.model.max_context:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context holds {gw.model.max_context}",
                        "messages" if chat else "prompt", "context_length_exceeded")
-    max_tokens = _number(body, "max_tokens", DEFAULT_MAX_TOKENS if not chat else gw.max_context, 1, 1 << 31,
+    max_tokens = _number(body, "max_tokens", DEFAULT_MAX_TOKENS if not chat else gw.model.max_context, 1, 1 << 31,
                          integer=True)
     if body.get("n", 1) != 1:
         raise ApiError(400, "only n=1 is supported", "n", "invalid_value")
@@ -122,7 +122,7 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
         raise ApiError(400, "meshllm.speculation must be async, sync or off", "meshllm.speculation", "invalid_value")
     gamma = None if ext.get("gamma") is None else _number(ext, "gamma", 4, 1, 16, integer=True)
     pin = None if ext.get("decode_replica") is None else _number(ext, "decode_replica", 0, 0, 1 << 20, integer=True)
-    return Params(ids, min(max_tokens, gw.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, 2)),
+    return Params(ids, min(max_tokens, gw.model.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, 2)),
                   _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
                   _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
                   mode, gamma, pin, adaptive)
@@ -133,10 +133,10 @@ def _prompt_ids(body: dict, gw: Gateway) -> list[int]:
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]
     if isinstance(p, str):
-        ids = gw.tokenizer.encode(p)
+        ids = gw.model.tokenizer.encode(p)
     elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        if not all(0 <= x < gw.vocab for x in p):
-            raise ApiError(400, f"token ids must be in [0, {gw.vocab})", "prompt", "invalid_value")
+        if not all(0 <= x < gw.model.vocab for x in p):
+            raise ApiError(400, f"token ids must be in [0, {gw.model.vocab})", "prompt", "invalid_value")
         ids = list(p)
     else:
         raise ApiError(400, "'prompt' must be a string, a list of one string, or a list of token ids", "prompt",
@@ -158,7 +158,7 @@ def _chat_ids(body: dict, gw: Gateway) -> list[int]:
                            f"messages[{i}]", "invalid_value")
         clean.append({"role": m["role"], "content": m["content"]})
     try:
-        return gw.tokenizer.encode(gw.tokenizer.render_chat(clean))
+        return gw.model.tokenizer.encode(gw.model.tokenizer.render_chat(clean))
     except ValueError as e:  # e.g. no chat template
         raise ApiError(400, str(e), "messages", "invalid_value") from None
 
@@ -168,7 +168,7 @@ class TextStream:
     to show (never half a UTF-8 character, never a possible prefix of a stop string)."""
 
     def __init__(self, gw: Gateway, stop: tuple[str, ...]):
-        self.tok, self.eos, self.stop = gw.tokenizer, gw.tokenizer.eos_ids, stop
+        self.tok, self.eos, self.stop = gw.model.tokenizer, gw.model.tokenizer.eos_ids, stop
         self.ids: list[int] = []
         self.shown = 0
         self.stopped = False
