@@ -39,7 +39,12 @@
   31.6 to 23.4 ms with it). A lone prompt's chunks are even (`SimReplica.lone_chunk`): k steps
   of ceil(left / k) tokens, not the budget's chunks and a last step for the remainder, which
   costs a whole step (bench-edge-8b at its 1 req/s: meshllm's mean wait 28.9 -> 21.5 ms,
-  mixed-dp's 37.1 -> 28.2). A prompt starts only when a decode slot is free for it.
+  mixed-dp's 37.1 -> 28.2). A prompt starts only when a decode slot is free for it. While the
+  slots are full, the prompts in progress take only what rides free (`free_chunk`), never whole
+  or a backlog's share: prefilling faster then only left steps that decode alone, memory-bound,
+  their compute idle, until the next slot freed. One RTX 4090 alone (bench-edge-8b's profile,
+  mixed), flooded with 4000 requests of that cluster's trace at 30 req/s, served them all at
+  0.862 of its bound's rate that way, at 0.943 with the rule (its ramp and final drain included).
 - Waiting time (BRIEF): the prefill queue + port and link queueing (activations and KV) +
   waiting for a decode slot + decode pauses for other requests' prefills. It is what the
   request's end-to-end latency has beyond its own compute and transfers at idle ports.
@@ -143,10 +148,17 @@ class RepState:
             return False
         return bool(self.waiting) or (not self.prefilling and bool(self.queue))
 
+    def slots_full(self) -> bool:
+        """No decode slot is left for another prompt (the memory-limited batch is reached)."""
+        return len(self.active) + len(self.prefilling) >= self.load.max_batch
+
     def prompt_budget(self, head: int) -> int:
         """Prompt tokens a mixed replica's next decode step takes (SimReplica.chunk_tokens), from
-        as many prompts as it needs, the next one `head` tokens long."""
+        as many prompts as it needs, the next one `head` tokens long; only what rides free
+        (`free_chunk`) while the slots are full (module docstring)."""
         backlog = self.load.prefill_queued_tokens
+        if self.slots_full():
+            return self.rep.free_chunk(len(self.active), self.decode_context(), max(head, backlog))
         return self.rep.chunk_tokens(len(self.active), self.decode_context(), max(head, backlog), backlog,
                                      self.load.prefill_queued)
 
@@ -182,7 +194,7 @@ class RepState:
         chunk, pos, prompts = 0, 0.0, 0
         micro = max(1, min(len(self.rep.members), b))  # micro-batches of a step (steps.fused_step_s)
         lefts = [r.n_in - done for r, done in self.prefilling]
-        whole = self.load.prefill_queued >= b and (len(lefts) > 1 or (lefts and self.rep.goes_whole(
+        whole = not self.slots_full() and self.load.prefill_queued >= b and (len(lefts) > 1 or (lefts and self.rep.goes_whole(
             b, ctx, self.load.prefill_queued, lefts[0], self.load.prefill_queued_tokens)))
         heads = 0.0  # prompts ending in a step: their first token's LM head
         if whole:
