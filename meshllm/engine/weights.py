@@ -185,7 +185,7 @@ def load_quantized(spec: str | ModelSource, quant: str, group_size: int) -> Tran
     for llama-3-8b, whose W4A16 draft the planner places on an 8 GB device). Bit for bit the draft
     `quantize_model` makes of `load_transformer(spec, pack=False)`. A random test model is drawn
     whole (it is small)."""
-    from meshllm.engine.quant import ACT_DTYPE, quantize_model, quantize_weight, row_block
+    from meshllm.engine.quant import ACT_DTYPE, by_rows, quantize_model, quantize_weight
 
     src = resolve_model(spec) if isinstance(spec, str) else spec
     if src.kind == "random":
@@ -193,19 +193,17 @@ def load_quantized(spec: str | ModelSource, quant: str, group_size: int) -> Tran
     n = src.args.n_layers
     with torch.device("meta"):
         model = Transformer(src.args)
-    by_rows = {}  # ours -> the file's name, for the tensors read a block of rows at a time
+    in_rows = {}  # ours -> the file's name, for the tensors read a block of rows at a time
     if src.kind != "hf":
         reader = tensor_reader(src)
         names = gguf_shard_names(src.args, n, n, True, True)
-        by_rows = {k: names[k] for k in ("tok_embeddings.weight", "output.weight")}
-        rows = FileRows(reader, by_rows["tok_embeddings.weight"])
-        step = row_block(rows.shape[1])
-        model.tok_embeddings.weight = torch.nn.Parameter(torch.cat(
-            [rows[a:a + step].to(ACT_DTYPE) for a in range(0, rows.shape[0], step)]), requires_grad=False)
-        model.output = quantize_weight(FileRows(reader, by_rows["output.weight"]), quant, group_size)
+        in_rows = {k: names[k] for k in ("tok_embeddings.weight", "output.weight")}
+        embedding = by_rows(lambda w: {"w": w.to(ACT_DTYPE)}, FileRows(reader, in_rows["tok_embeddings.weight"]))["w"]
+        model.tok_embeddings.weight = torch.nn.Parameter(embedding, requires_grad=False)
+        model.output = quantize_weight(FileRows(reader, in_rows["output.weight"]), quant, group_size)
     for start, end in [(0, 0)] + [(i, i + 1) for i in range(n)] + [(n, n)]:
         sd = {_renumber(k, start): v.float()
-              for k, v in _file_state(src, start, end, start == end == 0, start == end == n, skip=by_rows).items()}
+              for k, v in _file_state(src, start, end, start == end == 0, start == end == n, skip=in_rows).items()}
         model.load_state_dict(fuse_state_dict(sd), strict=False, assign=True)
         del sd
         quantize_model(model, quant, group_size)  # the piece just loaded; the rest is still meta
