@@ -12,7 +12,7 @@ peer (roles/weights_fetch.py) into a directory of this layout:
 
 The file's header (everything before the tensor data: its metadata, the tokenizer among them) is
 listed as one more entry, HEADER, of raw bytes (its sha256 is the index's fingerprint): a gateway
-without the file fetches it for the tokenizer (roles/gateway.py).
+without the file fetches it for the tokenizer (roles/model_info.py).
 
 `index.json` is the serving peer's directory (validated by `parse_index`, the same check for the
 network and for this file), so a node with a complete cache builds its shard with no network at

@@ -144,7 +144,7 @@ class RepState:
 
     def could_join(self) -> bool:
         """A request waits for this replica's run to end: a decode slot or a prompt to start."""
-        if len(self.active) + len(self.prefilling) >= self.load.max_batch:
+        if self.slots_full():
             return False
         return bool(self.waiting) or (not self.prefilling and bool(self.queue))
 
@@ -175,7 +175,7 @@ class RepState:
         whole = self.load.prefill_queued >= len(self.active)
         budget = self.prompt_budget(self.queue.peek().n_in) if self.queue else 0
         taken = sum(r.n_in - done for r, done in self.prefilling)  # prompt tokens left of those started
-        while self.queue and len(self.active) + len(self.prefilling) < self.load.max_batch and (
+        while self.queue and not self.slots_full() and (
                 len(self.prefilling) < (len(self.rep.members) if whole else 1) or taken < budget):
             req = self.queue.pop()
             taken += req.n_in
