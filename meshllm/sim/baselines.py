@@ -5,13 +5,16 @@ for every stage-capable device it leaves idle, why.
 Every baseline keeps the nodes' `roles:` limits (a node limited to one phase is never mixed).
 
 - splitwise (Patel et al., ISCA 2024): machines of one type form a replica (the fewest that
-  hold the model with the DP split; a type's leftover devices join its replicas, which then
-  hold more KV); the prefill / decode pool split is searched for the workload: every count of
-  prefill replicas per type is tried and the split with the highest min(prefill, decode)
-  capacity wins, rates port-aware (KV shipping over each device's port). May not: mix device
+  hold the model with the DP split, a type's leftover devices joining its replicas, which then
+  hold more KV; or, where it rates higher, as many per replica as maximise the type's decode
+  rate: KV room for bigger decode batches); the prefill / decode pool split is searched for the
+  workload: every count of prefill replicas per type is tried and the split with the highest
+  min(prefill, decode) capacity wins, rates port-aware (KV shipping over each device's port). May not: mix device
   types in a replica, or serve both phases on one replica (all prefill or all decode: with a
   single replica it cannot run at all). Idle: types that cannot hold the model on their own.
-- mixed-dp (vLLM-style data parallel): the same per-type replicas, each serving both phases
+- mixed-dp (vLLM-style data parallel): per-type replicas, as many devices each as maximise the
+  type's mixed rate (from the fewest that hold the model up: a memory-starved type gains KV
+  room, ten 8 GB Orin Nanos serve llama-3-8b as two replicas of five, not three of 3-4), each serving both phases
   with the simulator's chunked prefill (the scheduler meshllm's mixed replicas use), no KV
   shipping, each on whichever of its decode and prefill layer splits rates higher mixed (as its
   operator would pick a pipeline split). May not: disaggregate, or mix device types in a
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -42,6 +45,7 @@ from meshllm.partition.replica import ReplicaEval, best_mixed, evaluate_replica
 from meshllm.sim.replica import SimReplica, from_grouping
 
 RANDOM_TRIES = 100  # random groupings drawn until one has a usable replica
+TIE = 0.01  # capacities this close are a tie (splitwise_pools)
 MAX_SPLITS = 20_000  # prefill-count combinations the Splitwise search tries exhaustively at most
 
 
@@ -67,28 +71,47 @@ def unforced(inp: PlanInputs) -> tuple[PlanInputs, dict[str, str]]:
     return replace(inp, nodes=keep), idle
 
 
-def type_replicas(inp: PlanInputs, ms: list[Member]) -> tuple[list[ReplicaEval], str]:
-    """Replicas of one device type: as many as fit, leftovers spread over them."""
+def spread(ms: list[Member], n: int) -> list[list[Member]]:
+    """`ms` in `n` replicas of len(ms) // n devices, the leftovers spread over the first ones."""
+    k = len(ms) // n
+    groups = [ms[i * k:(i + 1) * k] for i in range(n)]
+    for j, m in enumerate(ms[n * k:]):
+        groups[j % n].append(m)
+    return groups
+
+
+def type_replicas(inp: PlanInputs, ms: list[Member],
+                  score: Callable[[ReplicaEval], float] | None = None) -> tuple[list[ReplicaEval], str]:
+    """Replicas of one device type: as many as fit (the fewest devices that hold the model each,
+    leftovers spread over them); with `score`, the replica count (from that many down to one)
+    whose replicas score highest in sum, as an operator sizes a pipeline for KV room."""
     splitters = (Splitter(inp.mc, inp.net, inp.mix.prefill_wp()), Splitter(inp.mc, inp.net, inp.mix.decode_wp()))
     for k in range(1, min(len(ms), inp.mc.n_layers) + 1):
         if evaluate_replica(inp.mc, ms[:k], inp.net, inp.mix, splitters).ok:
             break
     else:
         return [], shortfall_reason(inp.mc, ms, inp.mix.prefill_wp())
-    n = len(ms) // k
-    groups: list[list[Member]] = [ms[i * k:(i + 1) * k] for i in range(n)]
-    for j, m in enumerate(ms[n * k:]):
-        groups[j % n].append(m)
-    evs = [evaluate_replica(inp.mc, g, inp.net, inp.mix, splitters) for g in groups]
-    return [e if e.ok else evaluate_replica(inp.mc, g[:k], inp.net, inp.mix, splitters)
-            for e, g in zip(evs, groups)], ""
+    best: tuple[float, list[ReplicaEval]] | None = None
+    for n in range(len(ms) // k, 0 if score else len(ms) // k - 1, -1):
+        groups = spread(ms, n)
+        if best is not None and max(map(len, groups)) > inp.mc.n_layers:
+            break
+        evs = [evaluate_replica(inp.mc, g, inp.net, inp.mix, splitters) for g in groups]
+        evs = [e if e.ok else evaluate_replica(inp.mc, g[:k], inp.net, inp.mix, splitters)
+               for e, g in zip(evs, groups)]
+        total = sum(map(score, evs)) if score and all(e.ok for e in evs) else -1.0
+        if best is None or total > best[0]:
+            best = (total, evs)
+    return best[1], ""
 
 
-def per_type(inp: PlanInputs) -> tuple[dict[str, list[ReplicaEval]], dict[str, str]]:
-    """Replicas per device type, and why the devices of the types that cannot hold it are idle."""
+def per_type(inp: PlanInputs, score: Callable[[ReplicaEval], float] | None = None,
+             ) -> tuple[dict[str, list[ReplicaEval]], dict[str, str]]:
+    """Replicas per device type (sized by `score`: `type_replicas`), and why the devices of the
+    types that cannot hold it are idle."""
     reps, idle = {}, {}
     for name, ms in by_type(inp).items():
-        evs, why = type_replicas(inp, ms)
+        evs, why = type_replicas(inp, ms, score)
         if evs:
             reps[name] = evs
             used = {m.id for e in evs for m in e.members}
@@ -134,21 +157,43 @@ def splitwise_roles(evs: list[ReplicaEval], forced: list[str | None]) -> list[st
     return roles
 
 
-def splitwise(inp: PlanInputs) -> Policy:
-    reps, idle = per_type(inp)
-    evs = [e for n in sorted(reps) for e in reps[n]]
+def splitwise_pools(inp: PlanInputs) -> tuple[list[ReplicaEval], list[str], float, dict[str, str]]:
+    """Tuned Splitwise's replicas, their roles, its capacity (the lesser pool's, port-aware; -1
+    where it cannot form both pools) and why devices are idle. Each type's replicas are the
+    fewest devices that hold the model, or sized for decode's KV room (`type_replicas` scored by
+    decode rate); of the two, the one whose searched pool split rates higher, the sized one on a
+    tie within TIE (the model books no KV room for a prefill pipeline's prompts in flight: with
+    mesh-200's twelve RTX 4090s decoding, its thirty RTX 3060s prefill 4.81 req/s as two
+    replicas and as one by the model, 2.85 and 4.82 in the simulator)."""
     forced_of = dict(zip((m.id for m in inp.members), inp.forced))
-    roles = splitwise_roles(evs, [forced_of[e.members[0].id] for e in evs])
-    out = [sim_replica(inp, i, role, ev) for i, (role, ev) in enumerate(zip(roles, evs))]
-    if len(set(roles)) < 2:
+    best: tuple[list[ReplicaEval], list[str], float, dict[str, str]] | None = None
+    for score in (None, lambda e: e.decode_req_s):
+        reps, idle = per_type(inp, score)
+        evs = [e for n in sorted(reps) for e in reps[n]]
+        roles = splitwise_roles(evs, [forced_of[e.members[0].id] for e in evs])
+        cap = -1.0
+        if len(set(roles)) == 2:
+            cap = min(sum(e.prefill_req_s for e, r in zip(evs, roles) if r == "prefill"),
+                      sum(e.decode_req_s for e, r in zip(evs, roles) if r == "decode"))
+        if best is None or cap > best[2] * (1 - TIE):
+            best = (evs, roles, cap, idle)
+    return best
+
+
+def splitwise(inp: PlanInputs) -> Policy:
+    evs, roles, cap, idle = splitwise_pools(inp)
+    if cap < 0:
         return Policy([], {m.id: "splitwise needs a prefill and a decode replica" for m in inp.members})
-    return Policy(out, idle)
+    return Policy([sim_replica(inp, i, role, ev) for i, (role, ev) in enumerate(zip(roles, evs))], idle)
 
 
 def mixed_dp_replicas(inp: PlanInputs) -> tuple[list[ReplicaEval], dict[str, str]]:
     """mixed-dp's replicas (of `unforced` inputs): one device type each, each on whichever of its
     splits rates higher mixed (`best_mixed`), and why the other devices are idle."""
-    reps, idle = per_type(inp)
+    def mixed_rate(ev: ReplicaEval) -> float:
+        return best_mixed(inp.mc, ev, inp.net, inp.mix).mixed_req_s
+
+    reps, idle = per_type(inp, mixed_rate)
     return [best_mixed(inp.mc, e, inp.net, inp.mix) for n in sorted(reps) for e in reps[n]], idle
 
 

@@ -98,19 +98,14 @@ def operator_groupings(inp: PlanInputs, ev: Evaluator) -> list[Grouping]:
     """mixed-dp's and tuned Splitwise's replicas and roles, exactly as sim/baselines.py builds
     them, as groupings of `inp.members` (each member list in its evaluation's order)."""
     index = {m.id: i for i, m in enumerate(inp.members)}
-    forced = dict(zip((m.id for m in inp.members), inp.forced))
     out = []
     sub, _ = baselines.unforced(inp)
     evs, _ = baselines.mixed_dp_replicas(sub)
     if evs and all(e.mixed is not None for e in evs):
         out.append((evs, ["mixed"] * len(evs), sum(e.mixed_req_s for e in evs)))
-    reps, _ = baselines.per_type(inp)
-    evs = [e for n in sorted(reps) for e in reps[n]]
-    roles = baselines.splitwise_roles(evs, [forced[e.members[0].id] for e in evs])
-    if len(set(roles)) == 2:
-        pre = sum(e.prefill_req_s for e, r in zip(evs, roles) if r == "prefill")
-        dec = sum(e.decode_req_s for e, r in zip(evs, roles) if r == "decode")
-        out.append((evs, roles, min(pre, dec)))
+    evs, roles, cap, _ = baselines.splitwise_pools(inp)
+    if cap >= 0:
+        out.append((evs, roles, cap))
     return [ev.with_links(Grouping(tuple(tuple(index[m.id] for m in e.members) for e in evs), tuple(roles),
                                    tuple(evs), cap)) for evs, roles, cap in out]
 
