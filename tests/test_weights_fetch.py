@@ -34,7 +34,8 @@ from meshllm.mesh.sockets import free_port_pair
 from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig
 from meshllm.roles import weights_fetch as wf
-from meshllm.roles.weights_fetch import FlowControl, MeshWeights
+from meshllm.roles.weights_fetch import MeshWeights
+from meshllm.roles.weights_pull import FlowControl
 from meshllm.roles.weights_serve import MAX_CHUNK_BYTES
 from tests.conftest import REPO, stop_processes, write_gguf_model
 
