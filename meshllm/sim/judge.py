@@ -31,10 +31,11 @@ the one results are reported on):
 4. with a rate given, a winner that is not a baseline's grouping must cost no more than the
    cheapest eligible baseline grouping on the CONFIRM_SEEDS traces (`confirm_cost`, else the
    next is tried, then that baseline grouping wins); with no rate given, it must confirm its
-   saturation: on CONFIRM_SEEDS more traces, with runs CONFIRM_SCALE x as long (as long as
+   saturation: on CAPACITY_SEEDS more traces, with runs CONFIRM_SCALE x as long (as long as
    the reported sweep's: N >= 2000), its mean saturation must reach the best baseline
-   grouping's on the same traces; else the next eligible candidate is tried (at most
-   CONFIRM_TOP of them), and then the best baseline grouping wins. A short run on one trace picked a plan 3% below mixed-dp on bench-edge-8b;
+   grouping's on the same traces (of those within OP_SHORTLIST of the best on the short
+   runs); else the next eligible candidate is tried (at most CONFIRM_TOP of them), and then
+   the best baseline grouping on those traces wins. A short run on one trace picked a plan 3% below mixed-dp on bench-edge-8b;
    and shorter confirming runs (N 1200) hid a decode backlog: on bench-mesh-200 they put a plan
    with five prefill replicas 11% above mixed-dp's grouping (8.41 against 7.55 req/s), which
    at N = 2000 on the same two traces was 4% below it (7.80 against 8.16). So meshllm's plan
@@ -83,6 +84,11 @@ HEADROOM = 1.25  # an eligible plan sustains at least this x the planned rate
 JUDGE_MARGIN = 0.02  # a plan of its own must out-sustain the operator's groupings by this much (the
 # final check on more traces guards the rest: 0.05 shut out bench-fog-40-8b's best plan at 1.045)
 CONFIRM_SEEDS = (JUDGE_SEED + 1, JUDGE_SEED + 2)  # more traces of its own, for the final check
+# for capacity, four: on bench-fog-40-8b the plan out-sustained mixed-dp's grouping on the first
+# two (54.7 against 52.8 req/s summed) and not on four (113.73 against 113.76); the sweep on one
+# trace moves by +-5% there
+CAPACITY_SEEDS = tuple(JUDGE_SEED + 1 + k for k in range(4))
+OP_SHORTLIST = 0.8  # baseline groupings confirmed on long runs: within this of the best on short ones
 CONFIRM_SCALE = sweep.SWEEP_REQUESTS / JUDGE_SWEEP_REQUESTS  # the final check's runs are this x longer
 CONFIRM_TOP = 2  # eligible candidates checked at most before the best baseline grouping wins
 FLIP_ROUNDS = 3  # step 5: replicas turned mixed at most, one per round of trials
@@ -211,7 +217,8 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
                       f"on {longer} requests, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if log:
         how = "the highest saturation" if inp.rate_per_s <= 0 else f"the lowest cost at {rate:.3f} req/s"
-        print(f"judge: choosing {how} (a plan of the search's own is checked on {len(CONFIRM_SEEDS)} more traces)",
+        print(f"judge: choosing {how} (a plan of the search's own is checked on "
+              f"{len(CONFIRM_SEEDS if inp.rate_per_s > 0 else CAPACITY_SEEDS)} more traces)",
               file=sys.stderr)
     k, order = pick(inp, cands, reps, sat, op_idx, floor_from, rate, sweep_requests)
     if log:
@@ -318,16 +325,25 @@ def pick(inp: PlanInputs, cands: Sequence[Grouping], reps, sat: Sequence[float],
         return order[0], order
     if given:
         return confirm_cost(inp, reps, order, [i for i in order if i in op_idx], rate), order
-    best_op = max(op_idx, key=lambda i: (sat[i], -i))
     longer = round(sweep_requests * CONFIRM_SCALE)
+    theirs: dict[int, float] = {}
+
+    def best_op() -> int:
+        """The baseline grouping with the highest saturation summed over CAPACITY_SEEDS (those
+        within OP_SHORTLIST of the best on the short runs)."""
+        if not theirs:
+            top = max(sat[j] for j in op_idx)
+            theirs.update({j: sum(saturation(inp, cands[j], reps[j], longer, s) for s in CAPACITY_SEEDS)
+                           for j in op_idx if sat[j] >= OP_SHORTLIST * top})
+        return max(theirs, key=lambda j: (theirs[j], -j))
+
     for i in order[:CONFIRM_TOP]:
         if i in op_idx:
+            return best_op(), order
+        mine = sum(saturation(inp, cands[i], reps[i], longer, s) for s in CAPACITY_SEEDS)
+        if mine >= theirs[best_op()] * (1 - 1e-9):
             return i, order
-        mine = [saturation(inp, cands[i], reps[i], longer, s) for s in CONFIRM_SEEDS]
-        theirs = [saturation(inp, cands[best_op], reps[best_op], longer, s) for s in CONFIRM_SEEDS]
-        if sum(mine) >= sum(theirs) * (1 - 1e-9):
-            return i, order
-    return best_op, order
+    return best_op(), order
 
 
 def confirm_cost(inp: PlanInputs, reps, order: Sequence[int], ops: Sequence[int], rate: float) -> int:
