@@ -26,11 +26,11 @@ Wire (types in mesh/protocol.py):
   while the fetch adds at most ~QUEUE_S of delay to heartbeats and activations sharing the link).
 - **Verified and resumable**: chunks are appended in order to `<tensor>.part` in the cache
   (engine/tensor_cache.py); a complete tensor becomes `<tensor>.bin` only when its sha256 matches
-  the one the server sent, else it is fetched again (MAX_TENSOR_RETRIES). A fetch killed midway
+  the one the server sent, else it is fetched again (weights_pull.MAX_TENSOR_RETRIES). A fetch killed midway
   resumes at each `.part`'s size on the next start (one chunk is always re-asked, to learn the
   tensor's hash). A complete, re-verified cache loads with no network at all.
-- **Failures**: every wait is bounded: the index request (INDEX_TIMEOUT_S), a peer that delivers
-  nothing for STALL_S or dies (membership) or answers an error is left for the next peer;
+- **Failures**: every wait is bounded: the index request (weights_pull.INDEX_TIMEOUT_S), a peer that delivers
+  nothing for weights_pull.STALL_S or dies (membership) or answers an error is left for the next peer;
   MAX_ROUNDS passes over the peers, then a ModelFileError that names what each peer said.
 
 A coordinator without the file plans from the shape in a peer's index (`MeshWeights.args`).
