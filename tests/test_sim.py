@@ -514,6 +514,21 @@ def test_judge_confirms_a_plan_of_its_own_on_runs_as_long_as_the_reported_sweep(
     assert {seed for _, seed in confirming} == set(judge.CAPACITY_SEEDS) and len(judge.CAPACITY_SEEDS) == 4
 
 
+def test_a_plan_of_its_own_replaces_the_baselines_grouping_only_on_the_evidence():
+    """For capacity, the search's pick must out-sustain the best baseline grouping by more than
+    the noise of the judge's traces. The judge's figures (req/s on its four traces): on
+    bench-fog-40-8b the pick led mixed-dp's sized grouping by 1% summed, within one standard
+    error, and lost to it by 1.4% on the benchmark's traces; on bench-edge-8b it led on all four."""
+    from meshllm.sim.judge import wins_on_evidence
+
+    fog_pick, fog_mixed_dp = [27.280, 28.731, 28.731, 29.602], [25.106, 27.388, 29.956, 30.812]
+    assert sum(fog_pick) > sum(fog_mixed_dp) and not wins_on_evidence(fog_pick, fog_mixed_dp)
+    assert wins_on_evidence([17.141, 17.631, 18.120, 19.100], [16.014, 17.515, 17.515, 18.016])
+    assert wins_on_evidence(fog_mixed_dp, fog_mixed_dp)  # the same runs: nothing to choose
+    assert not wins_on_evidence([x * 0.999 for x in fog_mixed_dp], fog_mixed_dp)
+    assert wins_on_evidence([x + 0.5 for x in fog_mixed_dp], fog_mixed_dp)  # a steady lead, however small
+
+
 def test_at_a_rate_the_baselines_groupings_are_eligible_by_runs_as_long_as_their_sweep(monkeypatch):
     """On bench-mesh-200 at 6.86 req/s (70% of mixed-dp's saturation) the judge's 600-request runs
     put mixed-dp's grouping at 6.50 req/s, below HEADROOM x the rate, and shut it out: meshllm
