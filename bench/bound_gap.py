@@ -13,6 +13,13 @@ its types' (to rounding), so the types' reach weighted by their share of the bou
 far a cluster of them gets by serving each type apart; meshllm's own fraction
 (bench/results/planner.json) is printed beside it.
 
+Where every type can stand alone, the whole cluster as mixed-dp (the same replicas, one router)
+at JOINT_LOAD x the sum of the types' mixed-dp saturations: per type, the rate its replicas are
+routed, against what they sustain alone, and its mean wait there, beside its mean wait alone at
+LOAD x its own saturation. The router balances waits, not utilisation: a type whose own
+saturation comes only at long waits (a slow pipeline, whose service time is long, so the
+stability rule's wait cap is too) is not loaded that far beside fast types.
+
 Then, for the type with the largest share, where its time goes at 95 % of that saturation: a
 mixed replica's time in steps that only decode (no prompt waits, and a decode step is
 memory-bound: its compute mostly idle), in steps with prompt tokens riding along (chunked
@@ -43,6 +50,7 @@ from meshllm.sim.simulator import Simulator  # noqa: E402
 
 DEFAULT = ("bench-edge-8b", "bench-fog-40-8b", "bench-six-7b")  # the 70b clusters' types cannot stand alone
 LOAD = 0.95  # the time breakdown's rate, of the type's saturation
+JOINT_LOAD = 0.9  # the whole cluster's rate, of the sum of its types' mixed-dp saturations
 KINDS = ("decode only", "chunked", "whole prompts")
 
 
@@ -69,6 +77,53 @@ class StepLog(Simulator):
             self.flops[kind] += (len(st.active) + chunk) * iters * mc.n_layers * mc.layer_flops_per_token
             self.flops[kind + " peak"] += step * iters * sum(flops_per_s(m.device) for m in st.rep.members)
         super().on_chunk(st, version)
+
+
+class Placed(Simulator):
+    """The simulator, with the replica each request was routed to (`where`: request id -> replica id)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.where: dict[int, int] = {}
+        self._arriving = -1
+        pick = self.router.pick_prefill
+
+        def recorded(*a):
+            self.where[self._arriving] = got = pick(*a)
+            return got
+        self.router.pick_prefill = recorded
+
+    def on_arrival(self, req) -> None:
+        self._arriving = req.rid
+        super().on_arrival(req)
+
+
+def joint(name: str, sat: dict[str, float], n_req: int, seed: int) -> dict:
+    """The whole cluster as mixed-dp at JOINT_LOAD x sum(`sat`) (device type -> its mixed-dp
+    saturation alone): per type, the rate routed to it and its mean wait."""
+    inp = plan_inputs(load_cluster(REPO / "clusters" / f"{name}.yaml"))
+    reps = mixed_dp(inp).replicas
+    rate = JOINT_LOAD * sum(sat.values())
+    sim = Placed(reps, sweep.requests_at(sweep.make_trace(inp, n_req, seed), rate))
+    reqs = sim.run()
+    span = max(r.arrival for r in reqs) - min(r.arrival for r in reqs)
+    kind = {r.id: r.members[0].device.name for r in reps}
+    out = {d: [0, 0.0] for d in sat}
+    for r in reqs:
+        got = out[kind[sim.where[r.rid]]]
+        got[0] += 1
+        got[1] += r.wait_s
+    return {"rate": rate, "wait": sum(r.wait_s for r in reqs) / len(reqs),
+            "stable": sweep.stable(reqs),
+            "types": {d: (n / span, w / n if n else 0.0) for d, (n, w) in out.items()}}
+
+
+def alone_wait(job: tuple) -> float:
+    """Mean wait of one type's mixed-dp replicas alone at LOAD x its saturation."""
+    name, device, sat, n_req, seed = job
+    inp = type_inputs(load_cluster(REPO / "clusters" / f"{name}.yaml"), device)
+    reqs = sweep.simulate(mixed_dp(inp).replicas, sweep.make_trace(inp, n_req, seed), LOAD * sat, gaps=False)
+    return sum(r.wait_s for r in reqs) / len(reqs)
 
 
 def type_inputs(cfg, device: str):
@@ -142,6 +197,18 @@ def main() -> int:
         mine = meshllm_fraction(name)
         print(f"the types apart: {got:.3f} req/s, {got / total:.3f} of the types' bounds; meshllm on the whole "
               f"cluster: {'-' if mine is None else f'{mine:.3f}'} of its bound (bench/results/planner.json)")
+        if len(rows) > 1 and all(r["sat"]["mixed_dp"] > 0 for r in rows):
+            sat = {r["device"]: r["sat"]["mixed_dp"] for r in sorted(rows, key=lambda r: -r["bound"])}
+            with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+                waits = list(pool.map(alone_wait, [(name, d, x, a.requests, a.seed) for d, x in sat.items()]))
+            j = joint(name, sat, a.requests, a.seed)
+            print(f"the whole cluster as mixed-dp (one router) at {j['rate']:.3f} req/s ({JOINT_LOAD:.0%} of the types' "
+                  f"mixed-dp saturations summed): mean wait {j['wait']:.3f} s, "
+                  f"{'stable' if j['stable'] else 'NOT stable'} by the stability rule")
+            print(f"{'device':24s} {'routed':>7s} {'alone':>7s} {'of it':>6s} {'wait s':>7s} {'alone: wait s at ' + format(LOAD, '.0%'):>22s}")
+            for (d, x), w in zip(sat.items(), waits):
+                routed, wait = j["types"][d]
+                print(f"{d:24s} {routed:7.3f} {x:7.3f} {routed / x:6.2f} {wait:7.3f} {w:22.3f}")
         top = max(rows, key=lambda r: r["bound"])
         if top["sat"]["mixed_dp"] > 0:
             b = breakdown(name, top["device"], top["sat"]["mixed_dp"], a.requests, a.seed)
