@@ -16,7 +16,8 @@ far a cluster of them gets by serving each type apart; meshllm's own fraction
 Where every type can stand alone, the whole cluster as mixed-dp (the same replicas, one router)
 at JOINT_LOAD x the sum of the types' mixed-dp saturations: per type, the rate its replicas are
 routed, against what they sustain alone, and its mean wait there, beside its mean wait alone at
-LOAD x its own saturation. The router balances waits, not utilisation: a type whose own
+LOAD x its own saturation (and the mean prompt of the requests routed to it: the router sends
+long prompts where they prefill fastest). The router balances waits, not utilisation: a type whose own
 saturation comes only at long waits (a slow pipeline, whose service time is long, so the
 stability rule's wait cap is too) is not loaded that far beside fast types.
 
@@ -108,14 +109,15 @@ def joint(name: str, sat: dict[str, float], n_req: int, seed: int) -> dict:
     reqs = sim.run()
     span = max(r.arrival for r in reqs) - min(r.arrival for r in reqs)
     kind = {r.id: r.members[0].device.name for r in reps}
-    out = {d: [0, 0.0] for d in sat}
+    out = {d: [0, 0.0, 0] for d in sat}
     for r in reqs:
         got = out[kind[sim.where[r.rid]]]
         got[0] += 1
         got[1] += r.wait_s
-    return {"rate": rate, "wait": sum(r.wait_s for r in reqs) / len(reqs),
+        got[2] += r.n_in
+    return {"rate": rate, "wait": sum(r.wait_s for r in reqs) / len(reqs), "prompt": sum(r.n_in for r in reqs) / len(reqs),
             "stable": sweep.stable(reqs),
-            "types": {d: (n / span, w / n if n else 0.0) for d, (n, w) in out.items()}}
+            "types": {d: (n / span, w / n if n else 0.0, t / n if n else 0.0) for d, (n, w, t) in out.items()}}
 
 
 def alone_wait(job: tuple) -> float:
@@ -204,11 +206,12 @@ def main() -> int:
             j = joint(name, sat, a.requests, a.seed)
             print(f"the whole cluster as mixed-dp (one router) at {j['rate']:.3f} req/s ({JOINT_LOAD:.0%} of the types' "
                   f"mixed-dp saturations summed): mean wait {j['wait']:.3f} s, "
-                  f"{'stable' if j['stable'] else 'NOT stable'} by the stability rule")
-            print(f"{'device':24s} {'routed':>7s} {'alone':>7s} {'of it':>6s} {'wait s':>7s} {'alone: wait s at ' + format(LOAD, '.0%'):>22s}")
+                  f"{'stable' if j['stable'] else 'NOT stable'} by the stability rule; mean prompt {j['prompt']:.0f} tokens")
+            print(f"{'device':24s} {'routed':>7s} {'alone':>7s} {'of it':>6s} {'prompt':>7s} {'wait s':>7s} "
+                  f"{'alone: wait s at ' + format(LOAD, '.0%'):>22s}")
             for (d, x), w in zip(sat.items(), waits):
-                routed, wait = j["types"][d]
-                print(f"{d:24s} {routed:7.3f} {x:7.3f} {routed / x:6.2f} {wait:7.3f} {w:22.3f}")
+                routed, wait, prompt = j["types"][d]
+                print(f"{d:24s} {routed:7.3f} {x:7.3f} {routed / x:6.2f} {prompt:7.0f} {wait:7.3f} {w:22.3f}")
         top = max(rows, key=lambda r: r["bound"])
         if top["sat"]["mixed_dp"] > 0:
             b = breakdown(name, top["device"], top["sat"]["mixed_dp"], a.requests, a.seed)
