@@ -16,8 +16,8 @@ far a cluster of them gets by serving each type apart; meshllm's own fraction
 Where every type can stand alone, the whole cluster as mixed-dp (the same replicas, one router)
 at JOINT_LOAD x the sum of the types' mixed-dp saturations: per type, the rate its replicas are
 routed, against what they sustain alone, and its mean wait there, beside its mean wait alone at
-LOAD x its own saturation (and the mean prompt of the requests routed to it: the router sends
-long prompts where they prefill fastest). The router balances waits, not utilisation: a type whose own
+LOAD x its own saturation (and the mean prompt of the requests routed to it: the router does not
+send every type the same mix of prompts). The router balances waits, not utilisation: a type whose own
 saturation comes only at long waits (a slow pipeline, whose service time is long, so the
 stability rule's wait cap is too) is not loaded that far beside fast types.
 

@@ -353,7 +353,7 @@ def wins_on_evidence(mine: Sequence[float], theirs: Sequence[float]) -> bool:
     """Step 4's test for capacity: a plan of the search's own replaces the best baseline grouping
     only if its saturation on the same traces leads by at least CONFIRM_Z standard errors of the
     per-trace differences (a paired test; identical runs pass). On a tie within that noise the
-    baseline's grouping is the plan, so meshllm is never below it on traces it was not judged on:
+    baseline's grouping is the plan, so a tie no longer leaves meshllm below it on other traces:
     on bench-fog-40-8b the search's pick led mixed-dp's sized grouping by 0.27 req/s a trace on
     average (+2.17, +1.34, -1.23, -1.21: one standard error 0.89) and lost to it by 1.4% on the
     benchmark's three traces; on bench-edge-8b its pick leads by 0.74 (standard error 0.24)."""
