@@ -201,9 +201,10 @@ def main() -> int:
               f"cluster: {'-' if mine is None else f'{mine:.3f}'} of its bound (bench/results/planner.json)")
         if len(rows) > 1 and all(r["sat"]["mixed_dp"] > 0 for r in rows):
             sat = {r["device"]: r["sat"]["mixed_dp"] for r in sorted(rows, key=lambda r: -r["bound"])}
-            with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+            with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # the joint run beside the types'
+                whole = pool.submit(joint, name, sat, a.requests, a.seed)
                 waits = list(pool.map(alone_wait, [(name, d, x, a.requests, a.seed) for d, x in sat.items()]))
-            j = joint(name, sat, a.requests, a.seed)
+                j = whole.result()
             print(f"the whole cluster as mixed-dp (one router) at {j['rate']:.3f} req/s ({JOINT_LOAD:.0%} of the types' "
                   f"mixed-dp saturations summed): mean wait {j['wait']:.3f} s, "
                   f"{'stable' if j['stable'] else 'NOT stable'} by the stability rule; mean prompt {j['prompt']:.0f} tokens")
