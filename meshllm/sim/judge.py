@@ -54,9 +54,15 @@ the one results are reported on):
    that serve better doing both: on bench-fog-40-8b at 9.9 / 13.9 req/s, the RTX 3060 pair's and
    the Orin NX + RTX 3060's prefill replicas turned mixed lowered the mean wait from 104.5 to
    88.6 / 206.9 to 140.5 ms (e2e 4.65 -> 4.76 / 6.67 -> 5.95 s; bench/planner.py): their prompts
-   no longer wait for the RTX 4090's port to take their KV. Turning replicas the other way
-   (mixed to prefill or decode) was tried: on bench-edge-8b at 1 req/s it lowered the cost by
-   making the RTX 4090 decode-only, at 5x the TTFT (p50 103 -> 550 ms), so it is not done.
+   no longer wait for the RTX 4090's port to take their KV. The other way, a mixed replica is
+   tried prefill (its prompts' KV shipped to the mixed and decode replicas), in the same rounds,
+   where some replica would still decode, and only if the TTFT p50 on the judge's trace stays
+   within TTFT_SLACK of the pick's: on bench-mesh-200 at 70 % of Splitwise's saturation, mixed-dp's
+   grouping with its RTX 4090 and Mac mini pipelines turned prefill waits 1.25 s a request
+   against 2.04 (e2e 58 against 34 s, TTFT p50 1.48 against 1.09 s; Splitwise: 2.43, 87, 2.60 s):
+   the pipelines' decodes were paused by every prompt that rode along. Turning a replica decode-
+   only is not tried: on bench-edge-8b at 1 req/s it lowered the cost by making the RTX 4090
+   decode-only, at 5x the TTFT (p50 103 -> 550 ms).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from meshllm.defaults import DECODE_TARGETS
 from meshllm.partition.capacity import capacity, role_rates
 from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
@@ -73,7 +80,7 @@ from meshllm.partition.latency import WAIT_WEIGHT
 from meshllm.partition.plan import Plan, plan_cluster, planner_evaluator
 from meshllm.partition.replica import on_prefill_split
 from meshllm.sim import baselines, sweep
-from meshllm.sim.metrics import metrics
+from meshllm.sim.metrics import metrics, nearest_rank
 from meshllm.sim.replica import from_grouping, from_plan
 
 JUDGE_REQUESTS = 1200  # 400 ranked plans by noise: on bench-fog-40-8b it put first one that lost on 4 of 4 longer traces
@@ -96,6 +103,8 @@ CONFIRM_SCALE = sweep.SWEEP_REQUESTS / JUDGE_SWEEP_REQUESTS  # the final check's
 CONFIRM_TOP = 2  # eligible candidates checked at most before the best baseline grouping wins
 FLIP_ROUNDS = 3  # step 5: replicas turned mixed at most, one per round of trials
 FLIP_GAIN = 0.01  # a turn must lower the cost by this fraction
+TTFT_SLACK = 1.5  # a turn to prefill may raise the TTFT p50 on the judge's trace at most this x (issue 8's
+# bound against Splitwise's): its prompts' first tokens wait for nothing, the others' for a port's KV
 REFINE_TOP = 2  # step 5: the pick and the next search grouping in cost order are refined; the cheaper wins
 SIMULATED = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "mean_e2e_ms")  # judged_plan(report=True)
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
@@ -120,8 +129,14 @@ def operator_groupings(inp: PlanInputs, ev: Evaluator) -> list[Grouping]:
 
 
 def run_cost(reps, trace, rate: float) -> float:
-    reqs = sweep.simulate(reps, trace, rate)
-    return sum(r.done - r.arrival + WAIT_WEIGHT * r.wait_s for r in reqs) / len(reqs)
+    return run_cost_ttft(reps, trace, rate)[0]
+
+
+def run_cost_ttft(reps, trace, rate: float) -> tuple[float, float]:
+    """The planner's cost at `rate` (mean e2e + WAIT_WEIGHT x mean wait) and the TTFT p50."""
+    reqs = sweep.simulate(reps, trace, rate, gaps=False)
+    ttft = sorted(r.first_token - r.arrival for r in reqs)
+    return sum(r.done - r.arrival + WAIT_WEIGHT * r.wait_s for r in reqs) / len(reqs), nearest_rank(ttft, 0.5)
 
 
 def inputs_key(inp: PlanInputs) -> tuple:
@@ -211,8 +226,8 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
             print(f"judge: candidate {k + 1}/{len(cands)} ({describe(g, k in op_idx)}) sustains {sat[-1]:.3f} req/s "
                   f"in the simulator, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     at_rate = inp.rate_per_s > 0 and rate > 0  # planning for a workload's rate, not for capacity
+    longer = round(sweep_requests * CONFIRM_SCALE)
     if at_rate:  # step 3: a baseline's grouping is eligible by a run as long as its sweep's
-        longer = round(sweep_requests * CONFIRM_SCALE)
         for k in op_idx:
             sat[k] = saturation(inp, cands[k], reps[k], longer)
             if log:
@@ -230,7 +245,8 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     if not at_rate:
         return cands[k]
     tries = [k] + [i for i in order[:REFINE_TOP] if i != k and i not in op_idx][:REFINE_TOP - 1]
-    refined = [refine_roles(inp, ev, cands[i], rate, sweep_requests, log) for i in tries]
+    # a baseline's grouping was eligible by runs as long as the reported sweep's, so is what it turns into
+    refined = [refine_roles(inp, ev, cands[i], rate, longer if i in op_idx else sweep_requests, log) for i in tries]
     if len(refined) == 1:
         return refined[0]
     costs = [confirm_total(inp, from_grouping(inp, g), rate) for g in refined]
@@ -251,21 +267,34 @@ def with_roles(ev: Evaluator, g: Grouping, roles: tuple[str, ...], rate: float =
 
 def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep_requests: int = JUDGE_SWEEP_REQUESTS,
                  log: bool = False) -> Grouping:
-    """Step 5 of the module docstring: the pick with replicas turned mixed, one at a time while
+    """Step 5 of the module docstring: the pick with replicas turned mixed (or mixed ones turned
+    prefill, within TTFT_SLACK of the pick's TTFT p50), one at a time while
     that lowers the cost at `rate` on the judge's trace by FLIP_GAIN (at most FLIP_ROUNDS
-    replicas); kept if it still sustains HEADROOM x `rate` and costs no more than the pick on the
-    CONFIRM_SEEDS traces. Only replicas whose roles: allow both phases and that can hold a
+    replicas); kept if it still sustains HEADROOM x `rate` (by runs of `sweep_requests`: a
+    baseline's grouping gets the reported sweep's length, as in step 3) and costs no more than the pick on the
+    CONFIRM_SEEDS traces. Only replicas whose roles: the node files leave free; turned mixed, those that can hold a
     mixed split; a prefill replica is tried mixed on its decode split and on its prefill split
     (`on_prefill_split`: the RTX 3060 pair of bench-fog-40-8b at 9.9 req/s cost 14.84 s a
     request on 17 + 15 layers, 12.98 s on 16 + 16, the pick 13.86 s); the turn of the last
     prefill replica turns the decode replicas mixed too (or is not tried), as no KV would
     reach them. The result carries the analytic prediction at `rate` for its roles."""
     trace = sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED)
-    cost, best, t0 = run_cost(from_grouping(inp, g), trace, rate), g, time.perf_counter()
-    flippable = [i for i, (canon, role, e) in enumerate(zip(g.groups, g.roles, g.evals))
-                 if role != "mixed" and e.mixed is not None and not (ev.any_forced and ev.group_role(canon))]
+    (cost, ttft), best, t0 = run_cost_ttft(from_grouping(inp, g), trace, rate), g, time.perf_counter()
+    free = [i for i, canon in enumerate(g.groups) if not (ev.any_forced and ev.group_role(canon))]
+    flippable = [i for i in free if g.roles[i] != "mixed" and g.evals[i].mixed is not None]
+    to_prefill = [i for i in free if g.roles[i] == "mixed" and g.evals[i].prefill is not None]
     for _ in range(FLIP_ROUNDS):
         tried = []
+        for i in to_prefill:
+            if best.roles[i] != "mixed":
+                continue
+            roles = best.roles[:i] + ("prefill",) + best.roles[i + 1:]
+            if not any(r in DECODE_TARGETS for r in roles):  # its KV must have somewhere to go
+                continue
+            cand = with_roles(ev, best, roles)
+            c, t = run_cost_ttft(from_grouping(inp, cand), trace, rate)
+            if t <= TTFT_SLACK * ttft:
+                tried.append((c, i, 2, cand))
         for i in flippable:
             if best.roles[i] == "mixed":
                 continue
@@ -285,7 +314,7 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
             break
         cost, best = c, cand
         if log:
-            print(f"judge: replica {i} turned mixed costs {cost:.3f} s at {rate:.3f} req/s, "
+            print(f"judge: replica {i} turned {best.roles[i]} costs {cost:.3f} s at {rate:.3f} req/s, "
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if best is g:
         return g
