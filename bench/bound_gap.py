@@ -1,7 +1,8 @@
 """Why meshllm's saturation stays below 0.93 of the physical bound on the bench clusters.
 
 Run:  python bench/bound_gap.py [--clusters bench-edge-8b,bench-fog-40-8b,bench-six-7b]
-      [--requests 2000] [--seed 0] [--jobs 2]     (~5 min on 2 cores for the default three)
+      [--replicas bench-fog-70b] [--requests 2000] [--seed 0] [--jobs 2]
+      (~5 min on 2 cores for the default three clusters, ~8 more for the replicas table)
 
 The bound (meshllm/sim/metrics.py, BRIEF) is the rate at which every stage-capable device is
 100% busy on useful FLOPs. Per device type of a cluster, the type's devices alone (the same
@@ -26,6 +27,16 @@ mixed replica's time in steps that only decode (no prompt waits, and a decode st
 memory-bound: its compute mostly idle), in steps with prompt tokens riding along (chunked
 prefill, compute-bound), and in whole-prompt steps, with the linear layers' FLOPs of each as
 a fraction of the device's compute in that time (attention left out, so slightly low).
+
+`--replicas` (default bench-fog-70b, whose device types cannot hold llama-2-70b alone): meshllm's
+plan for capacity (the judged plan, as bench/planner.py builds it), and per replica, alone as a
+mixed replica, its saturation against its own devices' bound, then two what-ifs the planner and
+simulator do not make: decode slots of MAX_DECODE_BATCH per micro-batch (one micro-batch per
+stage, as vLLM's per-virtual-engine schedulers allow under pipeline parallelism; the simulator
+allows MAX_DECODE_BATCH per replica), where their KV fits, and on top of that the DP's decode
+split made to keep room for more sequences' KV on every stage (KV_RESERVES; the planner keeps
+room for KV_RESERVE_SEQS), the best of those. Then the whole plan, as planned and with each
+replica at its best what-if. It says how much of the gap a longer decode batch would close.
 """
 
 from __future__ import annotations
@@ -43,16 +54,20 @@ sys.path.insert(0, str(REPO))
 
 from meshllm.config import load_cluster, plan_inputs  # noqa: E402
 from meshllm.partition.cost import flops_per_s  # noqa: E402
+from meshllm.partition.dp import Infeasible, Splitter, Workpoint  # noqa: E402
 from meshllm.partition.plan import PlanInfeasible  # noqa: E402
+from meshllm.partition.replica import DECODE_REF_BATCH, MAX_DECODE_BATCH  # noqa: E402
 from meshllm.sim import sweep  # noqa: E402
 from meshllm.sim.baselines import mixed_dp, splitwise  # noqa: E402
 from meshllm.sim.metrics import bound_rate_per_s  # noqa: E402
+from meshllm.sim.replica import SimReplica  # noqa: E402
 from meshllm.sim.simulator import Simulator  # noqa: E402
 
 DEFAULT = ("bench-edge-8b", "bench-fog-40-8b", "bench-six-7b")  # the 70b clusters' types cannot stand alone
 LOAD = 0.95  # the time breakdown's rate, of the type's saturation
 JOINT_LOAD = 0.9  # the whole cluster's rate, of the sum of its types' mixed-dp saturations
 KINDS = ("decode only", "chunked", "whole prompts")
+KV_RESERVES = (64, 256, 512, 1024)  # --replicas: sequences of KV the decode split keeps room for, tried
 
 
 class StepLog(Simulator):
@@ -161,6 +176,97 @@ def breakdown(name: str, device: str, sat: float, n_req: int, seed: int) -> dict
                       for k in KINDS}}
 
 
+class MicroSlots(SimReplica):
+    """A replica with MAX_DECODE_BATCH decode slots per micro-batch (one per stage), where their
+    KV fits (the --replicas what-if; SimReplica.max_batch caps the replica at MAX_DECODE_BATCH)."""
+
+    def max_batch(self) -> int:
+        mix = self.inp.mix
+        return max(0, min(MAX_DECODE_BATCH * len(self.members), int(self.kv_capacity_tokens() // (mix.mean_in + mix.mean_out))))
+
+
+def nodes_inputs(cfg, ids: set[str]):
+    return plan_inputs(replace(cfg, nodes=tuple(n for n in cfg.nodes if n.id in ids)))
+
+
+def kv_room_split(inp, members: tuple, reserve: int) -> tuple | None:
+    """(members in pipeline order, layer counts) of the DP's decode split keeping KV room for
+    `reserve` mean sequences on every stage; None where that does not fit."""
+    mix = inp.mix
+    wp = Workpoint("decode", DECODE_REF_BATCH, mix.decode_ctx, reserve * (mix.mean_in + mix.mean_out))
+    got = Splitter(inp.mc, inp.net, wp).split(members)
+    return None if isinstance(got, Infeasible) else (tuple(members[i] for i in got.order), got.counts)
+
+
+def replica_job(job: tuple) -> dict:
+    """One replica of meshllm's plan alone (mixed): its devices' bound, its saturation as planned,
+    with slots per micro-batch, and with the best KV-room split too."""
+    name, ids, counts, n_req, seed = job
+    cfg = load_cluster(REPO / "clusters" / f"{name}.yaml")
+    lengths = [(a, b) for _, a, b in sweep.make_trace(plan_inputs(cfg), n_req, seed)]
+    inp = nodes_inputs(cfg, set(ids))
+    by = {m.id: m for m in inp.members}
+    members = tuple(by[i] for i in ids)
+    sat = lambda r: sweep.saturation_rate([r], inp, seed, n_req)  # noqa: E731
+    out = {"ids": ids, "bound": bound_rate_per_s(inp, lengths),
+           "plan": sat(SimReplica(0, "mixed", members, counts, inp)),
+           "slots_rep": MicroSlots(0, "mixed", members, counts, inp).max_batch(),
+           "slots_plan": SimReplica(0, "mixed", members, counts, inp).max_batch()}
+    out["micro"] = sat(MicroSlots(0, "mixed", members, counts, inp))
+    out["kv"], out["reserve"], out["split"] = out["micro"], 0, (ids, counts)
+    for reserve in KV_RESERVES:
+        got = kv_room_split(inp, members, reserve)
+        if got is None:
+            break
+        seq, cs = got
+        r = MicroSlots(0, "mixed", seq, cs, inp)
+        s = sat(r)
+        if s > out["kv"]:
+            out["kv"], out["reserve"], out["split"] = s, reserve, ([m.id for m in seq], cs)
+    return out
+
+
+def plan_job(job: tuple) -> float:
+    """The saturation of a whole plan given as (role, ids, counts) per replica; `micro`: with
+    slots per micro-batch."""
+    name, rows, micro, n_req, seed = job
+    inp = plan_inputs(load_cluster(REPO / "clusters" / f"{name}.yaml"))
+    by = {m.id: m for m in inp.members}
+    cls = MicroSlots if micro else SimReplica
+    reps = [cls(k, role, tuple(by[i] for i in ids), tuple(counts), inp) for k, (role, ids, counts) in enumerate(rows)]
+    return sweep.saturation_rate(reps, inp, seed, n_req)
+
+
+def replicas_section(name: str, n_req: int, seed: int, jobs: int) -> None:
+    """--replicas (module docstring)."""
+    inp = plan_inputs(load_cluster(REPO / "clusters" / f"{name}.yaml"))
+    reps = sweep.meshllm_policy(inp, 0.0, seed).replicas
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        rows = list(pool.map(replica_job, [(name, [m.id for m in r.members], tuple(r.counts), n_req, seed)
+                                           for r in reps]))
+        planned = [(r.role, [m.id for m in r.members], tuple(r.counts)) for r in reps]
+        best = [(r.role, *row["split"]) for r, row in zip(reps, rows)]
+        whole = list(pool.map(plan_job, [(name, planned, False, n_req, seed), (name, best, True, n_req, seed)]))
+    print(f"## {name}: meshllm's plan for capacity, each replica alone (mixed) against its devices' bound")
+    print("bound: its devices'; slots: decode slots as planned, then per micro-batch where the KV fits; "
+          "kv room: the best reserve of KV_RESERVES (- none better)")
+    print(f"{'bound':>7s} {'slots':>5s} {'plan':>7s} {'of it':>6s} {'slots/µb':>8s} {'sat':>7s} "
+          f"{'kv room':>7s} {'sat':>7s} {'of it':>6s}  replica")
+    for r, row in zip(reps, rows):
+        kinds = defaultdict(int)
+        for m in r.members:
+            kinds[m.device.name] += 1
+        what = ", ".join(f"{n} {d}" for d, n in kinds.items())
+        print(f"{row['bound']:7.3f} {row['slots_plan']:5d} {row['plan']:7.3f} "
+              f"{row['plan'] / row['bound']:6.3f} {row['slots_rep']:8d} {row['micro']:7.3f} "
+              f"{row['reserve'] or '-':>7} {row['kv']:7.3f} {row['kv'] / row['bound']:6.3f}  {what}")
+    bound = bound_rate_per_s(inp, [(a, b) for _, a, b in sweep.make_trace(inp, n_req, seed)])
+    print(f"the whole plan: {whole[0]:.3f} req/s ({whole[0] / bound:.3f} of the cluster's bound {bound:.3f}); "
+          f"each replica with slots per micro-batch and its best KV-room split: {whole[1]:.3f} "
+          f"({whole[1] / bound:.3f})")
+    print()
+
+
 def meshllm_fraction(name: str) -> float | None:
     saved = REPO / "bench/results/planner.json"
     if not saved.exists():
@@ -177,8 +283,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=sweep.SWEEP_REQUESTS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--replicas", default="bench-fog-70b", help="clusters for the per-replica table ('' for none)")
     a = ap.parse_args()
-    names = a.clusters.split(",")
+    names = [n for n in a.clusters.split(",") if n]
     jobs = [(name, device, a.requests, a.seed) for name in names
             for device in sorted({n.device.name for n in load_cluster(REPO / "clusters" / f"{name}.yaml").nodes})]
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:
@@ -221,6 +328,8 @@ def main() -> int:
             for k, (t, eff) in b["kinds"].items():
                 print(f"  {k:14s} {t / b['replica_s']:6.3f} of the time, linear-layer FLOPs {eff:.3f} of its compute")
         print()
+    for name in (n for n in a.replicas.split(",") if n):
+        replicas_section(name, a.requests, a.seed, a.jobs)
     return 0
 
 
