@@ -646,6 +646,23 @@ def test_the_judge_turns_a_mixed_replica_prefill_when_that_costs_less_within_the
     assert judge.refine_roles(inp, ev, g, rate).roles == ("mixed", "mixed")
 
 
+def test_a_refined_baseline_grouping_is_held_to_runs_as_long_as_its_eligibility(monkeypatch):
+    """A baseline's grouping is eligible at a rate by runs as long as the reported sweep's (step
+    3); refined, its capacity check must use runs as long: on bench-mesh-200 at 6.45 req/s the
+    short runs put mixed-dp's grouping at 6.2 req/s (9.3 on 2 x 2000), so every turn of it was
+    refused for want of 1.25 x the rate."""
+    import yaml
+
+    from meshllm.config import parse_cluster
+    from meshllm.sim import judge
+
+    inp = plan_inputs(parse_cluster(yaml.safe_load(FAST_AND_ORIN), "fast_and_orin.yaml"))
+    seen = []
+    monkeypatch.setattr(judge, "refine_roles", lambda inp, ev, g, rate, n, log=False: seen.append(n) or g)
+    judge.simulated_judge(inp, [], inp.rate_per_s)  # the baselines' groupings only
+    assert seen == [round(judge.JUDGE_SWEEP_REQUESTS * judge.CONFIRM_SCALE)]
+
+
 def test_mixed_dp_runs_a_replica_on_the_split_that_rates_higher_mixed():
     """Two RTX 3060s: the decode split (17 + 15 layers) leaves KV room for fewer sequences than
     the prefill split (16 + 16), which rates higher mixed; mixed-dp, as its operator would, runs
