@@ -208,11 +208,9 @@ def replica_job(job: tuple) -> dict:
     by = {m.id: m for m in inp.members}
     members = tuple(by[i] for i in ids)
     sat = lambda r: sweep.saturation_rate([r], inp, seed, n_req)  # noqa: E731
-    out = {"ids": ids, "bound": bound_rate_per_s(inp, lengths),
-           "plan": sat(SimReplica(0, "mixed", members, counts, inp)),
-           "slots_rep": MicroSlots(0, "mixed", members, counts, inp).max_batch(),
-           "slots_plan": SimReplica(0, "mixed", members, counts, inp).max_batch()}
-    out["micro"] = sat(MicroSlots(0, "mixed", members, counts, inp))
+    planned, micro = SimReplica(0, "mixed", members, counts, inp), MicroSlots(0, "mixed", members, counts, inp)
+    out = {"ids": ids, "bound": bound_rate_per_s(inp, lengths), "plan": sat(planned), "micro": sat(micro),
+           "slots_plan": planned.max_batch(), "slots_rep": micro.max_batch()}
     out["kv"], out["reserve"], out["split"] = out["micro"], 0, (ids, counts)
     for reserve in KV_RESERVES:
         got = kv_room_split(inp, members, reserve)
