@@ -143,8 +143,13 @@ def alone_wait(job: tuple) -> float:
     return sum(r.wait_s for r in reqs) / len(reqs)
 
 
+def nodes_inputs(cfg, ids: set[str]):
+    """The planner's inputs for the nodes of `cfg` named in `ids` only (same workload and links)."""
+    return plan_inputs(replace(cfg, nodes=tuple(n for n in cfg.nodes if n.id in ids)))
+
+
 def type_inputs(cfg, device: str):
-    return plan_inputs(replace(cfg, nodes=tuple(n for n in cfg.nodes if n.device.name == device)))
+    return nodes_inputs(cfg, {n.id for n in cfg.nodes if n.device.name == device})
 
 
 def reach(job: tuple) -> dict:
@@ -183,10 +188,6 @@ class MicroSlots(SimReplica):
     def max_batch(self) -> int:
         mix = self.inp.mix
         return max(0, min(MAX_DECODE_BATCH * len(self.members), int(self.kv_capacity_tokens() // (mix.mean_in + mix.mean_out))))
-
-
-def nodes_inputs(cfg, ids: set[str]):
-    return plan_inputs(replace(cfg, nodes=tuple(n for n in cfg.nodes if n.id in ids)))
 
 
 def kv_room_split(inp, members: tuple, reserve: int) -> tuple | None:
