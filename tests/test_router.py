@@ -162,3 +162,63 @@ def test_the_gateway_counts_a_request_at_its_decode_replica_from_routing_on(inp)
     for s in streams:
         gw.book(s, "decode", -1)
     assert (gw.loads[1].active, gw.loads[1].waiting) == (0, 0)
+
+
+def zoned_inputs():
+    """One prefill device and two decode devices of one type, one of them across a 20 Mb/s zone
+    link (fast ports on every device: the link is the bottleneck)."""
+    from meshllm.config import parse_cluster, plan_inputs
+
+    return plan_inputs(parse_cluster({
+        "model": "smollm2-135m", "weights_dtype": "fp32",
+        "nodes": [{"id": "p", "device": "intel-nuc-13-i7", "zone": "fog"},
+                  {"id": "near", "device": "intel-nuc-13-i7", "zone": "fog"},
+                  {"id": "far", "device": "intel-nuc-13-i7", "zone": "cloud"}],
+        "links": [{"zones": ["fog", "cloud"], "rtt_ms": 1, "bandwidth_mbps": 20},
+                  {"zones": ["fog", "fog"], "rtt_ms": 1, "bandwidth_mbps": 1000}],
+        "workload": {"prompts": ["a"], "max_tokens": 32, "arrival_rate_per_s": 0,
+                     "input_tokens": {"mean": 16, "dist": "fixed"}, "output_tokens": {"mean": 32, "dist": "fixed"}},
+    }, "test_router.py"))
+
+
+def test_kv_promised_across_a_zone_link_counts_on_that_link():
+    """KV promised to a decode replica behind a zone link crosses that link, all of its layers
+    on the one link (where each port takes only its stage's share): the router counts it there,
+    so while it waits, the KV of the next prompts goes to the replica on this side of the link.
+    Without it, every prompt routed while others prefilled saw the link idle: on bench-mesh-200
+    the KV of a fog pipeline queued ~10 s a request for the cloud A100s' 500 Mb/s link."""
+    zin = zoned_inputs()
+    by_id = {m.id: m for m in zin.members}
+    reps = [SimReplica(i, role, (by_id[n],), (30,), zin) for i, (role, n) in enumerate(
+        [("prefill", "p"), ("decode", "far"), ("decode", "near")])]
+    router = Router(reps, PortBook(zin.net))
+    loads = loads_for(reps)
+    near = loads[2]
+    near.active, near.waiting, near.tokens_left = near.max_batch, 50, 30.0  # full, with a queue: far wins
+    assert router.pick_decode(0, loads, 64, 32, 0.0) == 1
+    loads[1].kv_pending_tokens = 2000  # ~30 prompts' KV promised to the far one
+    port_only, on_link = router.pending_rx_s(reps[1], loads[1]), router.pending_rx_s(reps[1], loads[1], reps[0])
+    kv_bytes = 2000 * 30 * zin.mc.kv_bytes_per_token
+    assert on_link == pytest.approx(kv_bytes * 8 / 20e6, rel=1e-6) and on_link > 10 * port_only
+    assert router.pick_decode(0, loads, 64, 32, 0.0) == 2
+    assert router.best_decode_rest(reps[0], loads, 32, 0.0) > router.decode_cost(reps[2], loads[2], 32)[0]
+
+
+def test_kv_stays_promised_until_the_last_stage_has_shipped_it(inp):
+    """A prefill pipeline's stages ship their KV as each finishes the prompt; the decode replica's
+    promise (`kv_pending_tokens`) holds until the last stage's KV is on the ports (the prompt's
+    first token, when the live gateway drops it too), not from the first stage on, when most of
+    the KV is neither booked on a port nor promised."""
+    by_id = {m.id: m for m in inp.members}
+    reps = [SimReplica(0, "prefill", (by_id["fog-1"], by_id["fog-2"]), (15, 15), inp),
+            SimReplica(1, "decode", (by_id["fog-3"],), (30,), inp)]
+    req = Request(0, 0.0, 500, 10)
+    sim = Simulator(reps, [req])
+    stages_done = 0
+    while sim.heap:
+        sim.now, _, fn, args = __import__("heapq").heappop(sim.heap)
+        fn(*args)
+        stages_done += fn.__name__ == "on_stage"
+        prefilled = req.first_token == req.first_token  # not NaN
+        assert sim.loads[1].kv_pending_tokens == (0 if prefilled else 500), (fn.__name__, stages_done)
+    assert stages_done == 2 and req.done > 0

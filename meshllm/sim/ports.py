@@ -69,6 +69,21 @@ class PortBook:
     def transfer(self, a: Member, b: Member, nbytes: float, now: float, commit: bool = True) -> tuple[float, float]:
         return self.transfers(((a, b, nbytes),), now, commit)
 
+    def shared_links(self, flows: Iterable[tuple[Member, Member, float]]) -> dict[tuple, float]:
+        """{zone link: seconds of `flows` on it} for the links between zones they cross (shared
+        by every flow on them; a within-zone link caps each flow only, so it is left out)."""
+        out: dict[tuple, float] = {}
+        for a, b, nbytes in flows:
+            if a.zone != b.zone:
+                for server, per_byte in self.path(a, b)[0][2:]:
+                    out[server] = out.get(server, 0.0) + nbytes * per_byte
+        return out
+
+    def link_wait_s(self, links: Iterable[tuple], now: float) -> float:
+        """Seconds until the busiest of `links` (zone links, as `shared_links` keys them) has sent
+        what is queued on it."""
+        return max((max(self.free.get(server, 0.0) - now, 0.0) for server in links), default=0.0)
+
     def wait_s(self, node: str, direction: str, now: float) -> float:
         """Seconds until `node`'s port in `direction` has sent / received what is queued."""
         return max(self.free.get((node, direction), 0.0) - now, 0.0)

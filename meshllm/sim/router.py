@@ -21,7 +21,12 @@ its prefill imposes on the sequences decoding there, when it goes whole). The po
 replica counts the KV already booked on its ports and the KV promised to it: requests routed
 there whose prompts are still prefilling elsewhere (`kv_pending_tokens`; without it, every
 request routed during a prefill saw the same idle ports and picked the same replica: on
-bench-fog-40-8b at 13.3 req/s the mean wait fell from 437 to 295 ms with it). Likewise the
+bench-fog-40-8b at 13.3 req/s the mean wait fell from 437 to 295 ms with it); KV that crosses a
+link between zones counts on that link too, all of its layers (shared by every flow crossing it,
+where each port takes only its stage's share), from the prefill replica being scored or asking
+(without it the fog pipelines' KV queued ~10 s a request on bench-mesh-200's 500 Mb/s link to the
+cloud A100s: at 6.45 req/s tuned Splitwise's mean wait fell from 2.43 to 1.20 s with it and with
+the promise held until the last prefill stage has shipped, simulator.py). Likewise the
 port queue of a prefill replica counts the KV of the prompts routed there that has not left yet
 (`kv_unshipped_tokens`: queued or still in its pipeline), which its ports send before this
 prompt's (without it, a replica whose 1 Gb/s ports ship KV slower than its stages compute
@@ -86,6 +91,7 @@ class Router:
         self.ports = ports
         self.w = wait_weight
         self._flows: dict[tuple[int, int], list[tuple[Member, Member, float]]] = {}
+        self._links: dict[tuple[int, int], dict[tuple, float]] = {}
 
     def kv_flows(self, src: SimReplica, dst: SimReplica, tokens: int) -> list[tuple[Member, Member, float]]:
         """KV transfers of one prompt of `tokens` tokens: every prefill stage to every decode stage
@@ -102,13 +108,29 @@ class Router:
             self._flows[key] = per_token
         return [(a, b, per * tokens) for a, b, per in per_token]
 
-    def pending_rx_s(self, rep: SimReplica, load: ReplicaLoad) -> float:
+    def pending_rx_s(self, rep: SimReplica, load: ReplicaLoad, src: SimReplica | None = None) -> float:
         """Seconds the KV already promised to `rep` (routed here, still prefilling elsewhere) will
-        hold its busiest receiving port: it is not on the ports yet, but arrives before ours."""
+        hold its busiest receiving port, or, coming from `src`'s zones, the busiest zone link it
+        crosses (every layer's KV shares that link, where each port takes its stage's share): it
+        is not on the ports yet, but arrives before ours. Where the promised KV comes from is not
+        kept; the prefill replica asking stands for it."""
         if not load.kv_pending_tokens:
             return 0.0
         per = rep.inp.mc.kv_bytes_per_token * load.kv_pending_tokens
-        return max(transfer_s(per * n, m.device.network_mbps) for m, n in zip(rep.members, rep.counts))
+        rx = max(transfer_s(per * n, m.device.network_mbps) for m, n in zip(rep.members, rep.counts))
+        if src is None:
+            return rx
+        return max(rx, max((per_token * load.kv_pending_tokens for per_token in self.kv_links(src, rep).values()),
+                           default=0.0))
+
+    def kv_links(self, src: SimReplica, dst: SimReplica) -> dict[tuple, float]:
+        """{zone link: seconds a prompt token's KV holds it} for the links between zones that the
+        KV from `src` to `dst` crosses (cached per replica pair)."""
+        key = (src.id, dst.id)
+        got = self._links.get(key)
+        if got is None:
+            got = self._links[key] = self.ports.shared_links(self.kv_flows(src, dst, 1))
+        return got
 
     def decode_cost(self, rep: SimReplica, load: ReplicaLoad, n_out: float) -> tuple[float, float]:
         """(seconds from the KV's arrival (mixed: the prefill's end) to the last token, of which
@@ -129,7 +151,7 @@ class Router:
             if rep.role not in DECODE_TARGETS:
                 continue
             end, ideal = self.ports.transfers(self.kv_flows(src, rep, n_in), now, commit=False)
-            end += self.pending_rx_s(rep, loads[rep.id])
+            end += self.pending_rx_s(rep, loads[rep.id], src)
             rest, slot_wait = self.decode_cost(rep, loads[rep.id], n_out)
             score = end + rest + self.w * (end - ideal + slot_wait)
             if best is None or score < best[0]:
@@ -137,13 +159,16 @@ class Router:
         assert best is not None, "no decode or mixed replica"
         return best[1]
 
-    def best_decode_rest(self, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float, now: float) -> float:
-        """Scored seconds from KV shipped to done on the best decode replica (its rx queue included)."""
+    def best_decode_rest(self, src: SimReplica, loads: Mapping[int, ReplicaLoad], n_out: float, now: float) -> float:
+        """Scored seconds from `src`'s KV shipped to done on the best decode replica (the queues
+        of its rx ports and of the zone links from `src` included)."""
         best = float("inf")
         for rep in self.reps.values():
             if rep.role in DECODE_TARGETS:
                 rest, slot_wait = self.decode_cost(rep, loads[rep.id], n_out)
-                rx = max(self.ports.wait_s(m.id, RX, now) for m in rep.members) + self.pending_rx_s(rep, loads[rep.id])
+                rx = max(max(self.ports.wait_s(m.id, RX, now) for m in rep.members),
+                         self.ports.link_wait_s(self.kv_links(src, rep), now))
+                rx += self.pending_rx_s(rep, loads[rep.id], src)
                 best = min(best, rest + (1 + self.w) * rx + self.w * slot_wait)
         return best
 
@@ -166,10 +191,14 @@ class Router:
         rest, slot_wait = self.decode_cost(rep, load, n_out)
         return ttft + join + rest + self.w * (join + max(0.0, ttft - now - lat) + slot_wait + pause)
 
-    def prefill_score(self, rep: SimReplica, load: ReplicaLoad, n_in: int, n_out: float, now: float,
-                      decode_rest: float) -> float:
+    def prefill_score(self, rep: SimReplica, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float,
+                      now: float, ships: bool = True) -> float:
+        """A candidate's score for a new prompt; `ships`: a prefill replica's KV has a decode or
+        mixed replica to go to (else its decode is not counted)."""
+        load = loads[rep.id]
         if rep.role == "mixed":
             return self.mixed_score(rep, load, n_in, n_out, now)
+        decode_rest = self.best_decode_rest(rep, loads, n_out, now) if ships else 0.0
         _, lat = rep.prefill_s(n_in)
         start = max(now, load.next_prefill_at) + load.prefill_queued_s
         ttft = start + lat
@@ -190,11 +219,10 @@ class Router:
         """The prefill (or mixed) replica for a new request of `n_in` prompt tokens."""
         roles = {r.role for r in self.reps.values()}
         ships = "prefill" in roles and bool(roles & set(DECODE_TARGETS))  # a prefill replica's KV has somewhere to go
-        rest = self.best_decode_rest(loads, n_in, n_out, now) if ships else 0.0
         best = None
         for rep in self.reps.values():
             if rep.role in ("prefill", "mixed"):
-                score = self.prefill_score(rep, loads[rep.id], n_in, n_out, now, rest)
+                score = self.prefill_score(rep, loads, n_in, n_out, now, ships)
                 if best is None or score < best[0]:
                     best = (score, rep.id)
         assert best is not None, "no prefill or mixed replica"

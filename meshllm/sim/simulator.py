@@ -16,7 +16,9 @@
 - KV shipping: as roles/stage.py does, each prefill stage sends the KV of its layers to the
   decode stages holding them as soon as it has computed the prompt, after the prompt's
   activations to the next stage (which are on its critical path); the KV is ready when the
-  last stage's has arrived.
+  last stage's has arrived. The decode replica counts it as promised (router.py's
+  `kv_pending_tokens`) from routing until the last stage has shipped (the prompt's first
+  token, as the live gateway counts it), not only until the first stage starts shipping.
 - Decode replicas batch at iteration level (Orca): up to the memory-limited batch; an
   iteration costs `decode_iter_s(batch, mean context)`, in min(stages, batch) micro-batches
   that follow each other through the pipeline, and (as roles/leader.py does) a sequence joins
@@ -331,13 +333,13 @@ class Simulator:
         src = st.rep
         if i == 0:
             st.pending_kv += req.n_in
-            self.states[req.dst].load.kv_pending_tokens -= req.n_in  # on the ports from now on
             req.kv_end, req.kv_ideal, req.kv_alone = self.now, self.now, {}
         dst = self.states[req.dst]
         flows = [f for f in self.router.kv_flows(src, dst.rep, req.n_in) if f[0] is src.members[i]]
         end, ideal = self.ports.transfers(flows, self.now, commit=True, alone=req.kv_alone)
         req.kv_end, req.kv_ideal = max(req.kv_end, end), max(req.kv_ideal, ideal)
         if i == len(src.members) - 1:
+            dst.load.kv_pending_tokens -= req.n_in  # all of it on the ports from now on
             st.load.kv_unshipped_tokens -= req.n_in
             req.kv_alone = None
             req.wait_s += req.kv_end - req.kv_ideal
