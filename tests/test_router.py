@@ -222,3 +222,19 @@ def test_kv_stays_promised_until_the_last_stage_has_shipped_it(inp):
         prefilled = req.first_token == req.first_token  # not NaN
         assert sim.loads[1].kv_pending_tokens == (0 if prefilled else 500), (fn.__name__, stages_done)
     assert stages_done == 2 and req.done > 0
+
+
+def test_the_gateway_keeps_one_router_per_set_of_ready_replicas_until_the_next_plan(inp):
+    """The gateway routes every request with the router of its ready replicas, kept (with the
+    KV flows it has worked out) until a replica's readiness changes or a new plan arrives."""
+    from meshllm.roles.gateway import RouterView
+
+    reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-2"), rep(inp, 2, "decode", "fog-4")]
+    view = RouterView()
+    view.replan({r.id: r for r in reps}, inp, set())
+    assert view.route({0, 1, 2}, 2000, 32) == view.route({0, 1, 2}, 2000, 32)
+    router = view.router_for(reps)
+    assert router is view.router_for(reps) and router.ports is view.ports and router._flows
+    assert view.route({0, 1}, 2000, 32) == (0, 1) and view.router_for(reps[:2]) is not router
+    view.replan({r.id: r for r in reps}, inp, set())
+    assert view.router_for(reps) is not router and view.router_for(reps).ports is view.ports
