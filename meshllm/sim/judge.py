@@ -60,7 +60,9 @@ the one results are reported on):
    within TTFT_SLACK of the pick's: on bench-mesh-200 at 70 % of Splitwise's saturation, mixed-dp's
    grouping with its RTX 4090 and Mac mini pipelines turned prefill waits 1.25 s a request
    against 2.04 (e2e 58 against 34 s, TTFT p50 1.48 against 1.09 s; Splitwise: 2.43, 87, 2.60 s):
-   the pipelines' decodes were paused by every prompt that rode along. Turning a replica decode-
+   the pipelines' decodes were paused by every prompt that rode along (with the router before it
+   counted KV on zone links; with it the judge picks a search grouping there, 5 prefill and 11 mixed
+   replicas, and turns three more prefill: 0.38 s). Turning a replica decode-
    only is not tried: on bench-edge-8b at 1 req/s it lowered the cost by making the RTX 4090
    decode-only, at 5x the TTFT (p50 103 -> 550 ms).
 """
