@@ -1,7 +1,7 @@
 """The wait goals of issue 8 over several seeds: how much of a ratio is one seed's luck.
 
 Run:  python bench/wait_seeds.py [--clusters bench-edge-8b,bench-fog-40-8b] [--seeds 0,1,2]
-      [--requests 2000]     (~10 min on 2 cores)
+      [--requests 2000]     (~25 min on 2 cores)
 
 bench/planner.py reports each goal from one seed: one GA run, one judge, one trace. Here, at the
 same rates (read from bench/results/planner.json: 50 % and 70 % of tuned Splitwise's saturation,
