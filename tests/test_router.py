@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import pytest
 
 from meshllm.sim.ports import PortBook
@@ -216,7 +218,7 @@ def test_kv_stays_promised_until_the_last_stage_has_shipped_it(inp):
     sim = Simulator(reps, [req])
     stages_done = 0
     while sim.heap:
-        sim.now, _, fn, args = __import__("heapq").heappop(sim.heap)
+        sim.now, _, fn, args = heapq.heappop(sim.heap)
         fn(*args)
         stages_done += fn.__name__ == "on_stage"
         prefilled = req.first_token == req.first_token  # not NaN

@@ -75,7 +75,7 @@ class PortBook:
         out: dict[tuple, float] = {}
         for a, b, nbytes in flows:
             if a.zone != b.zone:
-                for server, per_byte in self.path(a, b)[0][2:]:
+                for server, per_byte in self.path(a, b)[0][2:]:  # past the two ports: the zone link
                     out[server] = out.get(server, 0.0) + nbytes * per_byte
         return out
 
