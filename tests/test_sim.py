@@ -672,6 +672,26 @@ def test_mixed_dp_runs_a_replica_on_the_split_that_rates_higher_mixed():
     assert [r.counts for r in pair] == [(16, 16)]
 
 
+def test_the_latency_estimate_completes_each_split_of_a_replica_on_its_own():
+    """The capacity search leaves out what only the latency estimate needs (the decode step at
+    batch 1: step1_s -1); `Evaluator.completed` finds it, and the mixed fit's free prompt tokens,
+    per split: the RTX 3060 pair mixed on its prefill split (16 + 16, the judge's variant) is
+    not handed the completion of its decode split (17 + 15), which has the same members."""
+    from meshllm.partition.replica import decode_fit, on_prefill_split
+
+    inp, ev, g = pair_and_orin()
+    plain = g.evals[0]
+    assert plain.decode.step1_s == -1.0 and plain.mixed.step1_s == -1.0
+    alt = on_prefill_split(inp.mc, plain, inp.net, inp.mix)
+    assert alt is not None and alt.mixed.split.counts == (16, 16) != plain.mixed.split.counts
+    a, b = ev.completed(plain), ev.completed(alt)
+    assert b.mixed.split == alt.mixed.split and a.mixed.split == plain.mixed.split
+    assert b.mixed.free1 >= 0 and a.mixed.free1 >= 0
+    full = decode_fit(inp.mc, plain.members, plain.decode.split, inp.net, inp.mix)
+    assert a.decode.step1_s == a.mixed.step1_s == full.step1_s > 0
+    assert b.mixed.step1_s == decode_fit(inp.mc, alt.members, alt.mixed.split, inp.net, inp.mix).step1_s
+
+
 def test_the_judge_keeps_roles_that_a_node_forces_and_refines_only_at_a_rate(monkeypatch):
     """A replica whose nodes allow only prefill stays prefill (the Orin may still turn mixed);
     planning for capacity (no rate) does not refine at all (a turn is judged by the cost at the

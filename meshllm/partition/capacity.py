@@ -61,5 +61,5 @@ def capacity(rates: Sequence[tuple[float, float, float]], roles: Sequence[str],
             mixed.append(i)
     pd = min(p, d)
     ship = absorbed(rates, mixed, p - pd, ranked)
-    gain = sum(s * (1.0 - rates[i][2] / rates[i][1]) for i, s in ship.items())
-    return sum(rates[i][2] for i in mixed) + pd + gain, pd + sum(ship.values()), ship
+    gain = sum([s * (1.0 - rates[i][2] / rates[i][1]) for i, s in ship.items()])
+    return sum([rates[i][2] for i in mixed]) + pd + gain, pd + sum(ship.values()), ship

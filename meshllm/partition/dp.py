@@ -183,10 +183,12 @@ def min_bottleneck(table: np.ndarray) -> float | None:
     return t if math.isfinite(t) else None
 
 
-def threshold_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
-    """Same optimum as the DP at `min_bottleneck`'s T: each stage takes what fits within T, and
-    the excess is given back from the end; used for long replicas (> DP_MAX_STAGES)."""
-    t = min_bottleneck(table)
+def threshold_split(table: np.ndarray, links: Sequence[float],
+                    t: float | None = None) -> tuple[float, tuple[int, ...]] | None:
+    """Same optimum as the DP at `min_bottleneck`'s T (`t`, if already found): each stage takes
+    what fits within T, and the excess is given back from the end; used for long replicas
+    (> DP_MAX_STAGES)."""
+    t = min_bottleneck(table) if t is None else t
     if t is None:
         return None
     counts = (table <= t).sum(axis=1)
@@ -196,10 +198,12 @@ def threshold_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, t
     return max(t, max(links, default=0.0)), tuple(counts.tolist())
 
 
-def best_split(table: np.ndarray, links: Sequence[float]) -> tuple[float, tuple[int, ...]] | None:
+def best_split(table: np.ndarray, links: Sequence[float],
+               t: float | None = None) -> tuple[float, tuple[int, ...]] | None:
+    """(bottleneck, layers per stage) of the best split of `table` (`t`: its `min_bottleneck`, if found)."""
     if table.shape[0] <= DP_MAX_STAGES:
         return min_bottleneck_split(table, links)
-    return threshold_split(table, links)
+    return threshold_split(table, links, t)
 
 
 def candidate_orders(members: Sequence[Member], exact_max: int = EXACT_ORDER_MAX) -> list[tuple[int, ...]]:
@@ -213,12 +217,13 @@ def candidate_orders(members: Sequence[Member], exact_max: int = EXACT_ORDER_MAX
     zone_compute: dict[str, float] = {}
     for m in members:
         zone_compute[m.zone] = zone_compute.get(m.zone, 0.0) + m.device.compute_tflops
-    zones = sorted(zone_compute, key=lambda z: (-zone_compute[z], z))
-    keys = [lambda m: -m.device.compute_tflops, lambda m: m.device.compute_tflops, lambda m: -m.device.memory_gb]
-    orders = []
-    for key in keys:
-        orders.append(tuple(i for z in zones for i in sorted(
-            (i for i, m in enumerate(members) if m.zone == z), key=lambda i, key=key: (key(members[i]), i))))
+    zone_rank = {z: r for r, z in enumerate(sorted(zone_compute, key=lambda z: (-zone_compute[z], z)))}
+    zr = [zone_rank[m.zone] for m in members]
+    tflops = [m.device.compute_tflops for m in members]
+    memory = [m.device.memory_gb for m in members]
+    # zones by rank, then within a zone: compute descending, compute ascending, memory descending
+    orders = [tuple(sorted(range(k), key=lambda i, col=col, sign=sign: (zr[i], sign * col[i], i)))
+              for col, sign in ((tflops, -1.0), (tflops, 1.0), (memory, -1.0))]
     return list(dict.fromkeys(orders))
 
 
@@ -249,7 +254,7 @@ class Splitter:
               orders: Sequence[tuple[int, ...]] | None = None) -> Split | Infeasible:
         """Best order and split of `members`, or the reason none fits (`orders`: the candidate
         orders, if already listed)."""
-        best = None  # (bottleneck, order, table, links): the first order of the least bottleneck
+        best = None  # (bottleneck, order, table, links, stages' bottleneck): the first order of the least
         k = len(members)
         middle = np.stack([self.row(m, False, False) for m in members]) if k > 2 else None
         for order in candidate_orders(members, exact_max) if orders is None else orders:
@@ -259,15 +264,16 @@ class Splitter:
                 table = middle[list(order)]
                 table[0] = self.row(members[order[0]], True, False)
                 table[-1] = self.row(members[order[-1]], False, True)
+            stages = min_bottleneck(table)  # the optimum of `best_split`, without its layer counts
+            if stages is None or (best is not None and stages >= best[0]):
+                continue  # the links can only raise it: this order cannot be the first of the least
             links = [self.hop(members[a], members[b]) for a, b in itertools.pairwise(order)]
-            t = min_bottleneck(table)  # the optimum of `best_split`, without its layer counts
-            if t is not None:
-                t = max(t, max(links, default=0.0))
-                if best is None or t < best[0]:
-                    best = (t, order, table, links)
+            t = max(stages, max(links, default=0.0))
+            if best is None or t < best[0]:
+                best = (t, order, table, links, stages)
         if best is None:
             return Infeasible(shortfall_reason(self.mc, members, self.wp))
-        got = best_split(best[2], best[3])  # the layer counts, for the chosen order only
+        got = best_split(best[2], best[3], best[4])  # the layer counts, for the chosen order only
         return Split(best[1], got[1], got[0])
 
 

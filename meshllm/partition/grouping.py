@@ -25,7 +25,9 @@ queue for everyone.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,10 +54,19 @@ class Grouping:
     link_req_s: float = math.inf  # requests/s the shared zone links let through (links.py)
 
 
-def _convert_surplus(rates, roles: list[str], p: float, d: float, side: list[int]) -> float:
-    """Turn replicas of the larger pool mixed while that adds capacity; returns the capacity."""
+def surplus_keys(rates) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+    """Per replica, the order in which `_convert_surplus` turns a larger prefill (first list) or
+    decode pool (second) mixed: the most mixed rate per rate given up first."""
+    return ([(-r[2] / max(r[0], 1e-12), i) for i, r in enumerate(rates)],
+            [(-r[2] / max(r[1], 1e-12), i) for i, r in enumerate(rates)])
+
+
+def _convert_surplus(rates, roles: list[str], p: float, d: float, side: list[int],
+                     keys: tuple[list, list] | None = None) -> float:
+    """Turn replicas of the larger pool mixed while that adds capacity; returns the capacity
+    (`keys`: `surplus_keys(rates)`, if already listed)."""
     big = 0 if p > d else 1
-    side = sorted(side, key=lambda i: (-rates[i][2] / max(rates[i][big], 1e-12), i))
+    side = sorted(side, key=(keys or surplus_keys(rates))[big].__getitem__)
     mixed = 0.0
     for i in side:
         r, h = rates[i][big], rates[i][2]
@@ -92,6 +103,7 @@ def assign_roles(rates: Sequence[tuple[float, float, float]],
         dec_sum.append(dec_sum[-1] + rates[i][1])
     pools = [(fixed_p + pre_sum[m], fixed_d + dec_sum[len(free) - m]) for m in range(len(free) + 1)]
     top = max(range(len(pools)), key=lambda m: (min(pools[m]), -m))
+    keys = surplus_keys(rates)
     for m in range(max(0, top - CUT_NEIGHBOURS), min(len(pools), top + CUT_NEIGHBOURS + 1)):
         p, d = pools[m]
         if p <= 0 or d <= 0:
@@ -102,7 +114,7 @@ def assign_roles(rates: Sequence[tuple[float, float, float]],
         feeding = list(roles)  # the same prefill pool feeding mixed replicas instead of a decode pool
         for i in free[m:]:
             feeding[i] = "mixed"
-        _convert_surplus(rates, roles, p, d, free[:m] if p > d else free[m:])
+        _convert_surplus(rates, roles, p, d, free[:m] if p > d else free[m:], keys)
         for option in (roles, feeding):
             cap = capacity(rates, option, trades)[0]
             if cap > best[0] * (1 + 1e-12):
@@ -127,12 +139,18 @@ class Evaluator:
         for r, i in enumerate(ranked):
             self.rank[i] = r
         self.by_rank = ranked  # member indices in canonical order
+        # a chromosome's labels in canonical order, in one C call (a tuple even for one member)
+        self.labels_by_rank = operator.itemgetter(*ranked) if len(ranked) > 1 else \
+            (lambda genes: tuple(genes[i] for i in ranked))
         kinds = {k: n for n, k in enumerate(sorted({m.key for m in self.members}))}
         self.kind = [kinds[m.key] for m in self.members]  # small int per interchangeable class
         self.any_forced = any(f is not None for f in self.forced)
         # (replica kind tuples, forced roles) -> (roles, capacity, link bound): a grouping's roles and
         # capacity depend on its replicas' evaluations only, and those on the kinds
         self.roles_cache: dict[tuple, tuple[tuple[str, ...], float, float]] = {}
+        # member indices (canonical) -> (kind key, evaluation, its role rates): a chromosome's
+        # replicas mostly recur unchanged from its parents'
+        self.by_canon: dict[tuple[int, ...], tuple[tuple[int, ...], ReplicaEval, tuple[float, float, float]]] = {}
 
     def replica(self, idx: Sequence[int]) -> tuple[tuple[int, ...], ReplicaEval]:
         """(member indices in the evaluation's canonical order, evaluation)."""
@@ -141,7 +159,7 @@ class Evaluator:
 
     def evaluation(self, canon: tuple[int, ...]) -> tuple[tuple[int, ...], ReplicaEval]:
         """(kind key, evaluation) of the replica of `canon` (member indices in canonical order)."""
-        key = tuple(self.kind[i] for i in canon)
+        key = tuple(map(self.kind.__getitem__, canon))
         ev = self.cache.get(key)
         if ev is None:
             ev = evaluate_replica(self.mc, [self.members[i] for i in canon], self.net, self.mix, self.splitters)
@@ -153,39 +171,47 @@ class Evaluator:
         return False if len(want) > 1 else (want.pop() if want else None)
 
     def decode(self, genes: Sequence[int]) -> Grouping:
-        by_label: dict[int, list[int]] = {}
-        for i in self.by_rank:  # in canonical order, so each replica's members come out canonical
-            g = genes[i]
-            if g != NONE:
-                by_label.setdefault(g, []).append(i)
-        groups, evals, forced, keys = [], [], [], []
-        for label in sorted(by_label):
-            canon = tuple(by_label[label])
-            key, ev = self.evaluation(canon)
+        labels = self.labels_by_rank(genes)
+        # positions by label, a stable sort: each replica's members come out in canonical order
+        by_label = itertools.groupby(sorted(range(len(labels)), key=labels.__getitem__), key=labels.__getitem__)
+        groups, evals, forced, keys, rates = [], [], [], [], []
+        for label, pos in by_label:
+            if label == NONE:
+                continue
+            canon = tuple(map(self.by_rank.__getitem__, pos))
+            got = self.by_canon.get(canon)
+            if got is None:
+                if len(self.by_canon) >= ROLES_CACHE:
+                    self.by_canon.clear()
+                key, ev = self.evaluation(canon)
+                got = self.by_canon[canon] = (key, ev, role_rates((ev,))[0])
+            key, ev, rate = got
             role = self.group_role(canon) if self.any_forced else None
             if ev.ok and role is not False:
                 groups.append(canon)
                 evals.append(ev)
                 forced.append(role)
                 keys.append(key)
+                rates.append(rate)
         if not groups:
             return Grouping((), (), (), 0.0)
         sig = (tuple(keys), tuple(forced))
         got = self.roles_cache.get(sig)
         if got is not None:
             return Grouping(tuple(groups), got[0], tuple(evals), got[1], None, got[2])
-        fit, roles = assign_roles(role_rates(evals), forced)
-        g = self.with_links(Grouping(tuple(groups), tuple(roles), tuple(evals), fit))
+        fit, roles = assign_roles(rates, forced)
+        g = self.with_links(Grouping(tuple(groups), tuple(roles), tuple(evals), fit), rates)
         if len(self.roles_cache) >= ROLES_CACHE:
             self.roles_cache.clear()
         self.roles_cache[sig] = (g.roles, g.fitness, g.link_req_s)
         return g
 
-    def with_links(self, g: Grouping) -> Grouping:
-        """`g` with its capacity capped by the shared zone links (a no-op without such links)."""
+    def with_links(self, g: Grouping, rates: Sequence[tuple[float, float, float]] | None = None) -> Grouping:
+        """`g` with its capacity capped by the shared zone links (a no-op without such links;
+        `rates`: `role_rates(g.evals)`, if already listed)."""
         if not self.links.active or not g.groups:
             return g
-        cap, cap_pd, ship = capacity(role_rates(g.evals), g.roles)
+        cap, cap_pd, ship = capacity(role_rates(g.evals) if rates is None else rates, g.roles)
         bound = self.links.bound(g.evals, g.roles, cap_pd, cap, ship)
         return Grouping(g.groups, g.roles, g.evals, min(g.fitness, bound), g.prediction, bound)
 
@@ -203,7 +229,8 @@ class Evaluator:
 
     def completed(self, ev: ReplicaEval) -> ReplicaEval:
         """`ev` with what only the latency estimate needs (free prompt tokens of its mixed fit)."""
-        key = tuple(m.key for m in ev.members)
+        # the splits too: the judge's variants of a replica (`on_prefill_split`) share its members
+        key = (tuple(m.key for m in ev.members), ev.decode and ev.decode.split, ev.mixed and ev.mixed.split)
         got = self.free_cache.get(key)
         if got is None:
             got = self.free_cache[key] = with_free_tokens(self.mc, ev, self.net, self.mix)

@@ -77,7 +77,7 @@ class RoleFit:
     prefill_s: float = 0.0  # prefill, mixed: one mean prompt through the whole pipeline (its TTFT part)
     ship_s: float = 0.0  # prefill: shipping one mean prompt's KV out (the slowest port)
     step_s: float = 0.0  # decode, mixed: one iteration at `batch`
-    step1_s: float = 0.0  # decode, mixed: one iteration at batch 1
+    step1_s: float = 0.0  # decode, mixed: one iteration at batch 1 (-1: not found yet, `with_free_tokens`)
     free1: int = -1  # mixed: prompt tokens that ride along an iteration at batch 1 for free (-1: not found yet)
     free_b: int = -1  # mixed: the same at `batch`
     chunk_s: float = 0.0  # mixed: a mean prompt's compute on the busiest stage when chunked with others
@@ -154,7 +154,10 @@ def decode_tok_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], n
     return n_seq / decode_step_s(mc, seq, counts, net, n_seq, mix.decode_ctx)
 
 
-def decode_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net, mix: Mix) -> RoleFit:
+def decode_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net, mix: Mix,
+               step1: bool = True) -> RoleFit:
+    """The decode role on `split` (`step1`: also its step at batch 1, which only the latency
+    estimate needs; without it step1_s is -1 until `with_free_tokens`)."""
     seq = ordered(members, split)
     n_seq = decode_concurrency(mc, seq, split.counts, mix)
     if n_seq < 1:
@@ -163,8 +166,8 @@ def decode_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net
     tok_s = n_seq / step
     req = tok_s / mix.mean_out
     ports = port_s(mc, seq, split.counts, mix.mean_out, 0.0, mix.mean_in)
-    step1 = decode_step_s(mc, seq, split.counts, net, 1, mix.decode_ctx)
-    return RoleFit(split, capped(req, ports), tok_s, n_seq, req, step_s=step, step1_s=step1)
+    step1_s = decode_step_s(mc, seq, split.counts, net, 1, mix.decode_ctx) if step1 else -1.0
+    return RoleFit(split, capped(req, ports), tok_s, n_seq, req, step_s=step, step1_s=step1_s)
 
 
 def mixed_compute_req_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], mix: Mix) -> float:
@@ -202,9 +205,20 @@ def mixed_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Net,
                    chunk_s=min(pre.occupancy_s, chunked_prompt_s(mc, seq, split.counts, mix)))
 
 
+def with_step1(mc: ModelCosts, members: Sequence[Member], fit: RoleFit | None, net: Net, mix: Mix) -> RoleFit | None:
+    """`fit` with its decode step at batch 1 found, where it was left out."""
+    if fit is None or fit.step1_s >= 0:
+        return fit
+    seq = ordered(members, fit.split)
+    return replace(fit, step1_s=decode_step_s(mc, seq, fit.split.counts, net, 1, mix.decode_ctx))
+
+
 def with_free_tokens(mc: ModelCosts, ev: ReplicaEval, net: Net, mix: Mix) -> ReplicaEval:
-    """`ev` with its mixed fit's free prompt tokens per step found (at batch 1 and full), which
-    only the latency estimate needs (the capacity search does without)."""
+    """`ev` with what only the latency estimate needs (the capacity search does without): the
+    decode and mixed fits' step at batch 1, and the mixed fit's free prompt tokens per step (at
+    batch 1 and full)."""
+    ev = replace(ev, decode=with_step1(mc, ev.members, ev.decode, net, mix),
+                 mixed=with_step1(mc, ev.members, ev.mixed, net, mix))
     f = ev.mixed
     if f is None or f.free1 >= 0:
         return ev
@@ -224,7 +238,7 @@ def evaluate_replica(mc: ModelCosts, members: Sequence[Member], net: Net, mix: M
     if isinstance(pre, Infeasible) or isinstance(dec, Infeasible):
         reason = pre.reason if isinstance(pre, Infeasible) else dec.reason  # type: ignore[union-attr]
         return ReplicaEval(members, None, None, reason)
-    dfit = decode_fit(mc, members, dec, net, mix)
+    dfit = decode_fit(mc, members, dec, net, mix, step1=False)  # batch 1: in `with_free_tokens`
     if dfit.batch < 1:
         return ReplicaEval(members, None, None, "no memory left for the KV of one sequence")
     pfit = prefill_fit(mc, members, pre, net, mix)
@@ -236,7 +250,8 @@ def evaluate_replica(mc: ModelCosts, members: Sequence[Member], net: Net, mix: M
     # 1.74 req/s against 1.43 in the simulator's sweep of that replica alone.
     # The judge tries it on the replicas it turns mixed, and mixed-dp runs it where it rates higher:
     # `on_prefill_split`.)
-    mixed = mixed_fit(mc, members, dec, net, mix, (prefill_fit(mc, members, dec, net, mix), dfit))
+    same = (pre.order, pre.counts) == (dec.order, dec.counts)  # one split for both: its prefill fit is pfit
+    mixed = mixed_fit(mc, members, dec, net, mix, (pfit if same else prefill_fit(mc, members, dec, net, mix), dfit))
     return ReplicaEval(members, pfit, dfit, mixed=mixed)
 
 

@@ -11,6 +11,7 @@ numpy path's operations in its order (`fused_step_s`), bit for bit the same seco
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,6 +54,7 @@ def prefill_stage_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int]
     return stages.ravel().tolist(), hops.ravel().tolist()
 
 
+_KIND = operator.attrgetter("kind")
 _PIPES: dict[tuple, dict] = {}
 PIPE_CACHE = 4096  # pipelines whose arrays are kept (the GA re-costs the same replica many times)
 _KIND_COLS: dict[int, tuple[float, float, float, float]] = {}  # Member.kind -> a stage's columns
@@ -81,7 +83,7 @@ def pipe_arrays(seq: Sequence[Member], counts: Sequence[int]) -> dict:
     """Per-stage numpy columns of a pipeline (layers, first and last flags, FLOP/s, bytes/s,
     memory bytes, port Mb/s), so a step is costed for all stages and chunk sizes at once. Cached
     by the members' kinds (what the columns depend on); `pipe_hops` adds the links."""
-    key = (tuple(m.kind for m in seq), tuple(counts))
+    key = (tuple(map(_KIND, seq)), tuple(counts))
     got = _PIPES.get(key)
     if got is None:
         if len(_PIPES) >= PIPE_CACHE:
