@@ -144,6 +144,48 @@ def test_a_draft_built_a_layer_at_a_time_is_the_whole_targets_draft_bit_for_bit(
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
 
 
+@pytest.mark.parametrize("name, quant_name", [("tiny", "w4a16"), ("tiny-untied", "w8a16")])
+def test_a_draft_of_an_hf_checkpoint_reads_its_embedding_and_head_by_rows(tmp_path, monkeypatch, name, quant_name):
+    """An HF (safetensors) target's draft is built the same way as a GGUF one's: its embedding
+    and LM head (2.1 GB each in fp32 for llama-3-8b) are read a block of rows at a time, not
+    whole, and the draft is the whole target's, bit for bit (a tied head: read from the
+    embedding's tensor)."""
+    from meshllm.engine import quant, weights
+    from meshllm.engine.weights import load_transformer
+    from tests.conftest import write_hf_model
+
+    ref = load_transformer(name)
+    d = write_hf_model(ref, tmp_path / "hf")
+    monkeypatch.setattr(quant, "ROW_BLOCK", 64 * ref.args.dim)  # blocks of 64 rows
+    reads, slices = [], []
+    file_state, get_rows = weights._file_state, weights.FileRows.__getitem__
+
+    def spy_state(src, start, end, embed, head, skip=()):
+        sd = file_state(src, start, end, embed, head, skip)
+        reads.extend(k for k in sd if not k.startswith("layers."))
+        return sd
+
+    def spy_rows(self, rows):
+        t = get_rows(self, rows)
+        slices.append((self.name, t.shape[0]))
+        return t
+
+    monkeypatch.setattr(weights, "_file_state", spy_state)
+    monkeypatch.setattr(weights.FileRows, "__getitem__", spy_rows)
+    draft = weights.load_quantized(str(d), quant_name, 16)
+    assert reads == ["norm.weight"]  # the embedding and head: by rows only
+    head = "model.embed_tokens.weight" if ref.args.tie_embeddings else "lm_head.weight"
+    for key in {"model.embed_tokens.weight", head}:
+        blocks = [n for got, n in slices if got == key]
+        uses = 2 if key == head == "model.embed_tokens.weight" else 1
+        assert len(blocks) >= 2 * uses and max(blocks) <= 64 and sum(blocks) == uses * ref.args.vocab_size
+    want = quantize_model(load_transformer(str(d), pack=False), quant_name, 16).state_dict()
+    got = draft.state_dict()
+    assert got.keys() == want.keys()
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+
+
 def test_quantizing_by_blocks_of_rows_is_the_same_as_whole(monkeypatch):
     """quant.by_rows: quantizing (and packing for the int4 kernel) a block of rows at a time keeps
     the temporaries small and changes no bit; row slices of a GGUF tensor dequantize to the same

@@ -73,22 +73,37 @@ def interleaved_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-def _hf_state(src: ModelSource, start: int, end: int, embed: bool, head: bool) -> dict[str, torch.Tensor]:
+def _hf_handles(src: ModelSource) -> dict:
+    """Checkpoint tensor name -> the open safetensors file that holds it."""
     from safetensors import safe_open
 
-    a = src.args
     handles = {}
     for f in sorted(src.path.glob("*.safetensors")):
         h = safe_open(str(f), framework="pt")
         for k in h.keys():
             handles[k] = h
+    return handles
+
+
+def _hf_names(src: ModelSource, handles: dict, start: int, end: int, embed: bool, head: bool) -> dict[str, str]:
+    """Our state-dict name -> the checkpoint's, for shard [start, end) (a tied head: the embedding)."""
     head_name = "lm_head.weight" if "lm_head.weight" in handles else "model.embed_tokens.weight"
     want = _wanted(start, end, embed, head, "model.layers.{i}.{name}.weight", _HF_LAYER,
                    ("model.embed_tokens.weight", "model.norm.weight", head_name))
-    sd = {}
-    for ours, key in want.items():
+    for key in want.values():
         if key not in handles:
             raise ModelFileError(f"{src.path}: tensor {key!r} missing")
+    return want
+
+
+def _hf_state(src: ModelSource, start: int, end: int, embed: bool, head: bool,
+              skip: dict | tuple = ()) -> dict[str, torch.Tensor]:
+    a = src.args
+    handles = _hf_handles(src)
+    sd = {}
+    for ours, key in _hf_names(src, handles, start, end, embed, head).items():
+        if ours in skip:
+            continue
         t = handles[key].get_tensor(key).float()
         if ours.endswith("attention.wq.weight"):
             t = hf_to_interleaved(t, a.n_heads)
@@ -146,9 +161,9 @@ def _file_state(src: ModelSource, start: int, end: int, embed: bool, head: bool,
                 skip: dict | tuple = ()) -> dict[str, torch.Tensor]:
     """The fp32 tensors of layers [start, end) (named from 0, as a shard of them names them), and
     of the embedding / final norm and head if asked, read from a model file or the tensor cache
-    (a GGUF model's tensors named in `skip` left out)."""
+    (the tensors named in `skip`, our names, left out)."""
     if src.kind == "hf":
-        return _hf_state(src, start, end, embed, head)
+        return _hf_state(src, start, end, embed, head, skip)
     return _gguf_state(src, start, end, embed, head, skip)  # "gguf" or "cache"
 
 
@@ -165,22 +180,26 @@ def _renumber(key: str, first: int) -> str:
 
 
 class FileRows:
-    """A 2-D tensor of a GGUF model (its file or the tensor cache), dequantized to fp32 only a
-    block of rows at a time, as it is sliced (quant.by_rows)."""
+    """A 2-D tensor of a model file, read (and dequantized) to fp32 only a block of rows at a
+    time, as it is sliced (quant.by_rows): of a GGUF model (its file or the tensor cache,
+    `reader`) or of an HF checkpoint (`reader`: the open safetensors file that holds it)."""
 
     def __init__(self, reader, name: str) -> None:
         self.reader, self.name = reader, name
-        self.shape = tuple(reader.tensors[name].shape)
+        self.hf = not hasattr(reader, "tensors")
+        self.shape = tuple(reader.get_slice(name).get_shape() if self.hf else reader.tensors[name].shape)
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
         a, b, _ = rows.indices(self.shape[0])
+        if self.hf:
+            return self.reader.get_slice(self.name)[a:b].float()
         return torch.from_numpy(self.reader.dequantize(self.name, (a, b)))
 
 
 def load_quantized(spec: str | ModelSource, quant: str, group_size: int) -> Transformer:
     """The whole model as a W4A16 / W8A16 draft (engine/quant.py), quantized as it loads: each
-    layer read in fp32, quantized and its fp32 copy freed before the next; a GGUF model's
-    embedding and LM head (the largest tensors) a block of rows at a time. A drafter's peak
+    layer read in fp32, quantized and its fp32 copy freed before the next; the embedding and
+    LM head (the largest tensors) a block of rows at a time. A drafter's peak
     memory is the draft plus one fp32 layer, not the whole fp32 target (4 bytes a weight: ~32 GB
     for llama-3-8b, whose W4A16 draft the planner places on an 8 GB device). Bit for bit the draft
     `quantize_model` makes of `load_transformer(spec, pack=False)`. A random test model is drawn
@@ -193,14 +212,18 @@ def load_quantized(spec: str | ModelSource, quant: str, group_size: int) -> Tran
     n = src.args.n_layers
     with torch.device("meta"):
         model = Transformer(src.args)
-    in_rows = {}  # ours -> the file's name, for the tensors read a block of rows at a time
-    if src.kind != "hf":
+    if src.kind == "hf":
+        handles = _hf_handles(src)
+        names = _hf_names(src, handles, 0, 0, True, True)
+        rows = {k: FileRows(handles[names[k]], names[k]) for k in ("tok_embeddings.weight", "output.weight")}
+    else:
         reader = tensor_reader(src)
         names = gguf_shard_names(src.args, n, n, True, True)
-        in_rows = {k: names[k] for k in ("tok_embeddings.weight", "output.weight")}
-        embedding = by_rows(lambda w: {"w": w.to(ACT_DTYPE)}, FileRows(reader, in_rows["tok_embeddings.weight"]))["w"]
-        model.tok_embeddings.weight = torch.nn.Parameter(embedding, requires_grad=False)
-        model.output = quantize_weight(FileRows(reader, in_rows["output.weight"]), quant, group_size)
+        rows = {k: FileRows(reader, names[k]) for k in ("tok_embeddings.weight", "output.weight")}
+    embedding = by_rows(lambda w: {"w": w.to(ACT_DTYPE)}, rows["tok_embeddings.weight"])["w"]
+    model.tok_embeddings.weight = torch.nn.Parameter(embedding, requires_grad=False)
+    model.output = quantize_weight(rows["output.weight"], quant, group_size)
+    in_rows = {k: r.name for k, r in rows.items()}  # read a block of rows at a time: left out below
     for start, end in [(0, 0)] + [(i, i + 1) for i in range(n)] + [(n, n)]:
         sd = {_renumber(k, start): v.float()
               for k, v in _file_state(src, start, end, start == end == 0, start == end == n, skip=in_rows).items()}
