@@ -228,7 +228,8 @@ class Evaluator:
         return pred
 
     def completed(self, ev: ReplicaEval) -> ReplicaEval:
-        """`ev` with what only the latency estimate needs (free prompt tokens of its mixed fit)."""
+        """`ev` with what only the latency estimate needs (replica.with_free_tokens: the decode step
+        at batch 1, the mixed fit's free prompt tokens), once per replica and split."""
         # the splits too: the judge's variants of a replica (`on_prefill_split`) share its members
         key = (tuple(m.key for m in ev.members), ev.decode and ev.decode.split, ev.mixed and ev.mixed.split)
         got = self.free_cache.get(key)

@@ -62,6 +62,7 @@ def step_at(fit: RoleFit, batch: float) -> float:
 def busy_step(fit: RoleFit, lam: float, mix: Mix) -> tuple[float, float]:
     """(sequences decoding, step seconds) of a replica decoding `lam` requests/s: Little's law,
     batch = lam x (mean output - 1) x step(batch), solved by a few fixed-point rounds."""
+    assert fit.step1_s >= 0, "a fit without its batch-1 step (replica.with_free_tokens completes it)"
     batch = min(fit.batch, lam * mix.mean_out * fit.step1_s)
     for _ in range(4):
         batch = min(fit.batch, lam * (mix.mean_out - 1) * step_at(fit, batch))
