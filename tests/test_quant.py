@@ -104,15 +104,10 @@ def test_w8_draft_runs(tiny_model):
         quantize_model(copy.deepcopy(tiny_model), "w3")
 
 
-@pytest.mark.parametrize("quant", ["w4a16", "w8a16"])
-def test_a_draft_built_a_layer_at_a_time_is_the_whole_targets_draft_bit_for_bit(smollm2, quant, monkeypatch):
-    """Drafters and `--reference --draft` build the draft with weights.load_quantized: one layer's
-    fp32 weights at a time (each quantized and freed before the next), the embedding and head a
-    block of rows at a time, never the whole fp32 target (~32 GB for llama-3-8b, whose draft the
-    planner puts on an 8 GB device). Same draft, bit for bit, as quantizing the whole target."""
+def spy_on_loading(monkeypatch) -> tuple[list, list]:
+    """(reads, slices) filled as weights.load_quantized runs: per whole-tensor read, (layers,
+    the names of the other tensors read whole); per block of rows, (tensor name, rows)."""
     from meshllm.engine import weights
-    from meshllm.engine.model import PackedLinear
-    from meshllm.engine.quant import row_block
 
     reads, slices = [], []
     file_state, get_rows = weights._file_state, weights.FileRows.__getitem__
@@ -129,6 +124,20 @@ def test_a_draft_built_a_layer_at_a_time_is_the_whole_targets_draft_bit_for_bit(
 
     monkeypatch.setattr(weights, "_file_state", spy_state)
     monkeypatch.setattr(weights.FileRows, "__getitem__", spy_rows)
+    return reads, slices
+
+
+@pytest.mark.parametrize("quant", ["w4a16", "w8a16"])
+def test_a_draft_built_a_layer_at_a_time_is_the_whole_targets_draft_bit_for_bit(smollm2, quant, monkeypatch):
+    """Drafters and `--reference --draft` build the draft with weights.load_quantized: one layer's
+    fp32 weights at a time (each quantized and freed before the next), the embedding and head a
+    block of rows at a time, never the whole fp32 target (~32 GB for llama-3-8b, whose draft the
+    planner puts on an 8 GB device). Same draft, bit for bit, as quantizing the whole target."""
+    from meshllm.engine import weights
+    from meshllm.engine.model import PackedLinear
+    from meshllm.engine.quant import row_block
+
+    reads, slices = spy_on_loading(monkeypatch)
     draft = weights.load_quantized("smollm2-135m", quant, 64)
     assert len(reads) == smollm2.args.n_layers + 2 and all(n <= 1 for n, _ in reads)
     assert [k for _, keys in reads for k in keys] == ["norm.weight"]  # embedding and head: by rows
@@ -157,23 +166,9 @@ def test_a_draft_of_an_hf_checkpoint_reads_its_embedding_and_head_by_rows(tmp_pa
     ref = load_transformer(name)
     d = write_hf_model(ref, tmp_path / "hf")
     monkeypatch.setattr(quant, "ROW_BLOCK", 64 * ref.args.dim)  # blocks of 64 rows
-    reads, slices = [], []
-    file_state, get_rows = weights._file_state, weights.FileRows.__getitem__
-
-    def spy_state(src, start, end, embed, head, skip=()):
-        sd = file_state(src, start, end, embed, head, skip)
-        reads.extend(k for k in sd if not k.startswith("layers."))
-        return sd
-
-    def spy_rows(self, rows):
-        t = get_rows(self, rows)
-        slices.append((self.name, t.shape[0]))
-        return t
-
-    monkeypatch.setattr(weights, "_file_state", spy_state)
-    monkeypatch.setattr(weights.FileRows, "__getitem__", spy_rows)
+    reads, slices = spy_on_loading(monkeypatch)
     draft = weights.load_quantized(str(d), quant_name, 16)
-    assert reads == ["norm.weight"]  # the embedding and head: by rows only
+    assert [k for _, keys in reads for k in keys] == ["norm.weight"]  # the embedding and head: by rows only
     head = "model.embed_tokens.weight" if ref.args.tie_embeddings else "lm_head.weight"
     for key in {"model.embed_tokens.weight", head}:
         blocks = [n for got, n in slices if got == key]
