@@ -1,7 +1,7 @@
 """Router wait weight: how the wait goal of issue 8 moves with the router's one knob.
 
 Run:  python bench/router_weight.py [--clusters bench-edge-8b,bench-fog-40-8b,bench-fog-70b,bench-mesh-200]
-      [--weights 10,30,100,300] [--requests 2000] [--seed 0]     (~15 min on 2 cores, 8 without bench-mesh-200)
+      [--weights 10,30,100,300] [--requests 2000] [--seed 0]     (~22 min on 2 cores, 14 without bench-mesh-200)
 
 The router (meshllm/sim/router.py) scores a candidate by estimated finish + ROUTE_WAIT_WEIGHT x
 its estimated waiting; every policy of bench/planner.py shares it with the default weight. Here,
