@@ -267,6 +267,49 @@ def with_roles(ev: Evaluator, g: Grouping, roles: tuple[str, ...], rate: float =
     return replace(out, prediction=ev.latency(out, rate)) if rate > 0 else out
 
 
+Turn = tuple[float, int, int, Grouping]  # (cost at the rate, replica, variant, the grouping turned)
+
+
+def turns_to_prefill(inp: PlanInputs, ev: Evaluator, best: Grouping, to_prefill: Sequence[int], trace,
+                     rate: float, ttft_cap: float) -> list[Turn]:
+    """`best` with one of its mixed replicas (of `to_prefill`) turned prefill, each run on `trace`
+    at `rate`; only those whose KV has a replica to go to and whose TTFT p50 stays <= ttft_cap
+    (variant 2: ranked after the turns to mixed at an equal cost)."""
+    tried = []
+    for i in to_prefill:
+        if best.roles[i] != "mixed":
+            continue
+        roles = best.roles[:i] + ("prefill",) + best.roles[i + 1:]
+        if not any(r in DECODE_TARGETS for r in roles):  # its KV must have somewhere to go
+            continue
+        cand = with_roles(ev, best, roles)
+        c, t = run_cost_ttft(from_grouping(inp, cand), trace, rate)
+        if t <= ttft_cap:
+            tried.append((c, i, 2, cand))
+    return tried
+
+
+def turns_to_mixed(inp: PlanInputs, ev: Evaluator, best: Grouping, flippable: Sequence[int], trace,
+                   rate: float) -> list[Turn]:
+    """`best` with one of its replicas (of `flippable`) turned mixed, each run on `trace` at
+    `rate`: a prefill replica on its decode split (variant 0) and on its prefill split (1); the
+    turn of the last prefill replica turns the decode replicas mixed too, or is not tried."""
+    tried = []
+    for i in flippable:
+        if best.roles[i] == "mixed":
+            continue
+        roles = best.roles[:i] + ("mixed",) + best.roles[i + 1:]
+        if "prefill" not in roles and "decode" in roles:  # no KV would reach a decode replica
+            if any(r == "decode" and j not in flippable for j, r in enumerate(roles)):
+                continue
+            roles = tuple("mixed" if r == "decode" else r for r in roles)
+        alt = on_prefill_split(inp.mc, best.evals[i], inp.net, inp.mix) if best.roles[i] == "prefill" else None
+        for v, e in enumerate([best.evals[i]] + ([alt] if alt is not None else [])):
+            cand = with_roles(ev, replace(best, evals=best.evals[:i] + (e,) + best.evals[i + 1:]), roles)
+            tried.append((run_cost(from_grouping(inp, cand), trace, rate), i, v, cand))
+    return tried
+
+
 def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep_requests: int = JUDGE_SWEEP_REQUESTS,
                  log: bool = False) -> Grouping:
     """Step 5 of the module docstring: the pick with replicas turned mixed (or mixed ones turned
@@ -286,29 +329,8 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
     flippable = [i for i in free if g.roles[i] != "mixed" and g.evals[i].mixed is not None]
     to_prefill = [i for i in free if g.roles[i] == "mixed" and g.evals[i].prefill is not None]
     for _ in range(FLIP_ROUNDS):
-        tried = []
-        for i in to_prefill:
-            if best.roles[i] != "mixed":
-                continue
-            roles = best.roles[:i] + ("prefill",) + best.roles[i + 1:]
-            if not any(r in DECODE_TARGETS for r in roles):  # its KV must have somewhere to go
-                continue
-            cand = with_roles(ev, best, roles)
-            c, t = run_cost_ttft(from_grouping(inp, cand), trace, rate)
-            if t <= TTFT_SLACK * ttft:
-                tried.append((c, i, 2, cand))
-        for i in flippable:
-            if best.roles[i] == "mixed":
-                continue
-            roles = best.roles[:i] + ("mixed",) + best.roles[i + 1:]
-            if "prefill" not in roles and "decode" in roles:  # no KV would reach a decode replica
-                if any(r == "decode" and j not in flippable for j, r in enumerate(roles)):
-                    continue
-                roles = tuple("mixed" if r == "decode" else r for r in roles)
-            alt = on_prefill_split(inp.mc, best.evals[i], inp.net, inp.mix) if best.roles[i] == "prefill" else None
-            for v, e in enumerate([best.evals[i]] + ([alt] if alt is not None else [])):
-                cand = with_roles(ev, replace(best, evals=best.evals[:i] + (e,) + best.evals[i + 1:]), roles)
-                tried.append((run_cost(from_grouping(inp, cand), trace, rate), i, v, cand))
+        tried = (turns_to_prefill(inp, ev, best, to_prefill, trace, rate, TTFT_SLACK * ttft)
+                 + turns_to_mixed(inp, ev, best, flippable, trace, rate))
         if not tried:
             break
         c, i, _, cand = min(tried, key=lambda t: t[:3])
