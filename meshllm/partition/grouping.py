@@ -62,11 +62,11 @@ def surplus_keys(rates) -> tuple[list[tuple[float, int]], list[tuple[float, int]
 
 
 def _convert_surplus(rates, roles: list[str], p: float, d: float, side: list[int],
-                     keys: tuple[list, list] | None = None) -> float:
+                     keys: tuple[list, list]) -> float:
     """Turn replicas of the larger pool mixed while that adds capacity; returns the capacity
-    (`keys`: `surplus_keys(rates)`, if already listed)."""
+    (`keys`: `surplus_keys(rates)`)."""
     big = 0 if p > d else 1
-    side = sorted(side, key=(keys or surplus_keys(rates))[big].__getitem__)
+    side = sorted(side, key=keys[big].__getitem__)
     mixed = 0.0
     for i in side:
         r, h = rates[i][big], rates[i][2]

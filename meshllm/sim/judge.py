@@ -270,8 +270,8 @@ def with_roles(ev: Evaluator, g: Grouping, roles: tuple[str, ...], rate: float =
 Turn = tuple[float, int, int, Grouping]  # (cost at the rate, replica, variant, the grouping turned)
 
 
-def turns_to_prefill(inp: PlanInputs, ev: Evaluator, best: Grouping, to_prefill: Sequence[int], trace,
-                     rate: float, ttft_cap: float) -> list[Turn]:
+def turns_to_prefill(inp: PlanInputs, ev: Evaluator, best: Grouping, to_prefill: Sequence[int],
+                     trace: Sequence[tuple[float, int, int]], rate: float, ttft_cap: float) -> list[Turn]:
     """`best` with one of its mixed replicas (of `to_prefill`) turned prefill, each run on `trace`
     at `rate`; only those whose KV has a replica to go to and whose TTFT p50 stays <= ttft_cap
     (variant 2: ranked after the turns to mixed at an equal cost)."""
@@ -289,8 +289,8 @@ def turns_to_prefill(inp: PlanInputs, ev: Evaluator, best: Grouping, to_prefill:
     return tried
 
 
-def turns_to_mixed(inp: PlanInputs, ev: Evaluator, best: Grouping, flippable: Sequence[int], trace,
-                   rate: float) -> list[Turn]:
+def turns_to_mixed(inp: PlanInputs, ev: Evaluator, best: Grouping, flippable: Sequence[int],
+                   trace: Sequence[tuple[float, int, int]], rate: float) -> list[Turn]:
     """`best` with one of its replicas (of `flippable`) turned mixed, each run on `trace` at
     `rate`: a prefill replica on its decode split (variant 0) and on its prefill split (1); the
     turn of the last prefill replica turns the decode replicas mixed too, or is not tried."""
