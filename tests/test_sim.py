@@ -740,7 +740,7 @@ def test_a_mixed_replica_drains_a_backlog_of_prompts_faster_than_a_lone_prompt(d
     _, inp = demo
     ring = replica(inp, 0, "mixed", ["fog-1", "fog-2"], (15, 15))
     ctx = inp.mix.decode_ctx
-    assert ring.chunk_tokens(6, ctx, 800, 800, 1) < ring.chunk_tokens(6, ctx, 800, 3200, 4) >= 3200 // 8
+    assert ring.chunk_tokens(6, ctx, 800, 800, 1) < ring.chunk_tokens(6, ctx, 800, 3200, 4) >= 3200 // sim_replica.DRAIN_STEPS
 
     def waited() -> float:
         ring.cache.clear()

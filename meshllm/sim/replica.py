@@ -23,7 +23,7 @@ CTX_BUCKET = 64  # tokens: step times are cached per context rounded to this (at
 CHUNK_BUCKET = 16  # tokens: step times are cached at prompt chunks of multiples of this, interpolated between
 MIN_CHUNK = 16  # prompt tokens per step a mixed replica prefills at least (progress on a compute-bound step)
 LONE_DRAIN_STEPS = 16  # ... and at least 1/LONE_DRAIN_STEPS of a lone prompt's tokens,
-DRAIN_STEPS = 8  # or 1/DRAIN_STEPS of the queued prompt tokens when more prompts wait (the backlog drains)
+DRAIN_STEPS = 4  # or 1/DRAIN_STEPS of the queued prompt tokens when more prompts wait (the backlog drains)
 EVEN_STEPS_FEWER = 2  # a lone prompt's chunks: steps tried below the budget's count (lone_chunk)
 
 
@@ -120,10 +120,13 @@ class SimReplica:
         the router predicts): what rides free, or a share of the `backlog` of queued prompt tokens
         if that is more: 1/LONE_DRAIN_STEPS of it for a lone prompt, 1/DRAIN_STEPS when `queued`
         prompts wait in all, since every step a backlog lasts then delays them all. (One share for
-        both: 1/16 waited 0.49x / 0.52-0.58x Splitwise's wait on bench-fog-40-8b at 50 % / 70 % of
-        its saturation, 1/8 0.38x / 0.39-0.42x but 0.83-0.90x instead of 0.75-0.78x at
-        bench-edge-8b's own low rate, where a prompt is mostly alone; with the two shares, 0.38x /
-        0.42-0.47x and 0.75-0.77x.) The simulator passes the prompt tokens still to prefill,
+        both: 1/8 lowered the wait on bench-fog-40-8b but raised it at bench-edge-8b's own low
+        rate, where a prompt is mostly alone. With a lone share of 1/16, a backlog share of 1/8
+        waited 73.3 / 107.3 ms on bench-fog-40-8b at 50 % / 70 % of Splitwise's saturation
+        (0.53x / 0.50x Splitwise's), 1/4 59.8 / 84.5 ms (0.43x / 0.39x), and a share shrinking with
+        the queue, 1/max(2, 16 // queued), 68.4 / 99.0 ms; 1/4 kept bench-edge-8b at 21.0 ms at its
+        own rate (21.1 before); its cost is a longer TTFT p50, 185 -> 227 ms, still a third of
+        Splitwise's. Each plan judged afresh for its rate, seed 0, 2000 requests.) The simulator passes the prompt tokens still to prefill,
         measured again at the start of every run of steps, so a lone prompt's chunks shrink as it
         progresses and it takes more than LONE_DRAIN_STEPS steps (a share of its whole length
         instead did not lower meshllm's waits and raised mixed-dp's)."""
