@@ -102,7 +102,9 @@ CAPACITY_SEEDS = tuple(JUDGE_SEED + 1 + k for k in range(4))
 CONFIRM_Z = 1.0  # a plan of its own must lead the best baseline grouping by this many standard errors
 OP_SHORTLIST = 0.8  # baseline groupings confirmed on long runs: within this of the best on short ones
 CONFIRM_SCALE = sweep.SWEEP_REQUESTS / JUDGE_SWEEP_REQUESTS  # the final check's runs are this x longer
-CONFIRM_TOP = 2  # eligible candidates checked at most before the best baseline grouping wins
+CONFIRM_TOP = 3  # eligible candidates checked at most before the best baseline grouping wins
+# (2 left bench-edge-8b on mixed-dp's grouping, 17.04 req/s, once a mixed replica drained a backlog in
+# 4 steps: its first two by the short runs lost the paired test, the third sustains 17.88)
 FLIP_ROUNDS = 3  # step 5: replicas turned mixed at most, one per round of trials
 FLIP_GAIN = 0.01  # a turn must lower the cost by this fraction
 TTFT_SLACK = 1.5  # a turn to prefill may raise the TTFT p50 on the judge's trace at most this x (issue 8's
