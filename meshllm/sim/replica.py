@@ -123,10 +123,11 @@ class SimReplica:
         both: 1/8 lowered the wait on bench-fog-40-8b but raised it at bench-edge-8b's own low
         rate, where a prompt is mostly alone. With a lone share of 1/16, a backlog share of 1/8
         waited 73.3 / 107.3 ms on bench-fog-40-8b at 50 % / 70 % of Splitwise's saturation
-        (0.53x / 0.50x Splitwise's), 1/4 59.8 / 84.5 ms (0.43x / 0.39x), and a share shrinking with
-        the queue, 1/max(2, 16 // queued), 68.4 / 99.0 ms; 1/4 kept bench-edge-8b at 21.0 ms at its
-        own rate (21.1 before); its cost is a longer TTFT p50, 185 -> 227 ms, still a third of
-        Splitwise's. Each plan judged afresh for its rate, seed 0, 2000 requests.) The simulator passes the prompt tokens still to prefill,
+        (0.53x / 0.50x Splitwise's), 1/4 57.3 / 86.2 ms (0.42x / 0.40x; bench/planner.py, each
+        plan judged afresh for its rate), and a share shrinking with the queue,
+        1/max(2, 16 // queued), 68.4 / 99.0 ms; 1/4 kept bench-edge-8b at 21.0 ms at its own rate
+        (21.1 before). Its cost is a longer TTFT p50 on bench-fog-40-8b at 50 %, 185 -> 232 ms,
+        still a third of Splitwise's.) The simulator passes the prompt tokens still to prefill,
         measured again at the start of every run of steps, so a lone prompt's chunks shrink as it
         progresses and it takes more than LONE_DRAIN_STEPS steps (a share of its whole length
         instead did not lower meshllm's waits and raised mixed-dp's)."""
