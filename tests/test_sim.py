@@ -539,10 +539,14 @@ def test_for_capacity_the_judge_confirms_up_to_three_of_its_own_before_a_baselin
     monkeypatch.setattr(judge, "saturation", saturation)
     short = [16.814, 16.515, 15.345, 15.0, 13.377, 8.998]  # candidates 4 and 5: the baselines' groupings
     ops = range(4, 6)
-    k, _ = judge.pick(SimpleNamespace(rate_per_s=0.0), list(range(6)), [None] * 6, short, ops, list(ops), 0.0, 600)
-    assert k == 2 and 3 not in tried
+
+    def picked() -> int:  # for capacity (no rate), the judge's short-run figures above
+        return judge.pick(SimpleNamespace(rate_per_s=0.0), list(range(6)), [None] * 6, short, ops, list(ops), 0.0,
+                          600)[0]
+
+    assert picked() == 2 and 3 not in tried
     monkeypatch.setattr(judge, "CONFIRM_TOP", 2)  # as before: the baseline's grouping
-    assert judge.pick(SimpleNamespace(rate_per_s=0.0), list(range(6)), [None] * 6, short, ops, list(ops), 0.0, 600)[0] == 4
+    assert picked() == 4
 
 
 def test_a_plan_of_its_own_replaces_the_baselines_grouping_only_on_the_evidence():
