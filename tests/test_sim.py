@@ -944,3 +944,67 @@ def test_splitwise_sizes_its_replicas_for_decode_where_that_rates_higher():
     edge = plan_inputs(load_cluster(REPO / "clusters" / "bench-edge-8b.yaml"))
     fewest = [e.members for evs in per_type(edge)[0].values() for e in evs]
     assert sorted(len(r.members) for r in splitwise(edge).replicas) == sorted(map(len, fewest))
+
+
+PAIRS_ORINS_NUC = """model: llama-3-8b
+nodes:
+  - {id: gpu-1, device: desktop-rtx-3060-12gb, zone: fog}
+  - {id: gpu-2, device: desktop-rtx-3060-12gb, zone: fog}
+  - {id: gpu-3, device: desktop-rtx-3060-12gb, zone: fog}
+  - {id: gpu-4, device: desktop-rtx-3060-12gb, zone: fog}
+  - {id: agx-1, device: jetson-agx-orin-64gb, zone: fog}
+  - {id: agx-2, device: jetson-agx-orin-64gb, zone: fog}
+  - {id: nuc-1, device: intel-nuc-13-i7, zone: fog}
+"""
+
+
+def test_for_capacity_the_judge_turns_a_kind_of_decode_replica_mixed_on_the_evidence(monkeypatch):
+    """Issue 8, step 6 of sim/judge.py: on bench-fog-40-8b the pick's two Jetson AGX Orins decoded
+    at 0.58 of their compute (memory-bound steps) for twelve prefill replicas, 0.910 of the
+    bound; turned mixed, 0.970. The decode replicas on the same device types turn together, each
+    kind tried on the judge's four long traces (one trace did not tell: on the judge's own the
+    turn sustained less); the one that sustains most is taken if it leads the plan so far on the
+    evidence and by TURN_GAIN in all. Saturations here are stand-ins keyed by roles (the judge's
+    logic is under test; the next test runs the simulator)."""
+    import yaml
+
+    from meshllm.config import parse_cluster
+    from meshllm.partition.plan import planner_evaluator
+    from meshllm.sim import judge
+
+    inp = plan_inputs(parse_cluster(yaml.safe_load(PAIRS_ORINS_NUC), "pairs_orins_nuc.yaml"))
+    ev = planner_evaluator(inp)
+    p, d, m = "prefill", "decode", "mixed"
+    pick = judge.with_roles(ev, ev.decode([0, 0, 1, 1, 2, 3, 4]), (p, p, d, d, d))
+    assert judge.decode_kinds(inp, ev, pick) == [[2, 3], [4]]  # the Orins (more compute), the NUC
+    runs = {(p, p, d, d, d): [10.0, 10.1, 9.9, 10.0],
+            (p, p, m, m, d): [11.0, 11.2, 10.9, 11.1],  # the Orins turned
+            (p, p, d, d, m): [10.2, 10.3, 10.1, 10.2],  # the NUC turned: leads too, by less
+            (p, p, m, m, m): [11.05, 11.25, 10.95, 11.15]}  # both: under TURN_GAIN more than the Orins alone
+
+    def saturation(inp, g, reps, requests=judge.JUDGE_SWEEP_REQUESTS, seed=judge.JUDGE_SEED):
+        assert requests >= judge.sweep.SWEEP_REQUESTS  # runs as long as the reported sweep's
+        return runs[g.roles][judge.CAPACITY_SEEDS.index(seed)]
+
+    monkeypatch.setattr(judge, "saturation", saturation)
+    got = judge.turned_for_capacity(inp, ev, pick, 0.0)
+    assert got.roles == (p, p, m, m, d)
+    assert got.fitness == pytest.approx(judge.capacity(judge.role_rates(got.evals), got.roles)[0])
+    runs[p, p, m, m, d] = [11.5, 9.0, 10.5, 10.0]  # more in all, within the traces' noise
+    runs[p, p, d, d, m] = runs[p, p, d, d, d]  # the same runs: no gain
+    assert judge.turned_for_capacity(inp, ev, pick, 0.0) is pick
+
+
+def test_for_capacity_an_orin_decoding_for_a_pair_sustains_more_turned_mixed():
+    """The same step in the simulator: the Jetson AGX Orin decoding for an RTX 3060 pair
+    (bench-fog-40-8b's devices) is turned mixed for capacity, and the plan sustains more on the
+    reported sweep's trace than the pick."""
+    from meshllm.sim import judge
+    from meshllm.sim.replica import from_grouping
+
+    inp, ev, g = pair_and_orin()
+    inp = replace(inp, rate_per_s=0.0)
+    got = judge.turned_for_capacity(inp, ev, g, 0.0)
+    assert got.roles == ("prefill", "mixed")
+    before, after = (saturation_rate(from_grouping(inp, x), inp, 0) for x in (g, got))
+    assert after > before

@@ -64,7 +64,19 @@ the one results are reported on):
    counted KV on zone links; with it the judge picks a search grouping there, 5 prefill and 11 mixed
    replicas, and turns three more prefill: 0.38 s). Turning a replica decode-
    only is not tried: on bench-edge-8b at 1 req/s it lowered the cost by making the RTX 4090
-   decode-only, at 5x the TTFT (p50 103 -> 550 ms).
+   decode-only, at 5x the TTFT (p50 103 -> 550 ms);
+6. with no rate given (for capacity), the pick's decode replicas are turned mixed a kind at a time
+   (the decode replicas on the same device types), each turn judged on the CAPACITY_SEEDS traces
+   with runs as long as the reported sweep's, the best one taken if it leads the plan so far on
+   the evidence (at most CAPACITY_TURNS kinds; `turned_for_capacity`). A decode replica is
+   memory-bound: its steps stream the weights and the KV and leave most of its compute idle,
+   which a mixed replica fills with prompt chunks, while the analytic model rates a mixed
+   replica beside disaggregated ones low. On bench-fog-40-8b the pick's two Jetson AGX Orins
+   decoded for 12 prefill replicas at 0.58 of their compute at 29.5 req/s (the sweep's traces:
+   30.00 / 29.51 / 30.10 req/s, 0.910 of the bound); turned mixed, they sustain 31.60 / 31.58 /
+   32.42 (0.970). One trace does not tell: on the judge's own, with its short runs, the turn
+   sustained less (21.76 against 22.95 req/s; 29.30 against 29.77 on 2000 requests), on the
+   four it leads by 1.67 req/s a trace (standard error 0.63).
 """
 
 from __future__ import annotations
@@ -76,6 +88,7 @@ from dataclasses import replace
 
 from meshllm.defaults import DECODE_TARGETS
 from meshllm.partition.capacity import capacity, role_rates
+from meshllm.partition.cost import flops_per_s
 from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
@@ -109,6 +122,9 @@ FLIP_ROUNDS = 3  # step 5: replicas turned mixed at most, one per round of trial
 FLIP_GAIN = 0.01  # a turn must lower the cost by this fraction
 TTFT_SLACK = 1.5  # a turn to prefill may raise the TTFT p50 on the judge's trace at most this x (issue 8's
 # bound against Splitwise's): its prompts' first tokens wait for nothing, the others' for a port's KV
+CAPACITY_TURNS = 2  # step 6: kinds of decode replica turned mixed at most, one kind per round of trials
+TURN_KINDS = 2  # step 6: kinds tried per round (those with the most compute: four runs each)
+TURN_GAIN = 0.01  # step 6: a turn must sustain this much more in all, and lead on the evidence
 REFINE_TOP = 2  # step 5: the pick and the next search grouping in cost order are refined; the cheaper wins
 SIMULATED = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "mean_e2e_ms")  # judged_plan(report=True)
 _SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
@@ -152,8 +168,7 @@ def confirm_total(inp: PlanInputs, reps, rate: float) -> float:
     """The cost at `rate` summed over the CONFIRM_SEEDS traces, cached (steps 4 and 5 of the module
     docstring ask it of the same plans: the pick, the baseline grouping it is held to, the
     refined pair)."""
-    key = (inputs_key(inp), tuple((r.id, r.role, tuple(m.id for m in r.members), tuple(r.counts)) for r in reps),
-           rate)
+    key = (inputs_key(inp), replicas_key(reps), rate)
     got = _CONFIRM.get(key)
     if got is None:
         if len(_CONFIRM) >= CONFIRM_CACHE:
@@ -163,9 +178,16 @@ def confirm_total(inp: PlanInputs, reps, rate: float) -> float:
     return got
 
 
+def replicas_key(reps) -> tuple:
+    """What the simulator sees of a plan's replicas: their roles, members and layer counts (a
+    grouping's groups and roles do not say which split a replica runs: a prefill replica turned
+    mixed runs its decode split or its prefill split, `turns_to_mixed`)."""
+    return tuple((r.role, tuple(m.id for m in r.members), tuple(r.counts)) for r in reps)
+
+
 def saturation(inp: PlanInputs, g: Grouping, reps, requests: int = JUDGE_SWEEP_REQUESTS,
                seed: int = JUDGE_SEED) -> float:
-    key = (*inputs_key(inp), g.groups, g.roles, requests, seed)
+    key = (*inputs_key(inp), replicas_key(reps), requests, seed)
     got = _SATURATION.get(key)
     if got is None:
         most = max(requests, JUDGE_MAX_REQUESTS * requests // JUDGE_SWEEP_REQUESTS)
@@ -247,7 +269,7 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
         print(f"judge: picked candidate {k + 1} ({describe(cands[k], k in op_idx)}), {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
     if not at_rate:
-        return cands[k]
+        return turned_for_capacity(inp, ev, cands[k], rate, sweep_requests, log)
     tries = [k] + [i for i in order[:REFINE_TOP] if i != k and i not in op_idx][:REFINE_TOP - 1]
     # a baseline's grouping was eligible by runs as long as the reported sweep's, so is what it turns into
     refined = [refine_roles(inp, ev, cands[i], rate, longer if i in op_idx else sweep_requests, log) for i in tries]
@@ -352,6 +374,51 @@ def refine_roles(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float, sweep
         print(f"judge: the roles turned ({role_counts(best)}) {'kept' if kept else 'not confirmed: the pick stays'} "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     return best if kept else g
+
+
+def decode_kinds(inp: PlanInputs, ev: Evaluator, g: Grouping) -> list[list[int]]:
+    """`g`'s decode replicas that could turn mixed (able to hold a mixed split, roles left free by
+    the node files), in kinds: the same device types; the kinds with the most compute first."""
+    out: dict[tuple, list[int]] = {}
+    for i, (canon, role, e) in enumerate(zip(g.groups, g.roles, g.evals, strict=True)):
+        if role == "decode" and e.mixed is not None and not (ev.any_forced and ev.group_role(canon)):
+            out.setdefault(tuple(sorted(inp.members[j].device.name for j in canon)), []).append(i)
+    compute = {k: sum(flops_per_s(inp.members[j].device) for i in idx for j in g.groups[i]) for k, idx in out.items()}
+    return [out[k] for k in sorted(out, key=lambda k: (-compute[k], out[k]))]
+
+
+def turned_for_capacity(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float,
+                        sweep_requests: int = JUDGE_SWEEP_REQUESTS, log: bool = False) -> Grouping:
+    """Step 6 of the module docstring: for capacity, the pick with a kind of its decode replicas
+    (`decode_kinds`, the TURN_KINDS with the most compute) turned mixed, each trial run on the
+    CAPACITY_SEEDS traces (runs as long as the reported sweep's); the one that sustains most there
+    is taken if it out-sustains the plan so far on the evidence (`wins_on_evidence`) by more than
+    TURN_GAIN in all; at most CAPACITY_TURNS kinds, one per round."""
+    longer = round(sweep_requests * CONFIRM_SCALE)
+
+    def runs(x: Grouping) -> list[float]:
+        return [saturation(inp, x, from_grouping(inp, x), longer, seed) for seed in CAPACITY_SEEDS]
+
+    best, t0 = g, time.perf_counter()
+    now = runs(g)
+    for _ in range(CAPACITY_TURNS):
+        tried = []
+        for idx in decode_kinds(inp, ev, best)[:TURN_KINDS]:
+            roles = tuple("mixed" if i in idx else r for i, r in enumerate(best.roles))
+            cand = with_roles(ev, best, roles, rate)
+            got = runs(cand)
+            if wins_on_evidence(got, now) and sum(got) > (1 + TURN_GAIN) * sum(now):
+                tried.append((sum(got), -idx[0], got, cand))
+            if log:
+                print(f"judge: for capacity, replica {idx[0]} and its kind ({len(idx)}) turned mixed sustain "
+                      f"{sum(got) / len(got):.3f} against {sum(now) / len(now):.3f} req/s on {len(got)} traces, "
+                      f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        if not tried:
+            break
+        _, _, now, best = max(tried, key=lambda t: t[:2])
+    if log and best is not g:
+        print(f"judge: for capacity, the roles turned: {role_counts(best)}", file=sys.stderr)
+    return best
 
 
 def role_counts(g: Grouping) -> str:
