@@ -960,7 +960,7 @@ nodes:
 
 def test_for_capacity_the_judge_turns_a_kind_of_decode_replica_mixed_on_the_evidence(monkeypatch):
     """Issue 8, step 6 of sim/judge.py: on bench-fog-40-8b the pick's two Jetson AGX Orins decoded
-    at 0.58 of their compute (memory-bound steps) for twelve prefill replicas, 0.910 of the
+    at 0.58 of their compute (memory-bound steps) for ten prefill replicas, 0.910 of the
     bound; turned mixed, 0.970. The decode replicas on the same device types turn together, each
     kind tried on the judge's four long traces (one trace did not tell: on the judge's own the
     turn sustained less); the one that sustains most is taken if it leads the plan so far on the

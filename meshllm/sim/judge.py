@@ -72,7 +72,7 @@ the one results are reported on):
    memory-bound: its steps stream the weights and the KV and leave most of its compute idle,
    which a mixed replica fills with prompt chunks, while the analytic model rates a mixed
    replica beside disaggregated ones low. On bench-fog-40-8b the pick's two Jetson AGX Orins
-   decoded for 12 prefill replicas at 0.58 of their compute at 29.5 req/s (the sweep's traces:
+   decoded for 10 prefill replicas at 0.58 of their compute at 30.2 req/s (the sweep's traces:
    30.00 / 29.51 / 30.10 req/s, 0.910 of the bound); turned mixed, they sustain 31.60 / 31.58 /
    32.42 (0.970). One trace does not tell: on the judge's own, with its short runs, the turn
    sustained less (21.76 against 22.95 req/s; 29.30 against 29.77 on 2000 requests), on the
