@@ -127,7 +127,7 @@ TURN_KINDS = 2  # step 6: kinds tried per round (those with the most compute: fo
 TURN_GAIN = 0.01  # step 6: a turn must sustain this much more in all, and lead on the evidence
 REFINE_TOP = 2  # step 5: the pick and the next search grouping in cost order are refined; the cheaper wins
 SIMULATED = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "mean_e2e_ms")  # judged_plan(report=True)
-_SATURATION: dict[tuple, float] = {}  # (inputs, grouping) -> saturation, across calls (the bench re-plans)
+_SATURATION: dict[tuple, float] = {}  # (inputs, replicas, N, trace) -> saturation, across calls (the bench re-plans)
 _CONFIRM: dict[tuple, float] = {}  # (inputs, replicas, rate) -> cost over the CONFIRM_SEEDS traces
 CONFIRM_CACHE = 1024  # entries of _CONFIRM kept at most
 
@@ -394,6 +394,8 @@ def turned_for_capacity(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float
     CAPACITY_SEEDS traces (runs as long as the reported sweep's); the one that sustains most there
     is taken if it out-sustains the plan so far on the evidence (`wins_on_evidence`) by more than
     TURN_GAIN in all; at most CAPACITY_TURNS kinds, one per round."""
+    if not decode_kinds(inp, ev, g):
+        return g  # nothing to turn: no runs
     longer = round(sweep_requests * CONFIRM_SCALE)
 
     def runs(x: Grouping) -> list[float]:
