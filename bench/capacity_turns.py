@@ -12,7 +12,11 @@ it, its decode where it decoded, each split over the stages by their layers) are
 fraction of what they could do over the arrivals' span (`device_flops_cap`): a type below 1
 left compute idle, and its share of the bound says what that cost. The span is the arrivals'
 (the drain after the last arrival is work of requests that arrived in it), so a type can read
-slightly above 1.
+slightly above 1. The figures mean what they say only at a rate the plans sustain, or nearly
+(bench-fog-40-8b: 0.92 x the bound is 30.21 req/s, the pick's saturation on this trace 30.00):
+above it the backlog's work is counted over the arrivals' span, and every type reads high (on
+bench-six-7b, whose plan sustains 0.69 of the bound, the Mac mini of a pipeline reads 2.59 at
+0.92; pass a lower --load there).
 """
 
 from __future__ import annotations
