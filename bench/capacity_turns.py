@@ -40,7 +40,9 @@ from meshllm.sim.replica import from_grouping  # noqa: E402
 class Recording(simulator.Simulator):
     """The simulator, noting the replica each request is prefilled on (as the router picks it)."""
 
-    prefilled_at: dict[int, int]
+    def __init__(self, *args, **kw) -> None:
+        self.prefilled_at: dict[int, int] = {}  # request id -> replica id
+        super().__init__(*args, **kw)
 
     def on_arrival(self, req) -> None:
         pick = self.router.pick_prefill
@@ -58,11 +60,11 @@ class Recording(simulator.Simulator):
 
 def served(reps, inp, rate: float, n: int, seed: int) -> tuple[dict[str, float], float]:
     """Useful FLOPs per device id over the run of `n` requests at `rate`, and the arrivals' span."""
-    Recording.prefilled_at = {}
-    reqs = Recording(reps, sweep.requests_at(sweep.make_trace(inp, n, seed), rate), gaps=False).run()
+    sim = Recording(reps, sweep.requests_at(sweep.make_trace(inp, n, seed), rate), gaps=False)
+    reqs = sim.run()
     byid, mc, flops = {r.id: r for r in reps}, inp.mc, defaultdict(float)
     for r in reqs:
-        p = Recording.prefilled_at[r.rid]
+        p = sim.prefilled_at[r.rid]
         pre = prefill_work(mc, mc.n_layers, r.n_in, True)[0]
         d = r.dst if byid[p].role == "prefill" and r.n_out > 1 else p
         for rid, f in ((p, pre), (d, request_flops(mc, r.n_in, r.n_out) - pre)):
