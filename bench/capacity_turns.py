@@ -1,5 +1,5 @@
 """Where a plan for capacity loses against the bound, and what the judge's turns (step 6 of
-meshllm/sim/judge.py) change.
+meshllm/sim/turns.py) change.
 
 Run:  python bench/capacity_turns.py [--cluster bench-fog-40-8b] [--load 0.92] [--requests 4000]
       (~10 min on 2 cores for bench-fog-40-8b: the judged plan for capacity, then two runs)
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from meshllm.config import load_cluster, plan_inputs  # noqa: E402
 from meshllm.partition.cost import prefill_work, request_flops  # noqa: E402
-from meshllm.sim import judge, simulator, sweep  # noqa: E402
+from meshllm.sim import judge, simulator, sweep, turns  # noqa: E402
 from meshllm.sim.metrics import bound_rate_per_s, device_flops_cap  # noqa: E402
 from meshllm.sim.replica import from_grouping  # noqa: E402
 
@@ -82,20 +82,20 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     inp = plan_inputs(load_cluster(REPO / "clusters" / f"{a.cluster}.yaml"))
-    turns = []
-    real = judge.turned_for_capacity
+    picks = []
+    real = turns.turned_for_capacity
 
     def kept(inp_, ev, g, *args, **kw):  # the pick before its turns, and after
         got = real(inp_, ev, g, *args, **kw)
-        turns.append((g, got))
+        picks.append((g, got))
         return got
 
-    judge.turned_for_capacity = kept
+    turns.turned_for_capacity = kept
     judge.judged_plan(replace(inp, rate_per_s=0.0), a.seed, log=True)
-    if not turns:
+    if not picks:
         print(f"{a.cluster}: the planner asked no judge (one grouping only)")
         return 0
-    before, after = turns[-1]
+    before, after = picks[-1]
     bound = bound_rate_per_s(inp, [(x, y) for _, x, y in sweep.make_trace(inp, 2000, a.seed)])
     rate, ctx = a.load * bound, inp.mix.decode_ctx
     index = {m.id: i for i, m in enumerate(inp.members)}
@@ -106,7 +106,7 @@ def main() -> int:
     for what, g in (("the judge's pick", before), ("with its turns", after)):
         reps = from_grouping(inp, g)
         flops, span = served(reps, inp, rate, a.requests, a.seed)
-        print(f"-- {what}: {judge.role_counts(g)}")
+        print(f"-- {what}: {turns.role_counts(g)}")
         types: dict[str, list] = defaultdict(lambda: [0.0, 0.0, set()])
         for r in reps:
             for m in r.members:

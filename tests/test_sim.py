@@ -498,22 +498,22 @@ def test_judge_confirms_a_plan_of_its_own_on_runs_as_long_as_the_reported_sweep(
     with five prefill replicas 11% above mixed-dp's grouping, which at N = 2000 was 4% below it.
     The demo's judged plan is one of the search's own, so it goes through the confirmation."""
     from meshllm.partition.plan import plan_cluster
-    from meshllm.sim import judge, sweep
+    from meshllm.sim import judge, sweep, trials
 
     calls = []
-    real = judge.saturation
+    real = trials.saturation
 
-    def recorded(inp, g, reps, requests=judge.JUDGE_SWEEP_REQUESTS, seed=judge.JUDGE_SEED):
+    def recorded(inp, g, reps, requests=trials.JUDGE_SWEEP_REQUESTS, seed=trials.JUDGE_SEED):
         calls.append((requests, seed))
         return real(inp, g, reps, requests, seed)
 
-    monkeypatch.setattr(judge, "saturation", recorded)
+    monkeypatch.setattr(trials, "saturation", recorded)
     plan_cluster(plan_inputs(load_cluster(REPO / "clusters" / "demo.yaml")), seed=0, log=False,
                  judge=judge.simulated_judge)
-    confirming = {(n, seed) for n, seed in calls if seed in judge.CAPACITY_SEEDS}
+    confirming = {(n, seed) for n, seed in calls if seed in trials.CAPACITY_SEEDS}
     assert confirming and min(n for n, _ in confirming) >= sweep.SWEEP_REQUESTS
     # on all four traces (full sweeps on them tie bench-fog-40-8b's plan with mixed-dp's sized grouping; on two it led by 4 %)
-    assert {seed for _, seed in confirming} == set(judge.CAPACITY_SEEDS) and len(judge.CAPACITY_SEEDS) == 4
+    assert {seed for _, seed in confirming} == set(trials.CAPACITY_SEEDS) and len(trials.CAPACITY_SEEDS) == 4
 
 
 def test_for_capacity_the_judge_confirms_up_to_three_of_its_own_before_a_baselines_grouping(monkeypatch):
@@ -524,7 +524,7 @@ def test_for_capacity_the_judge_confirms_up_to_three_of_its_own_before_a_baselin
     sweep). The judge's own figures: the third is confirmed, and a fourth is not tried."""
     from types import SimpleNamespace
 
-    from meshllm.sim import judge
+    from meshllm.sim import judge, trials
 
     assert judge.CONFIRM_TOP == 3
     theirs = [15.68, 17.515, 17.515, 17.515]  # mixed-dp's grouping on the four long traces
@@ -532,11 +532,11 @@ def test_for_capacity_the_judge_confirms_up_to_three_of_its_own_before_a_baselin
                  2: [17.631, 18.12, 18.61, 18.61], 3: [18.0, 19.0, 19.0, 19.0], 4: theirs, 5: theirs}
     tried = []
 
-    def saturation(inp, g, reps, requests=judge.JUDGE_SWEEP_REQUESTS, seed=judge.JUDGE_SEED):
+    def saturation(inp, g, reps, requests=trials.JUDGE_SWEEP_REQUESTS, seed=trials.JUDGE_SEED):
         tried.append(g)
-        return long_runs[g][judge.CAPACITY_SEEDS.index(seed)]
+        return long_runs[g][trials.CAPACITY_SEEDS.index(seed)]
 
-    monkeypatch.setattr(judge, "saturation", saturation)
+    monkeypatch.setattr(trials, "saturation", saturation)
     short = [16.814, 16.515, 15.345, 15.0, 13.377, 8.998]  # candidates 4 and 5: the baselines' groupings
     ops = range(4, 6)
 
@@ -554,7 +554,7 @@ def test_a_plan_of_its_own_replaces_the_baselines_grouping_only_on_the_evidence(
     the noise of the judge's traces. The judge's figures (req/s on its four traces): on
     bench-fog-40-8b the pick led mixed-dp's sized grouping by 1% summed, within one standard
     error, and lost to it by 1.4% on the benchmark's traces; on bench-edge-8b it led on all four."""
-    from meshllm.sim.judge import wins_on_evidence
+    from meshllm.sim.trials import wins_on_evidence
 
     fog_pick, fog_mixed_dp = [27.280, 28.731, 28.731, 29.602], [25.106, 27.388, 29.956, 30.812]
     assert sum(fog_pick) > sum(fog_mixed_dp) and not wins_on_evidence(fog_pick, fog_mixed_dp)
@@ -571,25 +571,25 @@ def test_at_a_rate_the_baselines_groupings_are_eligible_by_runs_as_long_as_their
     sweep: 9.80). So with a rate given, each baseline grouping's eligibility is judged on runs as
     long as the reported sweep's, on the judge's trace (multi-tenant.yaml: 4 req/s)."""
     from meshllm.partition.plan import planner_evaluator
-    from meshllm.sim import judge, sweep
+    from meshllm.sim import judge, sweep, trials
 
     calls = []
-    real = judge.saturation
+    real = trials.saturation
 
-    def recorded(inp, g, reps, requests=judge.JUDGE_SWEEP_REQUESTS, seed=judge.JUDGE_SEED):
+    def recorded(inp, g, reps, requests=trials.JUDGE_SWEEP_REQUESTS, seed=trials.JUDGE_SEED):
         calls.append((requests, seed, g.groups, g.roles))
         return real(inp, g, reps, requests, seed)
 
-    monkeypatch.setattr(judge, "saturation", recorded)
+    monkeypatch.setattr(trials, "saturation", recorded)
     inp = plan_inputs(load_cluster(REPO / "clusters" / "multi-tenant.yaml"))
     ops = judge.operator_groupings(inp, planner_evaluator(inp))
     assert ops and inp.rate_per_s > 0
     plan_cluster(inp, seed=0, log=False, judge=judge.simulated_judge)
-    long = {(g, r) for n, seed, g, r in calls if n >= sweep.SWEEP_REQUESTS and seed == judge.JUDGE_SEED}
+    long = {(g, r) for n, seed, g, r in calls if n >= sweep.SWEEP_REQUESTS and seed == trials.JUDGE_SEED}
     assert all((o.groups, o.roles) in long for o in ops)
     calls.clear()  # for capacity the floor is the baselines' groupings' saturation on runs as short as the rest's
     plan_cluster(replace(inp, rate_per_s=0.0), seed=0, log=False, judge=judge.simulated_judge)
-    assert not any(n >= sweep.SWEEP_REQUESTS and seed == judge.JUDGE_SEED for n, seed, _, _ in calls)
+    assert not any(n >= sweep.SWEEP_REQUESTS and seed == trials.JUDGE_SEED for n, seed, _, _ in calls)
 
 
 PAIR_AND_ORIN = """model: llama-3-8b
@@ -611,11 +611,11 @@ def pair_and_orin(forced: str = ""):
 
     from meshllm.config import parse_cluster
     from meshllm.partition.plan import planner_evaluator
-    from meshllm.sim import judge
+    from meshllm.sim import turns
 
     inp = plan_inputs(parse_cluster(yaml.safe_load(PAIR_AND_ORIN % (forced, forced)), "pair_and_orin.yaml"))
     ev = planner_evaluator(inp)
-    return inp, ev, judge.with_roles(ev, ev.decode([0, 0, 1]), ("prefill", "decode"), inp.rate_per_s)
+    return inp, ev, turns.with_roles(ev, ev.decode([0, 0, 1]), ("prefill", "decode"), inp.rate_per_s)
 
 
 def test_the_judge_turns_a_replica_mixed_when_that_costs_less_at_the_rate():
@@ -626,16 +626,16 @@ def test_the_judge_turns_a_replica_mixed_when_that_costs_less_at_the_rate():
     capacity and prediction are the new roles'. The pair is tried mixed on its decode split (17 + 15
     layers: 62 s) and on its prefill split (16 + 16: KV room for 70 sequences, not 56), which wins."""
     from meshllm.partition.capacity import capacity, role_rates
-    from meshllm.sim import judge
+    from meshllm.sim import trials, turns
     from meshllm.sim.replica import from_grouping
 
     inp, ev, g = pair_and_orin()
-    rate, trace = inp.rate_per_s, make_trace(inp, judge.JUDGE_REQUESTS, judge.JUDGE_SEED)
+    rate, trace = inp.rate_per_s, make_trace(inp, trials.JUDGE_REQUESTS, trials.JUDGE_SEED)
     pair = g.evals[0]
     assert pair.mixed.split.counts == pair.decode.split.counts == (17, 15) != pair.prefill.split.counts
-    got = judge.refine_roles(inp, ev, g, rate)
+    got = turns.refine_roles(inp, ev, g, rate)
     assert got.roles == ("mixed", "mixed") and got.evals[0].mixed.split.counts == (16, 16)  # no idle decoder
-    before, after = (judge.run_cost(from_grouping(inp, x), trace, rate) for x in (g, got))
+    before, after = (trials.run_cost(from_grouping(inp, x), trace, rate) for x in (g, got))
     assert after < 0.5 * before
     assert got.fitness == pytest.approx(capacity(role_rates(got.evals), got.roles)[0])
     assert got.prediction is not None and got.prediction != g.prediction
@@ -664,21 +664,21 @@ def test_the_judge_turns_a_mixed_replica_prefill_when_that_costs_less_within_the
 
     from meshllm.config import parse_cluster
     from meshllm.partition.plan import planner_evaluator
-    from meshllm.sim import judge
+    from meshllm.sim import trials, turns
     from meshllm.sim.replica import from_grouping
 
     inp = plan_inputs(parse_cluster(yaml.safe_load(FAST_AND_ORIN), "fast_and_orin.yaml"))
     ev = planner_evaluator(inp)
-    rate, trace = inp.rate_per_s, make_trace(inp, judge.JUDGE_REQUESTS, judge.JUDGE_SEED)
-    g = judge.with_roles(ev, ev.decode([0, 1]), ("mixed", "mixed"), rate)
+    rate, trace = inp.rate_per_s, make_trace(inp, trials.JUDGE_REQUESTS, trials.JUDGE_SEED)
+    g = turns.with_roles(ev, ev.decode([0, 1]), ("mixed", "mixed"), rate)
     orin = [i for i, canon in enumerate(g.groups) if inp.members[canon[0]].id == "agx-1"]
-    got = judge.refine_roles(inp, ev, g, rate)
+    got = turns.refine_roles(inp, ev, g, rate)
     assert got.roles[orin[0]] == "prefill" and got.roles.count("mixed") == 1
-    (before, ttft0), (after, ttft1) = (judge.run_cost_ttft(from_grouping(inp, x), trace, rate) for x in (g, got))
-    assert after < 0.9 * before and ttft0 < ttft1 <= judge.TTFT_SLACK * ttft0
+    (before, ttft0), (after, ttft1) = (trials.run_cost_ttft(from_grouping(inp, x), trace, rate) for x in (g, got))
+    assert after < 0.9 * before and ttft0 < ttft1 <= turns.TTFT_SLACK * ttft0
     assert got.prediction is not None and got.prediction != g.prediction
-    monkeypatch.setattr(judge, "TTFT_SLACK", 1.0)
-    assert judge.refine_roles(inp, ev, g, rate).roles == ("mixed", "mixed")
+    monkeypatch.setattr(turns, "TTFT_SLACK", 1.0)
+    assert turns.refine_roles(inp, ev, g, rate).roles == ("mixed", "mixed")
 
 
 def test_a_refined_baseline_grouping_is_held_to_runs_as_long_as_its_eligibility(monkeypatch):
@@ -689,13 +689,13 @@ def test_a_refined_baseline_grouping_is_held_to_runs_as_long_as_its_eligibility(
     import yaml
 
     from meshllm.config import parse_cluster
-    from meshllm.sim import judge
+    from meshllm.sim import judge, trials, turns
 
     inp = plan_inputs(parse_cluster(yaml.safe_load(FAST_AND_ORIN), "fast_and_orin.yaml"))
     seen = []
-    monkeypatch.setattr(judge, "refine_roles", lambda inp, ev, g, rate, n, log=False: seen.append(n) or g)
+    monkeypatch.setattr(turns, "refine_roles", lambda inp, ev, g, rate, n, log=False: seen.append(n) or g)
     judge.simulated_judge(inp, [], inp.rate_per_s)  # the baselines' groupings only
-    assert seen == [round(judge.JUDGE_SWEEP_REQUESTS * judge.CONFIRM_SCALE)]
+    assert seen == [round(trials.JUDGE_SWEEP_REQUESTS * trials.CONFIRM_SCALE)]
 
 
 def test_mixed_dp_runs_a_replica_on_the_split_that_rates_higher_mixed():
@@ -732,12 +732,12 @@ def test_the_judge_keeps_roles_that_a_node_forces_and_refines_only_at_a_rate(mon
     planning for capacity (no rate) does not refine at all (a turn is judged by the cost at the
     rate; the pick and at most REFINE_TOP - 1 more candidates are refined)."""
     from meshllm.partition.plan import plan_cluster
-    from meshllm.sim import judge
+    from meshllm.sim import judge, turns
 
     inp, ev, g = pair_and_orin(", roles: [prefill]")
-    assert judge.refine_roles(inp, ev, g, inp.rate_per_s).roles[0] == "prefill"
+    assert turns.refine_roles(inp, ev, g, inp.rate_per_s).roles[0] == "prefill"
     calls = []
-    monkeypatch.setattr(judge, "refine_roles", lambda inp, ev, g, rate, *a, **k: calls.append(rate) or g)
+    monkeypatch.setattr(turns, "refine_roles", lambda inp, ev, g, rate, *a, **k: calls.append(rate) or g)
     inp, _, _ = pair_and_orin()
     plan_cluster(replace(inp, rate_per_s=0.0), seed=0, log=False, judge=judge.simulated_judge)
     assert calls == []
@@ -959,7 +959,7 @@ nodes:
 
 
 def test_for_capacity_the_judge_turns_a_kind_of_decode_replica_mixed_on_the_evidence(monkeypatch):
-    """Issue 8, step 6 of sim/judge.py: on bench-fog-40-8b the pick's two Jetson AGX Orins decoded
+    """Issue 8, step 6 of sim/turns.py: on bench-fog-40-8b the pick's two Jetson AGX Orins decoded
     at 0.58 of their compute (memory-bound steps) for ten prefill replicas, 0.910 of the
     bound; turned mixed, 0.970. The decode replicas on the same device types turn together, each
     kind tried on the judge's four long traces (one trace did not tell: on the judge's own the
@@ -970,41 +970,41 @@ def test_for_capacity_the_judge_turns_a_kind_of_decode_replica_mixed_on_the_evid
 
     from meshllm.config import parse_cluster
     from meshllm.partition.plan import planner_evaluator
-    from meshllm.sim import judge
+    from meshllm.sim import trials, turns
 
     inp = plan_inputs(parse_cluster(yaml.safe_load(PAIRS_ORINS_NUC), "pairs_orins_nuc.yaml"))
     ev = planner_evaluator(inp)
     p, d, m = "prefill", "decode", "mixed"
-    pick = judge.with_roles(ev, ev.decode([0, 0, 1, 1, 2, 3, 4]), (p, p, d, d, d))
-    assert judge.decode_kinds(inp, ev, pick) == [[2, 3], [4]]  # the Orins (more compute), the NUC
+    pick = turns.with_roles(ev, ev.decode([0, 0, 1, 1, 2, 3, 4]), (p, p, d, d, d))
+    assert turns.decode_kinds(inp, ev, pick) == [[2, 3], [4]]  # the Orins (more compute), the NUC
     runs = {(p, p, d, d, d): [10.0, 10.1, 9.9, 10.0],
             (p, p, m, m, d): [11.0, 11.2, 10.9, 11.1],  # the Orins turned
             (p, p, d, d, m): [10.2, 10.3, 10.1, 10.2],  # the NUC turned: leads too, by less
             (p, p, m, m, m): [11.05, 11.25, 10.95, 11.15]}  # both: under TURN_GAIN more than the Orins alone
 
-    def saturation(inp, g, reps, requests=judge.JUDGE_SWEEP_REQUESTS, seed=judge.JUDGE_SEED):
-        assert requests >= judge.sweep.SWEEP_REQUESTS  # runs as long as the reported sweep's
-        return runs[g.roles][judge.CAPACITY_SEEDS.index(seed)]
+    def saturation(inp, g, reps, requests=trials.JUDGE_SWEEP_REQUESTS, seed=trials.JUDGE_SEED):
+        assert requests >= trials.sweep.SWEEP_REQUESTS  # runs as long as the reported sweep's
+        return runs[g.roles][trials.CAPACITY_SEEDS.index(seed)]
 
-    monkeypatch.setattr(judge, "saturation", saturation)
-    got = judge.turned_for_capacity(inp, ev, pick, 0.0)
+    monkeypatch.setattr(trials, "saturation", saturation)
+    got = turns.turned_for_capacity(inp, ev, pick, 0.0)
     assert got.roles == (p, p, m, m, d)
-    assert got.fitness == pytest.approx(judge.capacity(judge.role_rates(got.evals), got.roles)[0])
+    assert got.fitness == pytest.approx(turns.capacity(turns.role_rates(got.evals), got.roles)[0])
     runs[p, p, m, m, d] = [11.5, 9.0, 10.5, 10.0]  # more in all, within the traces' noise
     runs[p, p, d, d, m] = runs[p, p, d, d, d]  # the same runs: no gain
-    assert judge.turned_for_capacity(inp, ev, pick, 0.0) is pick
+    assert turns.turned_for_capacity(inp, ev, pick, 0.0) is pick
 
 
 def test_for_capacity_an_orin_decoding_for_a_pair_sustains_more_turned_mixed():
     """The same step in the simulator: the Jetson AGX Orin decoding for an RTX 3060 pair
     (bench-fog-40-8b's devices) is turned mixed for capacity, and the plan sustains more on the
     reported sweep's trace than the pick."""
-    from meshllm.sim import judge
+    from meshllm.sim import turns
     from meshllm.sim.replica import from_grouping
 
     inp, ev, g = pair_and_orin()
     inp = replace(inp, rate_per_s=0.0)
-    got = judge.turned_for_capacity(inp, ev, g, 0.0)
+    got = turns.turned_for_capacity(inp, ev, g, 0.0)
     assert got.roles == ("prefill", "mixed")
     before, after = (saturation_rate(from_grouping(inp, x), inp, 0) for x in (g, got))
     assert after > before

@@ -192,7 +192,8 @@ def saturation_rate(reps: Sequence[SimReplica], inp: PlanInputs, seed: int = 0,
 
 
 def meshllm_policy(inp: PlanInputs, rate: float, seed: int, sweep_requests: int = SWEEP_REQUESTS) -> Policy:
-    from meshllm.sim.judge import JUDGE_SWEEP_REQUESTS, judged_plan  # judge imports this module
+    from meshllm.sim.judge import judged_plan  # the judge imports this module
+    from meshllm.sim.trials import JUDGE_SWEEP_REQUESTS
 
     plan = judged_plan(replace(inp, rate_per_s=rate), seed, sweep_requests=min(sweep_requests, JUDGE_SWEEP_REQUESTS))
     return Policy(from_plan(inp, plan), {n: plan.reasons.get(n, "") for n in plan.unused + plan.drafters
