@@ -1,8 +1,9 @@
 """Why meshllm's saturation stays below 0.93 of the physical bound on the bench clusters.
 
 Run:  python bench/bound_gap.py [--clusters bench-edge-8b,bench-fog-40-8b,bench-six-7b]
-      [--replicas bench-fog-70b] [--requests 2000] [--seed 0] [--jobs 2]
-      (~5 min on 2 cores for the default three clusters, ~8 more for the replicas table)
+      [--replicas bench-fog-70b] [--splits bench-six-7b] [--requests 2000] [--seed 0] [--jobs 2]
+      (~13 min on 2 cores for the default three clusters, ~8 more for the replicas table,
+      ~10 more for the splits table)
 
 The bound (meshllm/sim/metrics.py, BRIEF) is the rate at which every stage-capable device is
 100% busy on useful FLOPs. Per device type of a cluster, the type's devices alone (the same
@@ -37,11 +38,20 @@ allows MAX_DECODE_BATCH per replica), where their KV fits, and on top of that th
 split made to keep room for more sequences' KV on every stage (KV_RESERVES; the planner keeps
 room for KV_RESERVE_SEQS), the best of those. Then the whole plan, as planned and with each
 replica at its best what-if. It says how much of the gap a longer decode batch would close.
+
+`--splits` (default bench-six-7b, whose Orin Nanos and Mac mini hold llama-2-7b only together):
+meshllm's plan for capacity, and for each of its replicas of several devices, every split of
+the model's layers over them (every order of its members, up to interchangeable ones; at least
+one layer a stage) whose KV room holds one sequence or more, each alone as a mixed replica: per
+number of sequences the split's KV room holds, the best split's saturation, which says whether
+any split of those devices does better than the planned one. Then the whole plan with that
+replica prefilling on the DP's prefill split (its prompts' KV shipped to the other replicas).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections import defaultdict
@@ -266,6 +276,66 @@ def replicas_section(name: str, n_req: int, seed: int, jobs: int) -> None:
     print()
 
 
+def split_job(job: tuple) -> tuple:
+    """One split of some devices' layers alone as a mixed replica: (KV room in sequences, saturation)."""
+    name, ids, counts, n_req, seed = job
+    inp = nodes_inputs(load_cluster(REPO / "clusters" / f"{name}.yaml"), set(ids))
+    by = {m.id: m for m in inp.members}
+    r = SimReplica(0, "mixed", tuple(by[i] for i in ids), counts, inp)
+    return r.max_batch(), sweep.saturation_rate([r], inp, seed, n_req)
+
+
+def every_split(inp, members: tuple) -> list[tuple]:
+    """(ids in pipeline order, layer counts) of every split of `members` (each order up to
+    interchangeable members, at least one layer a stage) whose KV room holds a sequence."""
+    orders = {tuple(m.key for m in p): p for p in itertools.permutations(members)}.values()
+    out, n = [], inp.mc.n_layers
+    for seq in orders:
+        for cuts in itertools.combinations(range(1, n), len(seq) - 1):
+            counts = tuple(b - a for a, b in zip((0, *cuts), (*cuts, n)))
+            if SimReplica(0, "mixed", seq, counts, inp).max_batch() >= 1:
+                out.append(([m.id for m in seq], counts))
+    return out
+
+
+def splits_section(name: str, n_req: int, seed: int, jobs: int) -> None:
+    """--splits (module docstring)."""
+    cfg = load_cluster(REPO / "clusters" / f"{name}.yaml")
+    inp = plan_inputs(cfg)
+    lengths = [(a, b) for _, a, b in sweep.make_trace(inp, n_req, seed)]
+    reps = sweep.meshllm_policy(inp, 0.0, seed).replicas
+    planned = [(r.role, [m.id for m in r.members], tuple(r.counts)) for r in reps]
+    print(f"## {name}: meshllm's plan for capacity, its replicas of several devices split every way (alone, mixed)")
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for k, r in enumerate(reps):
+            if len(r.members) < 2:
+                continue
+            ids = [m.id for m in r.members]
+            bound = bound_rate_per_s(nodes_inputs(cfg, set(ids)), lengths)
+            splits = every_split(inp, tuple(r.members))
+            got = list(pool.map(split_job, [(name, i, c, n_req, seed) for i, c in splits]))
+            mine = split_job((name, ids, tuple(r.counts), n_req, seed))
+            print(f"-- replica {k} ({r.role}): {', '.join(f'{i} {c}' for i, c in zip(ids, r.counts))} as planned: "
+                  f"KV room for {mine[0]} sequences, {mine[1]:.3f} req/s alone, {mine[1] / bound:.3f} of its "
+                  f"devices' bound {bound:.3f}; {len(splits)} splits hold a sequence")
+            best: dict[int, tuple] = {}
+            for (i, c), (slots, sat) in zip(splits, got):
+                if slots not in best or sat > best[slots][0]:
+                    best[slots] = (sat, i, c)
+            print(f"{'seqs':>5s} {'best sat':>9s} {'of bound':>9s}  its split")
+            for slots in sorted(best, reverse=True):
+                sat, i, c = best[slots]
+                print(f"{slots:5d} {sat:9.3f} {sat / bound:9.3f}  {', '.join(f'{x} {n}' for x, n in zip(i, c))}")
+            sp = Splitter(inp.mc, inp.net, inp.mix.prefill_wp()).split(tuple(r.members))
+            if isinstance(sp, Infeasible):
+                continue
+            turned = [*planned[:k], ("prefill", [r.members[j].id for j in sp.order], sp.counts), *planned[k + 1:]]
+            whole = list(pool.map(plan_job, [(name, planned, False, n_req, seed), (name, turned, False, n_req, seed)]))
+            print(f"the whole plan: {whole[0]:.3f} req/s as planned; with replica {k} prefilling on the DP's "
+                  f"prefill split ({', '.join(f'{x} {n}' for x, n in zip(turned[k][1], sp.counts))}): {whole[1]:.3f}")
+    print()
+
+
 def meshllm_fraction(name: str) -> float | None:
     saved = REPO / "bench/results/planner.json"
     if not saved.exists():
@@ -283,6 +353,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--replicas", default="bench-fog-70b", help="clusters for the per-replica table ('' for none)")
+    ap.add_argument("--splits", default="bench-six-7b", help="clusters for the splits table ('' for none)")
     a = ap.parse_args()
     names = [n for n in a.clusters.split(",") if n]
     jobs = [(name, device, a.requests, a.seed) for name in names
@@ -329,6 +400,8 @@ def main() -> int:
         print()
     for name in (n for n in a.replicas.split(",") if n):
         replicas_section(name, a.requests, a.seed, a.jobs)
+    for name in (n for n in a.splits.split(",") if n):
+        splits_section(name, a.requests, a.seed, a.jobs)
     return 0
 
 
