@@ -36,7 +36,8 @@ simulator do not make: decode slots of MAX_DECODE_BATCH per micro-batch (one mic
 stage, as vLLM's per-virtual-engine schedulers allow under pipeline parallelism; the simulator
 allows MAX_DECODE_BATCH per replica), where their KV fits, and on top of that the DP's decode
 split made to keep room for more sequences' KV on every stage (KV_RESERVES; the planner keeps
-room for KV_RESERVE_SEQS), the best of those. Then the whole plan, as planned and with each
+room for KV_RESERVE_SEQS), the best of those (not for the plan's prefill replicas: they keep
+their split, the DP's for prompts). Then the whole plan, as planned and with each
 replica at its best what-if. It says how much of the gap a longer decode batch would close.
 
 `--splits` (default bench-six-7b, whose Orin Nanos and Mac mini hold llama-2-7b only together):
@@ -211,8 +212,9 @@ def kv_room_split(inp, members: tuple, reserve: int) -> tuple | None:
 
 def replica_job(job: tuple) -> dict:
     """One replica of meshllm's plan alone (mixed): its devices' bound, its saturation as planned,
-    with slots per micro-batch, and with the best KV-room split too."""
-    name, ids, counts, n_req, seed = job
+    with slots per micro-batch, and with the best KV-room split too (not for a prefill replica of
+    the plan: it holds no decode's KV there, and its split is the DP's for prompts)."""
+    name, role, ids, counts, n_req, seed = job
     cfg = load_cluster(REPO / "clusters" / f"{name}.yaml")
     lengths = [(a, b) for _, a, b in sweep.make_trace(plan_inputs(cfg), n_req, seed)]
     inp = nodes_inputs(cfg, set(ids))
@@ -223,7 +225,7 @@ def replica_job(job: tuple) -> dict:
     out = {"ids": ids, "bound": bound_rate_per_s(inp, lengths), "plan": sat(planned), "micro": sat(micro),
            "slots_plan": planned.max_batch(), "slots_rep": micro.max_batch()}
     out["kv"], out["reserve"], out["split"] = out["micro"], 0, (ids, counts)
-    for reserve in KV_RESERVES:
+    for reserve in KV_RESERVES if role != "prefill" else ():
         got = kv_room_split(inp, members, reserve)
         if got is None:
             break
@@ -251,7 +253,7 @@ def replicas_section(name: str, n_req: int, seed: int, jobs: int) -> None:
     inp = plan_inputs(load_cluster(REPO / "clusters" / f"{name}.yaml"))
     reps = sweep.meshllm_policy(inp, 0.0, seed).replicas
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        rows = list(pool.map(replica_job, [(name, [m.id for m in r.members], tuple(r.counts), n_req, seed)
+        rows = list(pool.map(replica_job, [(name, r.role, [m.id for m in r.members], tuple(r.counts), n_req, seed)
                                            for r in reps]))
         planned = [(r.role, [m.id for m in r.members], tuple(r.counts)) for r in reps]
         best = [(r.role, *row["split"]) for r, row in zip(reps, rows)]
@@ -268,7 +270,7 @@ def replicas_section(name: str, n_req: int, seed: int, jobs: int) -> None:
         what = ", ".join(f"{n} {d}" for d, n in kinds.items())
         print(f"{row['bound']:7.3f} {row['slots_plan']:5d} {row['plan']:7.3f} "
               f"{row['plan'] / row['bound']:6.3f} {row['slots_rep']:8d} {row['micro']:7.3f} "
-              f"{row['reserve'] or '-':>7} {row['kv']:7.3f} {row['kv'] / row['bound']:6.3f}  {what}")
+              f"{row['reserve'] or '-':>7} {row['kv']:7.3f} {row['kv'] / row['bound']:6.3f}  {r.role}: {what}")
     bound = bound_rate_per_s(inp, [(a, b) for _, a, b in sweep.make_trace(inp, n_req, seed)])
     print(f"the whole plan: {whole[0]:.3f} req/s ({whole[0] / bound:.3f} of the cluster's bound {bound:.3f}); "
           f"each replica with slots per micro-batch and its best KV-room split: {whole[1]:.3f} "
