@@ -2,7 +2,7 @@
 
 Run:  python bench/bound_gap.py [--clusters bench-edge-8b,bench-fog-40-8b,bench-six-7b]
       [--replicas bench-fog-70b] [--splits bench-six-7b] [--requests 2000] [--seed 0] [--jobs 2]
-      (~13 min on 2 cores for the default three clusters, ~8 more for the replicas table,
+      (~13 min on 2 cores for the default three clusters, ~2 more for the replicas table,
       ~14 more for the splits table)
 
 The bound (meshllm/sim/metrics.py, BRIEF) is the rate at which every stage-capable device is
