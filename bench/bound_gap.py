@@ -109,8 +109,8 @@ class StepLog(Simulator):
 class Placed(Simulator):
     """The simulator, with the replica each request was routed to (`where`: request id -> replica id)."""
 
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
         self.where: dict[int, int] = {}
         self._arriving = -1
         pick = self.router.pick_prefill

@@ -30,41 +30,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bound_gap import Placed  # noqa: E402  (the simulator, noting the replica each prompt is routed to)
+
 from meshllm.config import load_cluster, plan_inputs  # noqa: E402
 from meshllm.partition.cost import prefill_work, request_flops  # noqa: E402
-from meshllm.sim import judge, simulator, sweep, turns  # noqa: E402
+from meshllm.sim import judge, sweep, turns  # noqa: E402
 from meshllm.sim.metrics import bound_rate_per_s, device_flops_cap  # noqa: E402
 from meshllm.sim.replica import from_grouping  # noqa: E402
 
 
-class Recording(simulator.Simulator):
-    """The simulator, noting the replica each request is prefilled on (as the router picks it)."""
-
-    def __init__(self, *args, **kw) -> None:
-        self.prefilled_at: dict[int, int] = {}  # request id -> replica id
-        super().__init__(*args, **kw)
-
-    def on_arrival(self, req) -> None:
-        pick = self.router.pick_prefill
-
-        def recorded(*args, **kw):
-            self.prefilled_at[req.rid] = rid = pick(*args, **kw)
-            return rid
-
-        self.router.pick_prefill = recorded
-        try:
-            super().on_arrival(req)
-        finally:
-            self.router.pick_prefill = pick
-
-
 def served(reps, inp, rate: float, n: int, seed: int) -> tuple[dict[str, float], float]:
     """Useful FLOPs per device id over the run of `n` requests at `rate`, and the arrivals' span."""
-    sim = Recording(reps, sweep.requests_at(sweep.make_trace(inp, n, seed), rate), gaps=False)
+    sim = Placed(reps, sweep.requests_at(sweep.make_trace(inp, n, seed), rate), gaps=False)
     reqs = sim.run()
     byid, mc, flops = {r.id: r for r in reps}, inp.mc, defaultdict(float)
     for r in reqs:
-        p = sim.prefilled_at[r.rid]
+        p = sim.where[r.rid]
         pre = prefill_work(mc, mc.n_layers, r.n_in, True)[0]
         d = r.dst if byid[p].role == "prefill" and r.n_out > 1 else p
         for rid, f in ((p, pre), (d, request_flops(mc, r.n_in, r.n_out) - pre)):
