@@ -65,9 +65,9 @@ sys.path.insert(0, str(REPO))
 
 from meshllm.config import load_cluster, plan_inputs  # noqa: E402
 from meshllm.partition.cost import flops_per_s  # noqa: E402
-from meshllm.partition.dp import Infeasible, Splitter, Workpoint  # noqa: E402
+from meshllm.partition.dp import Infeasible, Splitter  # noqa: E402
 from meshllm.partition.plan import PlanInfeasible  # noqa: E402
-from meshllm.partition.replica import DECODE_REF_BATCH, MAX_DECODE_BATCH  # noqa: E402
+from meshllm.partition.replica import MAX_DECODE_BATCH  # noqa: E402
 from meshllm.sim import sweep  # noqa: E402
 from meshllm.sim.baselines import mixed_dp, splitwise  # noqa: E402
 from meshllm.sim.metrics import bound_rate_per_s  # noqa: E402
@@ -204,9 +204,7 @@ class MicroSlots(SimReplica):
 def kv_room_split(inp, members: tuple, reserve: int) -> tuple | None:
     """(members in pipeline order, layer counts) of the DP's decode split keeping KV room for
     `reserve` mean sequences on every stage; None where that does not fit."""
-    mix = inp.mix
-    wp = Workpoint("decode", DECODE_REF_BATCH, mix.decode_ctx, reserve * (mix.mean_in + mix.mean_out))
-    got = Splitter(inp.mc, inp.net, wp).split(members)
+    got = Splitter(inp.mc, inp.net, inp.mix.decode_wp(reserve)).split(members)
     return None if isinstance(got, Infeasible) else (tuple(members[i] for i in got.order), got.counts)
 
 

@@ -45,7 +45,8 @@ the one results are reported on):
 5. then the pick's roles are refined in the simulator (sim/turns.py): with a rate given, replicas
    turned mixed or prefill one at a time while the cost at the rate falls (step 5 there); for
    capacity, a kind of decode replica turned mixed where that out-sustains the pick on the
-   evidence (step 6 there).
+   evidence (step 6 there), then its mixed and decode pipelines re-split to keep KV room for
+   more sequences where that does (step 7 there).
 The trials themselves (a plan's saturation and its cost at a rate on the judge's traces, cached,
 and the paired test between two plans' saturations) are sim/trials.py's.
 """
@@ -172,7 +173,8 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
         print(f"judge: picked candidate {k + 1} ({describe(cands[k], k in op_idx)}), {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
     if not at_rate:
-        return turns.turned_for_capacity(inp, ev, cands[k], rate, sweep_requests, log)
+        turned = turns.turned_for_capacity(inp, ev, cands[k], rate, sweep_requests, log)
+        return turns.kv_room_for_capacity(inp, ev, turned, rate, sweep_requests, log)
     tries = [k] + [i for i in order[:REFINE_TOP] if i != k and i not in op_idx][:REFINE_TOP - 1]
     # a baseline's grouping was eligible by runs as long as the reported sweep's, so is what it turns into
     refined = [turns.refine_roles(inp, ev, cands[i], rate, longer if i in op_idx else sweep_requests, log) for i in tries]

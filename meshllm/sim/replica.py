@@ -16,7 +16,7 @@ from meshllm.partition.dp import Member
 from meshllm.partition.grouping import Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.plan import Plan
-from meshllm.partition.replica import decode_concurrency
+from meshllm.partition.replica import ReplicaEval, decode_concurrency
 from meshllm.partition.steps import free_chunk_tokens, fused_step_s, prefill_stage_s
 
 CTX_BUCKET = 64  # tokens: step times are cached per context rounded to this (attention is a small term)
@@ -215,13 +215,15 @@ def mixed_if_alone(reps: list[SimReplica]) -> list[SimReplica]:
 
 
 def from_grouping(inp: PlanInputs, g: Grouping) -> list[SimReplica]:
-    out = []
-    for rid, (canon, role, ev) in enumerate(zip(g.groups, g.roles, g.evals, strict=True)):
-        fit = {"prefill": ev.prefill, "decode": ev.decode, "mixed": ev.mixed}[role]
-        assert fit is not None
-        members = tuple(inp.members[canon[i]] for i in fit.split.order)
-        out.append(SimReplica(rid, role, members, fit.split.counts, inp))
-    return mixed_if_alone(out)
+    return mixed_if_alone([sim_replica(inp, rid, canon, role, ev)
+                           for rid, (canon, role, ev) in enumerate(zip(g.groups, g.roles, g.evals, strict=True))])
+
+
+def sim_replica(inp: PlanInputs, rid: int, canon: Sequence[int], role: str, ev: ReplicaEval) -> SimReplica:
+    """The replica of `inp.members` (indices `canon`) as `ev` rates it in `role`, on that role's split."""
+    fit = {"prefill": ev.prefill, "decode": ev.decode, "mixed": ev.mixed}[role]
+    assert fit is not None
+    return SimReplica(rid, role, tuple(inp.members[canon[i]] for i in fit.split.order), fit.split.counts, inp)
 
 
 def describe(reps: Sequence[SimReplica]) -> str:

@@ -1,5 +1,5 @@
-"""The judge's last steps (sim/judge.py, steps 1-4, picks a grouping): the pick's roles refined
-in the simulator, one trial at a time (sim/trials.py).
+"""The judge's last steps (sim/judge.py, steps 1-4, picks a grouping): the pick's roles (and, for
+capacity, its pipelines' splits) refined in the simulator, one trial at a time (sim/trials.py).
 
 5. with a rate given, the pick's replicas are turned mixed one at a time, the turn that costs
 least first, while each lowers the cost at the rate on the judge's trace (`refine_roles`, at
@@ -35,7 +35,18 @@ decoded for 10 prefill replicas at 0.58 of their compute at 30.2 req/s (the swee
 30.00 / 29.51 / 30.10 req/s, 0.910 of the bound); turned mixed, they sustain 31.60 / 31.58 /
 32.42 (0.970). One trace does not tell: on the judge's own, with its short runs, the turn
 sustained less (21.76 against 22.95 req/s; 29.30 against 29.77 on 2000 requests), on the
-four it leads by 1.67 req/s a trace (standard error 0.63).
+four it leads by 1.67 req/s a trace (standard error 0.63);
+7. then, for capacity, the plan's mixed and decode pipelines re-split to keep KV room for more
+sequences (`with_kv_room`, KV_ROOMS), where that sustains KV_ROOM_GAIN more with the replica
+alone (mixed) in the simulator on the judge's trace; those replicas re-split together, or failing that the one
+that gained most alone, are taken if the plan then out-sustains the plan so far on the evidence
+(as in step 6; `kv_room_for_capacity`). The DP splits a decode pipeline for a step at a
+reference batch and keeps room for only KV_RESERVE_SEQS sequences, so on unequal devices the
+batch is what the tightest stage's memory leaves: bench-mesh-200's mixed replica of 2 A100 + 3
+RTX 4090 holds 127 sequences as planned and 256 re-split (3.00 -> 3.95 req/s alone), its 20-
+device one of Orins and RTX 3060s 186 and 256 (1.53 -> 1.84; bench/bound_gap.py --replicas).
+The analytic model rates both re-splits lower (their mixed fit bound by the compute of the
+stages that take more layers), so the evidence decides.
 """
 
 from __future__ import annotations
@@ -50,9 +61,9 @@ from meshllm.partition.capacity import capacity, role_rates
 from meshllm.partition.cost import flops_per_s
 from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
-from meshllm.partition.replica import on_prefill_split
+from meshllm.partition.replica import ReplicaEval, on_prefill_split, with_kv_room
 from meshllm.sim import sweep, trials
-from meshllm.sim.replica import from_grouping
+from meshllm.sim.replica import from_grouping, sim_replica
 
 FLIP_ROUNDS = 3  # step 5: replicas turned mixed at most, one per round of trials
 FLIP_GAIN = 0.01  # a turn must lower the cost by this fraction
@@ -60,7 +71,9 @@ TTFT_SLACK = 1.5  # a turn to prefill may raise the TTFT p50 on the judge's trac
 # bound against Splitwise's): its prompts' first tokens wait for nothing, the others' for a port's KV
 CAPACITY_TURNS = 2  # step 6: kinds of decode replica turned mixed at most, one kind per round of trials
 TURN_KINDS = 2  # step 6: kinds tried per round (those with the most compute: four runs each)
-TURN_GAIN = 0.01  # step 6: a turn must sustain this much more in all, and lead on the evidence
+TURN_GAIN = 0.01  # step 6: a turn must sustain this much more in all, and lead on the evidence (step 7: too)
+KV_ROOMS = (64, 256)  # step 7: sequences of KV room a mixed or decode pipeline is re-split for (the DP keeps 4)
+KV_ROOM_GAIN = 0.03  # step 7: a re-split replica must sustain this much more alone
 
 
 def with_roles(ev: Evaluator, g: Grouping, roles: tuple[str, ...], rate: float = 0.0) -> Grouping:
@@ -175,10 +188,9 @@ def turned_for_capacity(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float
     TURN_GAIN in all; at most CAPACITY_TURNS kinds, one per round."""
     if not decode_kinds(inp, ev, g):
         return g  # nothing to turn: no runs
-    longer = round(sweep_requests * trials.CONFIRM_SCALE)
 
     def runs(x: Grouping) -> list[float]:
-        return [trials.saturation(inp, x, from_grouping(inp, x), longer, seed) for seed in trials.CAPACITY_SEEDS]
+        return capacity_runs(inp, x, sweep_requests)
 
     best, t0 = g, time.perf_counter()
     now = runs(g)
@@ -200,6 +212,59 @@ def turned_for_capacity(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float
     if log and best is not g:
         print(f"judge: for capacity, the roles turned: {role_counts(best)}", file=sys.stderr)
     return best
+
+
+def capacity_runs(inp: PlanInputs, g: Grouping, sweep_requests: int) -> list[float]:
+    """`g`'s saturation on each of the CAPACITY_SEEDS traces, by runs as long as the reported
+    sweep's (steps 6 and 7: the evidence a turn is judged on)."""
+    longer = round(sweep_requests * trials.CONFIRM_SCALE)
+    return [trials.saturation(inp, g, from_grouping(inp, g), longer, seed) for seed in trials.CAPACITY_SEEDS]
+
+
+def kv_room_gainers(inp: PlanInputs, g: Grouping, sweep_requests: int) -> list[tuple[float, int, ReplicaEval]]:
+    """`g`'s mixed and decode pipelines whose re-split for KV room (the best of KV_ROOMS) sustains
+    KV_ROOM_GAIN more alone, as mixed, on the judge's trace: (gain, replica, re-split evaluation),
+    the largest gain first."""
+    out = []
+    for i, (canon, role, e) in enumerate(zip(g.groups, g.roles, g.evals, strict=True)):
+        if role == "prefill" or len(canon) < 2 or e.mixed is None:
+            continue
+        alts = [a for a in (with_kv_room(inp.mc, e, inp.net, inp.mix, r) for r in KV_ROOMS) if a is not None]
+        if not alts:
+            continue
+        alone = [trials.saturation(inp, g, [sim_replica(inp, 0, canon, "mixed", x)], sweep_requests) for x in [e, *alts]]
+        k = max(range(1, len(alone)), key=lambda k: (alone[k], -k))
+        if alone[k] > (1 + KV_ROOM_GAIN) * alone[0]:
+            out.append((alone[k] / max(alone[0], 1e-9), i, alts[k - 1]))
+    return sorted(out, key=lambda t: (-t[0], t[1]))
+
+
+def kv_room_for_capacity(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float,
+                         sweep_requests: int = trials.JUDGE_SWEEP_REQUESTS, log: bool = False) -> Grouping:
+    """Step 7 of the module docstring: for capacity, `g` with the pipelines that gain alone
+    (`kv_room_gainers`) re-split for KV room, all of them, or failing that the one that gains
+    most; taken if it out-sustains `g` on the CAPACITY_SEEDS traces (`wins_on_evidence`) by more
+    than TURN_GAIN in all."""
+    t0 = time.perf_counter()
+    gainers = kv_room_gainers(inp, g, sweep_requests)
+    if not gainers:
+        return g
+    now = capacity_runs(inp, g, sweep_requests)
+    for group in [gainers] + ([gainers[:1]] if len(gainers) > 1 else []):
+        evals = list(g.evals)
+        for _, i, e in group:
+            evals[i] = e
+        cand = with_roles(ev, replace(g, evals=tuple(evals)), g.roles, rate)
+        got = capacity_runs(inp, cand, sweep_requests)
+        won = trials.wins_on_evidence(got, now) and sum(got) > (1 + TURN_GAIN) * sum(now)
+        if log:
+            print(f"judge: for capacity, replicas {', '.join(str(i) for _, i, _ in group)} re-split for KV room "
+                  f"(gains alone x{', x'.join(f'{a:.2f}' for a, _, _ in group)}) sustain {sum(got) / len(got):.3f} "
+                  f"against {sum(now) / len(now):.3f} req/s on {len(got)} traces: {'taken' if won else 'not taken'}, "
+                  f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        if won:
+            return cand
+    return g
 
 
 def role_counts(g: Grouping) -> str:
