@@ -272,7 +272,7 @@ def on_prefill_split(mc: ModelCosts, ev: ReplicaEval, net: Net, mix: Mix) -> Rep
 def with_kv_room(mc: ModelCosts, ev: ReplicaEval, net: Net, mix: Mix, reserve: int) -> ReplicaEval | None:
     """`ev` with its decode and mixed fits on the DP's decode split that keeps KV room for
     `reserve` mean sequences on every stage (the DP keeps KV_RESERVE_SEQS); None where that split
-    does not fit or is the one `ev` decodes on. The DP optimises a step at DECODE_REF_BATCH, so a
+    does not fit or is the one `ev` both decodes and serves mixed on. The DP optimises a step at DECODE_REF_BATCH, so a
     pipeline of unequal devices puts the layers where that step is fastest and leaves the batch
     to what the tightest stage's memory holds: on bench-mesh-200, 2 A100 + 3 RTX 4090 as planned
     (24 + 24 + 11 + 11 + 10 layers) hold 127 sequences and sustain 3.00 req/s alone in the
@@ -282,7 +282,8 @@ def with_kv_room(mc: ModelCosts, ev: ReplicaEval, net: Net, mix: Mix, reserve: i
     if not ev.ok:
         return None
     split = Splitter(mc, net, mix.decode_wp(reserve)).split(ev.members)
-    if isinstance(split, Infeasible) or (split.order, split.counts) == (ev.decode.split.order, ev.decode.split.counts):
+    if isinstance(split, Infeasible) or all((split.order, split.counts) == (f.split.order, f.split.counts)
+                                            for f in (ev.decode, ev.mixed) if f is not None):
         return None
     dfit = decode_fit(mc, ev.members, split, net, mix)
     if dfit.batch < 1:

@@ -43,10 +43,10 @@ that gained most alone, are taken if the plan then out-sustains the plan so far 
 (as in step 6; `kv_room_for_capacity`). The DP splits a decode pipeline for a step at a
 reference batch and keeps room for only KV_RESERVE_SEQS sequences, so on unequal devices the
 batch is what the tightest stage's memory leaves: bench-mesh-200's mixed replica of 2 A100 + 3
-RTX 4090 holds 127 sequences as planned and 256 re-split (3.00 -> 3.95 req/s alone), its 20-
-device one of Orins and RTX 3060s 186 and 256 (1.53 -> 1.84; bench/bound_gap.py --replicas).
-The analytic model rates both re-splits lower (their mixed fit bound by the compute of the
-stages that take more layers), so the evidence decides.
+RTX 4090 holds 127 sequences as the DP splits it and 256 re-split (3.00 -> 3.95 req/s alone,
+bench/bound_gap.py --replicas), and the plan sustains 14.14 against 12.99 req/s on the four
+traces. The analytic model rates that re-split lower (its mixed fit bound by the compute of the
+A100s, which take more layers), so the evidence decides.
 """
 
 from __future__ import annotations
