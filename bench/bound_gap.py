@@ -31,12 +31,13 @@ a fraction of the device's compute in that time (attention left out, so slightly
 
 `--replicas` (default bench-fog-70b, whose device types cannot hold llama-2-70b alone): meshllm's
 plan for capacity (the judged plan, as bench/planner.py builds it), and per replica, alone as a
-mixed replica, its saturation against its own devices' bound, then two what-ifs the planner and
-simulator do not make: decode slots of MAX_DECODE_BATCH per micro-batch (one micro-batch per
-stage, as vLLM's per-virtual-engine schedulers allow under pipeline parallelism; the simulator
-allows MAX_DECODE_BATCH per replica), where their KV fits, and on top of that the DP's decode
-split made to keep room for more sequences' KV on every stage (KV_RESERVES; the planner keeps
-room for KV_RESERVE_SEQS), the best of those (not for the plan's prefill replicas: they keep
+mixed replica, its saturation against its own devices' bound, then two what-ifs: decode slots
+of MAX_DECODE_BATCH per micro-batch (one micro-batch per stage, as vLLM's per-virtual-engine
+schedulers allow under pipeline parallelism; the simulator allows MAX_DECODE_BATCH per replica,
+and neither it nor the planner makes this what-if), where their KV fits, and on top of that
+the DP's decode split made to keep room for more sequences' KV on every stage (KV_RESERVES; the DP keeps room
+for KV_RESERVE_SEQS, and the judge, for capacity, tries KV_ROOMS of sim/turns.py where the plan
+sustains more on the evidence), the best of those (not for the plan's prefill replicas: they keep
 their split, the DP's for prompts). Then the whole plan, as planned and with each
 replica at its best what-if. It says how much of the gap a longer decode batch would close.
 
