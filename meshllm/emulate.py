@@ -111,9 +111,12 @@ def gateway_node(cfg: ClusterConfig) -> str:
     raise AssertionError("a cluster has at least one node")
 
 
-def _die_with_parent(cpu: int | None = None) -> None:
-    """preexec_fn: own process group, SIGKILL when the emulator dies (Linux), pinned to `cpu` if given
-    (before any thread starts, so every thread of the node inherits it)."""
+def _die_with_parent(parent: int, cpu: int | None = None) -> None:
+    """preexec_fn: own process group, SIGKILL when the emulator (pid `parent`) dies (Linux), pinned to
+    `cpu` if given (before any thread starts, so every thread of the node inherits it). An emulator
+    killed between the fork and the prctl leaves no death signal to come, so the child checks that
+    its parent is still the emulator after setting it and exits if not (prctl(2)); seen as one
+    node of six left running when the test SIGKILLs the emulator on a loaded machine."""
     os.setsid()
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
@@ -121,6 +124,8 @@ def _die_with_parent(cpu: int | None = None) -> None:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the emulator died before the prctl: re-parented already
+            os._exit(1)
 
 
 class EmulatedCluster:
@@ -178,7 +183,8 @@ class EmulatedCluster:
                 self.procs[spec.id] = subprocess.Popen(
                     [sys.executable, str(LAUNCH), "--node-config", str(path)], stdin=subprocess.DEVNULL,
                     stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=LAUNCH.parent,
-                    preexec_fn=partial(_die_with_parent, self.cpus[i % len(self.cpus)] if self.cpus else None))
+                    preexec_fn=partial(_die_with_parent, os.getpid(),
+                                       self.cpus[i % len(self.cpus)] if self.cpus else None))
         log.info("started %d node processes (logs in %s)", len(self.procs), self.workdir)
 
     def _security_files(self) -> tuple[dict[str, dict], str | None]:

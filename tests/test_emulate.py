@@ -279,3 +279,21 @@ def test_the_readable_report_names_the_faults_and_what_clients_saw() -> None:
     assert any(ln.startswith("resumed requests / recovery gap max") and ln.endswith("5 / 3720.5") for ln in lines)
     plain = format_report({"results": [], "metrics": m}).splitlines()
     assert not any("fault" in ln or "resumed" in ln for ln in plain)  # a run without faults: no such rows
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_node_forked_as_the_emulator_dies_does_not_outlive_it() -> None:
+    """The emulator killed between a node's fork and its prctl(PR_SET_PDEATHSIG) leaves that node
+    no death signal to get (it is re-parented already): the node checks that its parent is still
+    the emulator after the prctl and exits if not. Here the pid it is told is not its parent's."""
+    from functools import partial
+
+    from meshllm.emulate import _die_with_parent
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            preexec_fn=partial(_die_with_parent, os.getpid() + 1))
+    try:
+        assert proc.wait(timeout=30) == 1
+    finally:
+        proc.kill()
+        proc.wait()
