@@ -143,8 +143,8 @@ def cmd_node(a: argparse.Namespace) -> int:
 
 
 def cmd_cluster(a: argparse.Namespace) -> int:
+    from meshllm.cluster_run import run_cluster
     from meshllm.config import load_cluster
-    from meshllm.emulate import run_cluster
     from meshllm.workload import format_report
 
     if a.max_tokens is not None and a.max_tokens < 1:

@@ -15,9 +15,10 @@ import psutil
 import pytest
 import yaml
 
+from meshllm.cluster_run import METRIC_KEYS
 from meshllm.config import parse_cluster
 from meshllm.defaults import EMULATED_BUSY_POLL_MS
-from meshllm.emulate import METRIC_KEYS, EmulatedCluster, node_file
+from meshllm.emulate import EmulatedCluster, node_file
 from meshllm.node_config import parse_node
 from meshllm.roles.pacer import Pacer
 from tests.conftest import REPO, run_cli
@@ -195,11 +196,11 @@ def test_an_interrupt_swallowed_during_a_fork_still_stops_the_run() -> None:
     cluster.procs = {}
     try:
         with contextlib.suppress(KeyboardInterrupt):  # what the at-fork hook does with it
-            emulate._raise_interrupt(signal.SIGINT, None)
+            emulate.raise_interrupt(signal.SIGINT, None)
         with pytest.raises(KeyboardInterrupt):
             cluster._check_alive()
     finally:
-        emulate._INTERRUPTED.clear()
+        emulate.INTERRUPTED.clear()
     cluster._check_alive()  # no interrupt pending: nothing raised
 
 

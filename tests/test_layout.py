@@ -25,6 +25,7 @@ PURE = {
     # `--kill` never import torch (a node that may compute imports it in Node.start, before it joins)
     "meshllm.mesh.node": ("torch",),
     "meshllm.emulate": ("torch",),
+    "meshllm.cluster_run": ("torch",),
     "meshllm.launch": ("torch",),
 }
 

@@ -1,0 +1,165 @@
+"""`python launch.py --cluster CLUSTER.yaml`: the emulated cluster (emulate.py) run end to end.
+
+The cluster file's workload (or `--prompt`s) is checked and the cluster planned before any
+process starts (bad input exits 2); then the emulator spawns the nodes, waits until the mesh
+serves, runs the requests through the gateway's OpenAI API (with `--kill` / `--partition`
+faults injected on their schedule, faults.py) and reports the BRIEF's `--cluster` JSON: the
+results, the metrics (METRIC_KEYS and each node's memory and traffic) and the plan the mesh
+served. With `--serve` it keeps serving until Ctrl-C instead. SIGINT and SIGTERM unwind
+through the emulator's `with`, which tears every node down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import time
+from typing import Any
+
+from meshllm.config import ClusterConfig
+from meshllm.defaults import served_name
+from meshllm.emulate import (
+    FORMATION_TIMEOUT_S,
+    INTERRUPTED,
+    READY_TIMEOUT_S,
+    EmulatedCluster,
+    alive_peers,
+    gateway_node,
+    http_json,
+    log,
+    raise_if_interrupted,
+    raise_interrupt,
+)
+from meshllm.errors import InputError
+from meshllm.faults import HEAL_TIMEOUT_S, FaultInjector, parse_faults
+from meshllm.partition.plan import Plan, PlanError
+from meshllm.workload import Job, node_figures, run_jobs, serving_figures, summarize
+
+METRIC_KEYS = ("ttft_ms_mean", "ttft_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s",
+               "queue_wait_ms_mean", "acceptance_rate", "mean_acceptance_length", "drafted_tokens",
+               "accepted_tokens")
+
+
+def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
+    """Emulate `cfg`, wait until it serves, run its workload (or `--prompt`s) through the gateway,
+    report results, metrics and the live plan; with `serve`, keep serving until Ctrl-C instead."""
+    from meshllm.config import plan_inputs
+    from meshllm.partition.plan import plan_cluster
+
+    timeout_s = getattr(args, "timeout", None) or FORMATION_TIMEOUT_S
+    jobs = workload_jobs(cfg, args)  # bad input -> exit 2 before anything starts
+    faults = parse_faults(cfg, getattr(args, "kill", None) or [], getattr(args, "partition", None) or [],
+                          gateway_node(cfg))
+    plan = plan_cluster(plan_inputs(cfg), seed=0, log=False)  # infeasible -> exit 2 before any spawn
+    log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s%s", len(plan.replicas), len(plan.drafters),
+             plan.planner_s, "; the coordinator will judge it and other candidates in the simulator"
+             if getattr(args, "judge", False) else "")
+    # SIGINT explicitly too: a shell script's background job starts with SIGINT ignored, and
+    # Python then leaves it ignored, so `kill -INT` (or the test's Ctrl-C) would not stop the mesh
+    INTERRUPTED.clear()
+    previous = {s: signal.signal(s, raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        t0 = time.monotonic()
+        with EmulatedCluster(cfg, judge=getattr(args, "judge", False)) as cluster:
+            statuses = cluster.wait_formed(timeout_s)
+            formed_s = time.monotonic() - t0
+            log.info("mesh of %d nodes formed in %.2f s; loading the plan's layers", len(cfg.nodes), formed_s)
+            cluster.wait_serving(max(timeout_s, READY_TIMEOUT_S))
+            log.info("serving after %.1f s", time.monotonic() - t0)
+            if getattr(args, "serve", False):
+                return serve_until_interrupted(cluster)
+            injector = FaultInjector(cluster, faults, *healing_watch(cluster, faults, cfg.time_scale))
+            outs = run_jobs(f"http://{cluster.gateway}", served_name(cfg.model), jobs,
+                            cfg.workload.arrival_rate_per_s, getattr(args, "seed", 0) or 0,
+                            progress=len(jobs) > 1, on_start=injector.start, headers=cluster.api_headers)
+            injector.stop()
+            report = cluster_report(cfg, cluster, outs, formed_s, statuses)
+            report["faults"] = injector.done
+            return report
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def healing_watch(cluster: EmulatedCluster, faults: list, time_scale: float) -> tuple:
+    """FaultInjector's (live_plan, in_use, heal_timeout_s) for a run with a partition: the gateway's
+    plan, the nodes it uses now (before the faults), the bound on healing; () without one."""
+    if not any(f.kind == "partition" for f in faults):
+        return ()
+    url = f"http://{cluster.gateway}/v1/plan"
+
+    def live_plan() -> Any:
+        return http_json(url, headers=cluster.api_headers)[1].get("plan")
+
+    try:
+        in_use = Plan.from_json(live_plan()).nodes_in_use()
+    except PlanError as e:
+        log.warning("the gateway gave no plan (%s): the partition's healing is not watched", e)
+        return ()
+    return live_plan, in_use, HEAL_TIMEOUT_S * time_scale
+
+
+def workload_jobs(cfg: ClusterConfig, args: Any) -> list[Job]:
+    """The requests of a run: `--prompt`s, or the cluster file's prompts cycled to `requests`."""
+    wl = cfg.workload
+    prompts = list(getattr(args, "prompt", None) or wl.prompts)
+    if not prompts:
+        raise InputError(f"{cfg.source}: workload.prompts: no prompts to run (give --prompt TEXT or list "
+                         "workload.prompts)")
+    n = len(prompts) if getattr(args, "prompt", None) else (wl.requests or len(prompts))
+    max_tokens = getattr(args, "max_tokens", None) or wl.max_tokens
+    temp = getattr(args, "temperature", None)
+    temp = wl.temperature if temp is None else temp
+    return [Job(prompts[i % len(prompts)], max_tokens, temp, getattr(args, "seed", 0) or 0,
+                bool(getattr(args, "chat", False)), getattr(args, "top_p", 1.0) or 1.0,
+                getattr(args, "top_k", 0) or 0) for i in range(n)]
+
+
+def serve_until_interrupted(cluster: EmulatedCluster) -> None:
+    """Serve until Ctrl-C / SIGTERM. A node that dies meanwhile is reported, not fatal: the mesh
+    re-plans around it (and the gateway's own death ends the run)."""
+    print(f"meshllm: serving on http://{cluster.gateway}", file=sys.stderr, flush=True)
+    reported: set[str] = set()
+    try:
+        while True:
+            raise_if_interrupted()
+            for nid in cluster.dead() - reported:
+                reported.add(nid)
+                log.warning("node %s exited (code %s); the mesh goes on without it", nid,
+                            cluster.procs[nid].returncode)
+            if cluster.gateway_node in reported:
+                raise RuntimeError(f"the gateway node {cluster.gateway_node} exited: "
+                                   f"{cluster.log_tail(cluster.gateway_node)}")
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("meshllm: stopping the emulated mesh", file=sys.stderr, flush=True)
+    return None
+
+
+def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, formed_s: float,
+                   statuses: dict[str, dict]) -> dict[str, Any]:
+    """The BRIEF's `--cluster` JSON: results, metrics (with each node's memory and traffic) and the
+    plan the mesh actually served."""
+    _, live = http_json(f"http://{cluster.gateway}/v1/plan", headers=cluster.api_headers)
+    nodes = {}
+    for n in cfg.nodes:
+        with contextlib.suppress(TimeoutError, RuntimeError):
+            st = cluster.status(n.id, 5.0)
+            nodes[n.id] = {"roles": st["roles"], **node_figures(st["load"])}
+    metrics = summarize(outs)
+    metrics.update(serving_figures(nodes, live.get("plan", {}), outs))
+    gaps = [g for o in outs for g in o.recovery_gaps_ms]
+    metrics["resumed_requests"] = sum(1 for o in outs if o.attempts > 1)
+    metrics["recovery_gap_ms_max"] = max(gaps) if gaps else None
+    metrics["nodes"] = nodes
+    failed = [o for o in outs if o.error]
+    if failed:
+        log.error("%d of %d requests failed; first: %s", len(failed), len(outs), failed[0].error)
+    mesh = [{"id": n.id, "zone": n.zone, "device": n.device.name, "address": cluster.addresses[n.id],
+             "pid": cluster.procs[n.id].pid, "peers": sorted(alive_peers(statuses[n.id]))} for n in cfg.nodes]
+    return {"results": [o.to_json() for o in outs], "metrics": metrics, "plan": live.get("plan"),
+            "plan_version": live.get("version"),
+            "mesh": {"nodes": mesh, "formation_s": round(formed_s, 3), "gateway": f"http://{cluster.gateway}",
+                     "links": [{"zones": list(ln.zones), "rtt_ms": ln.rtt_ms, "bandwidth_mbps": ln.bandwidth_mbps}
+                               for ln in cfg.links]}}
