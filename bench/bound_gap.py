@@ -35,10 +35,10 @@ mixed replica, its saturation against its own devices' bound, then two what-ifs:
 of MAX_DECODE_BATCH per micro-batch (one micro-batch per stage, as vLLM's per-virtual-engine
 schedulers allow under pipeline parallelism; the simulator allows MAX_DECODE_BATCH per replica,
 and neither it nor the planner makes this what-if), where their KV fits, and on top of that
-the DP's decode split made to keep room for more sequences' KV on every stage (KV_RESERVES; the DP keeps room
-for KV_RESERVE_SEQS, and the judge, for capacity, tries KV_ROOMS of sim/turns.py where the plan
-sustains more on the evidence), the best of those (not for the plan's prefill replicas: they keep
-their split, the DP's for prompts). Then the whole plan, as planned and with each
+the DP's decode split made to keep room for more sequences' KV on every stage (KV_RESERVES;
+the DP keeps room for KV_RESERVE_SEQS, and the judge, for capacity, tries KV_ROOMS of
+sim/turns.py where the plan sustains more on the evidence), the best of those (not for the
+plan's prefill replicas: they keep their split, the DP's for prompts). Then the whole plan, as planned and with each
 replica at its best what-if. It says how much of the gap a longer decode batch would close.
 
 `--splits` (default bench-six-7b, whose Orin Nanos and Mac mini hold llama-2-7b only together):
