@@ -888,6 +888,29 @@ def test_an_unused_device_s_reason_says_which_way_the_predicted_cost_goes():
     assert way == "falls" and "leaves it out" in why
 
 
+def test_an_unused_device_s_reason_rates_the_plan_as_the_search_does_after_a_re_split():
+    """The judge re-rates a plan whose pipeline it re-splits for KV room (step 7): the RTX 3060
+    pair's split for 64 sequences is worth 2.323 req/s analytically, the DP's 2.251. The reason an
+    Orin is left out compared its moves, rated on the DP's splits, with the re-rated plan (4.501 vs
+    2.323 req/s, and the costs likewise): it now rates both sides the search's way, so it reads
+    the same for the grouping as searched and as re-split."""
+    from meshllm.partition.grouping import NONE
+    from meshllm.partition.replica import with_kv_room
+    from meshllm.partition.unused import member_reason
+    from meshllm.sim import turns
+
+    inp, ev, _ = pair_and_orin()
+    genes = [0, 0, NONE]
+    g = ev.decode(genes)
+    roomy = with_kv_room(inp.mc, g.evals[0], inp.net, inp.mix, 64)
+    assert roomy is not None
+    re_split = turns.with_roles(ev, replace(g, evals=(roomy,)), g.roles, inp.rate_per_s)
+    assert re_split.fitness > 1.02 * g.fitness  # the judge's re-rating differs from the search's
+    why = member_reason(ev, re_split, genes, 2)
+    assert f"vs {g.fitness:.3f} req/s" in why
+    assert why == member_reason(ev, replace(g, prediction=ev.latency(g, inp.rate_per_s)), genes, 2)
+
+
 def test_a_mixed_replica_whose_slots_are_full_prefills_only_what_rides_free():
     """Flooded, the RTX 4090 of bench-edge-8b alone (mixed) keeps its memory-limited batch full: a
     prompt starts only when a sequence ends. Prefilling it faster than its free share of each step

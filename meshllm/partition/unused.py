@@ -4,7 +4,9 @@ A node is left out of the replicas because its `roles:` allow no stage, because 
 hold one layer beside the KV budget, or because no replica gains from it: every single move
 that puts it to work (joining one of the replicas, or alone as a new one) is tried, and the
 reason quotes the best one's capacity against the plan's (or its cost at the planned rate,
-when it adds capacity but the users would wait longer)."""
+when it adds capacity but the users would wait longer). Both sides are the search's analytic
+rating (`Evaluator.decode`: the DP's splits, the GA's roles), also where the simulated judge
+re-rated the plan after turning roles or re-splitting a pipeline (sim/turns.py, steps 6-7)."""
 
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -
         return f"cannot hold one layer of {ev.mc.name} beside the KV budget ({m.device.memory_gb} GB)"
     alone = ev.replica([i])[1]
     alone_note = f"; alone: {shortfall_reason(ev.mc, [m], ev.mix.prefill_wp())}" if alone.reason else ""
-    cap0 = grouping.fitness
+    base = ev.decode(genes)  # the grouping as the search rates it, like every move below
+    cap0 = base.fitness
     cap, trial, where = best_move(ev, genes, i)
     if cap <= cap0 * (1 + 1e-6):
         return (f"adds no capacity: at its best ({where}) the plan serves {cap:.3f} req/s, "
@@ -55,7 +58,7 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -
     if pred is None:
         return f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but was not chosen"
     g = ev.decode(trial)
-    before, after = pred.cost(WAIT_WEIGHT), ev.latency(g, pred.rate_per_s).cost(WAIT_WEIGHT)
+    before, after = (ev.latency(x, pred.rate_per_s).cost(WAIT_WEIGHT) for x in (base, g))
     cost = f"at {pred.rate_per_s:.3f} req/s the predicted cost (e2e + {WAIT_WEIGHT:g} x wait)"
     if after > before:
         return f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but {cost} rises from {before:.3f} s to {after:.3f} s"
