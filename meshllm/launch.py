@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the simulator and keep the best, as --simulate plans meshllm (seconds to minutes)")
     p.add_argument("--rate", type=float, default=None,
                    help="plan, simulate: override the workload's arrival rate (req/s) the plan is made for")
-    p.add_argument("--timeout", type=float, default=None, help="status/cluster: seconds to wait")
+    p.add_argument("--timeout", type=float, default=None, help="--status: seconds to wait for the reply (3); --cluster: for the mesh to form (60) "
+                   "and its layers to load (at least 300)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.rate is not None and mode not in ("plan", "simulate"):
             raise InputError("--rate applies to --plan and --simulate only (a cluster's load is its "
                              "workload: arrival_rate_per_s)")
+        if a.timeout is not None and (mode not in ("status", "cluster") or not 0 < a.timeout < float("inf")):
+            raise InputError(f"--timeout applies to --status and --cluster only, as seconds > 0; got "
+                             f"{a.timeout:g} with --{mode.replace('_', '-')}")
         return handlers[mode](a)
     except InputError as e:
         print(f"meshllm: error: {e}", file=sys.stderr)
