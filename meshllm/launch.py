@@ -74,6 +74,50 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+GENERATION = ("reference", "cluster")
+# option -> the modes it applies to: given with any other mode it is bad input (exit 2), never
+# silently ignored (dest names; "given" = not the parser's default)
+APPLIES: dict[str, tuple[str, ...]] = {
+    "model": ("reference",), "draft": ("reference",), "group_size": ("reference",), "dtype": ("reference",),
+    "threads": ("reference",), "prompt": GENERATION, "max_tokens": GENERATION, "temperature": GENERATION,
+    "top_k": GENERATION, "top_p": GENERATION, "chat": GENERATION, "seed": (*GENERATION, "plan", "simulate"),
+    "serve": ("cluster",), "kill": ("cluster",), "partition": ("cluster",), "judge": ("plan", "cluster"),
+    "png": ("plan",), "rate": ("plan", "simulate"), "timeout": ("status", "cluster"),
+    "json": ("cluster", "plan", "simulate", "reference", "status", "keygen"),
+}
+WHY_NOT = {"rate": " (a cluster's load is its workload: arrival_rate_per_s)",
+           "model": " (cluster and node files name their model: model:)",
+           "draft": " (a cluster file sets draft: {quant, group_size})", "group_size": " (a cluster file's draft:)"}
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) -> None:
+    """InputError for an option the mode does not use, or a value no run could take (the HTTP
+    API's ranges for sampling: the CLI sends them there with --cluster)."""
+    from meshllm.mesh.fields import MAX_TEMPERATURE, is_int, is_num
+
+    for dest, modes in APPLIES.items():
+        if mode not in modes and getattr(a, dest) != p.get_default(dest):
+            names = [flag(m) for m in modes]
+            listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+            raise InputError(f"{flag(dest)} applies to {listed} only{WHY_NOT.get(dest, '')}; "
+                             f"it was given with {flag(mode)}")
+    inf = float("inf")
+    checks = [("max_tokens", is_int(a.max_tokens, 1), ">= 1"),
+              ("threads", is_int(a.threads, 1), "a number of threads >= 1"),
+              ("temperature", is_num(a.temperature, 0.0, MAX_TEMPERATURE), f"in [0, {MAX_TEMPERATURE:g}] (0: greedy)"),
+              ("top_k", is_int(a.top_k, 0), ">= 0 (0: all tokens)"),
+              ("top_p", is_num(a.top_p, 0.0, 1.0) and a.top_p > 0, "in (0, 1]"),
+              ("rate", is_num(a.rate, 0.0, inf) and 0 < a.rate < inf, "a number of requests per second > 0"),
+              ("timeout", is_num(a.timeout, 0.0, inf) and 0 < a.timeout < inf, "a number of seconds > 0")]
+    for dest, ok, want in checks:
+        if getattr(a, dest) is not None and not ok:
+            raise InputError(f"{flag(dest)} must be {want}, got {getattr(a, dest):g}")
+
+
 def _emit(obj: dict, as_json: bool, text: str | None = None) -> None:
     if as_json:
         sys.stdout.write(json.dumps(obj) + "\n")
@@ -85,23 +129,18 @@ def _emit(obj: dict, as_json: bool, text: str | None = None) -> None:
 def cmd_reference(a: argparse.Namespace) -> int:
     from meshllm.engine.generate import GenerationOptions, reference_main
 
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     opts = GenerationOptions(
         max_tokens=48 if a.max_tokens is None else a.max_tokens,
         temperature=a.temperature or 0.0, top_k=a.top_k, top_p=a.top_p, seed=a.seed, chat=a.chat,
     )
-    if opts.max_tokens < 1:
-        raise InputError(f"--max-tokens must be >= 1, got {opts.max_tokens}")
     result, text = reference_main(a.model or "smollm2-135m", a.prompt or ["The capital of France is"], opts,
                                   draft=a.draft, group_size=a.group_size, dtype=a.dtype)
     _emit(result, a.json, text)
     return 0
-
-
-def checked_rate(rate: float) -> float:
-    """--rate as given, if it is an arrival rate (finite, > 0)."""
-    if not 0 < rate < float("inf"):
-        raise InputError(f"--rate must be a number of requests per second > 0, got {rate}")
-    return rate
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -112,7 +151,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.rate is not None:  # plan for another load than the file's (its latency is the objective)
         from dataclasses import replace
 
-        inp = replace(inp, rate_per_s=checked_rate(a.rate))
+        inp = replace(inp, rate_per_s=a.rate)
     if a.judge:  # the simulator picks among the search's candidates and the baselines' groupings
         from meshllm.sim.judge import judged_plan
 
@@ -132,7 +171,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     from meshllm.sim.sweep import simulate_policies
 
     inp = plan_inputs(load_cluster(a.simulate))
-    _emit(simulate_policies(inp, rate=None if a.rate is None else checked_rate(a.rate), seed=a.seed, log=True), a.json)
+    _emit(simulate_policies(inp, rate=a.rate, seed=a.seed, log=True), a.json)
     return 0
 
 
@@ -148,8 +187,6 @@ def cmd_cluster(a: argparse.Namespace) -> int:
     from meshllm.config import load_cluster
     from meshllm.workload import format_report
 
-    if a.max_tokens is not None and a.max_tokens < 1:
-        raise InputError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     result = run_cluster(load_cluster(a.cluster), a)
     if result is None:  # --serve, stopped with Ctrl-C / SIGTERM
         return 0
@@ -178,23 +215,15 @@ def cmd_keygen(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    p = build_parser()
+    a = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if a.threads:
-        import torch
-
-        torch.set_num_threads(a.threads)
     handlers = {"node_config": cmd_node, "cluster": cmd_cluster, "plan": cmd_plan, "simulate": cmd_simulate,
                 "reference": cmd_reference, "status": cmd_status, "keygen": cmd_keygen}
     mode = next(k for k in handlers if getattr(a, k))
     try:
-        if a.rate is not None and mode not in ("plan", "simulate"):
-            raise InputError("--rate applies to --plan and --simulate only (a cluster's load is its "
-                             "workload: arrival_rate_per_s)")
-        if a.timeout is not None and (mode not in ("status", "cluster") or not 0 < a.timeout < float("inf")):
-            raise InputError(f"--timeout applies to --status and --cluster only, as seconds > 0; got "
-                             f"{a.timeout:g} with --{mode.replace('_', '-')}")
+        check_options(p, a, mode)
         return handlers[mode](a)
     except InputError as e:
         print(f"meshllm: error: {e}", file=sys.stderr)

@@ -65,3 +65,25 @@ def test_bad_inputs_exit_2(tmp_path):
     _one_line_error(run_cli("--reference", "--max-tokens", "0"), "--max-tokens")
     r = run_cli("--reference", "--bogus-flag")
     assert r.returncode == 2 and "unrecognized arguments" in r.stderr
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--reference", "--threads", "0"], "--threads must be a number of threads >= 1"),
+    (["--reference", "--temperature", "-1"], "--temperature must be in [0, 2]"),
+    (["--reference", "--temperature", "2.5"], "--temperature must be in [0, 2]"),
+    (["--reference", "--top-k", "-3"], "--top-k must be >= 0"),
+    (["--reference", "--top-p", "2"], "--top-p must be in (0, 1]"),
+    (["--reference", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--reference", "--png", "x.png"], "--png applies to --plan only; it was given with --reference"),
+    (["--reference", "--kill", "fog-1@1"], "--kill applies to --cluster only"),
+    (["--simulate", "clusters/demo.yaml", "--serve"], "--serve applies to --cluster only; it was given with --simulate"),
+    (["--cluster", "clusters/demo.yaml", "--model", "tiny"], "--model applies to --reference only (cluster and node"),
+    (["--plan", "clusters/demo.yaml", "--temperature", "0.5"], "--temperature applies to --reference and --cluster only"),
+    (["--node-config", "node.yaml", "--json"], "--json applies to"),
+    (["--status", "127.0.0.1:9", "--seed", "3"], "--seed applies to --reference, --cluster, --plan and --simulate only"),
+])
+def test_an_option_out_of_range_or_that_its_mode_ignores_exits_2(args, problem):
+    """Sampling options the API would refuse, and options the chosen mode never reads (--png with
+    --reference, --serve with --simulate, --model with --cluster: all ran as if not given), are bad
+    input: one line, exit 2, before any model loads or process starts."""
+    _one_line_error(run_cli(*args, timeout=60), problem)

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 MAX_SEQ_ID = (1 << 63) - 1
+MAX_TEMPERATURE = 2.0  # the OpenAI API's range: the HTTP API and the CLI refuse more (the wire takes any >= 0)
 _SAMPLING = ("temperature", "top_k", "top_p", "seed")
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
+from meshllm.mesh.fields import MAX_TEMPERATURE
 from meshllm.roles.gateway import Gateway, RequestError, Stream
 
 log = logging.getLogger("meshllm.http")
@@ -122,7 +123,7 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
         raise ApiError(400, "meshllm.speculation must be async, sync or off", "meshllm.speculation", "invalid_value")
     gamma = None if ext.get("gamma") is None else _number(ext, "gamma", 4, 1, 16, integer=True)
     pin = None if ext.get("decode_replica") is None else _number(ext, "decode_replica", 0, 0, 1 << 20, integer=True)
-    return Params(ids, min(max_tokens, gw.model.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, 2)),
+    return Params(ids, min(max_tokens, gw.model.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),
                   _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
                   _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
                   mode, gamma, pin, adaptive)
