@@ -147,6 +147,10 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from meshllm.config import load_cluster, plan_inputs
     from meshllm.partition.plan import plan_cluster
 
+    if a.png:  # before the search: with --judge it runs for minutes
+        folder = os.path.dirname(os.path.abspath(a.png))
+        if not a.png.lower().endswith(".png") or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise InputError(f"--png {a.png}: must be a .png file in a folder that exists and is writable")
     inp = plan_inputs(load_cluster(a.plan))
     if a.rate is not None:  # plan for another load than the file's (its latency is the objective)
         from dataclasses import replace

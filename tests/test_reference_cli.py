@@ -74,6 +74,8 @@ def test_bad_inputs_exit_2(tmp_path):
     (["--reference", "--top-k", "-3"], "--top-k must be >= 0"),
     (["--reference", "--top-p", "2"], "--top-p must be in (0, 1]"),
     (["--reference", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--plan", "clusters/demo.yaml", "--png", "/nonexistent/dir/plan.png"], "must be a .png file in a folder that exists"),
+    (["--plan", "clusters/demo.yaml", "--png", "plan.txt"], "must be a .png file"),
     (["--reference", "--png", "x.png"], "--png applies to --plan only; it was given with --reference"),
     (["--reference", "--kill", "fog-1@1"], "--kill applies to --cluster only"),
     (["--simulate", "clusters/demo.yaml", "--serve"], "--serve applies to --cluster only; it was given with --simulate"),
