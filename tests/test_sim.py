@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 from dataclasses import replace
 
@@ -886,6 +887,21 @@ def test_an_unused_device_s_reason_says_which_way_the_predicted_cost_goes():
     way, a, b = re.search(r"(rises|falls) from ([\d.]+) s to ([\d.]+) s", why).groups()
     assert (float(b) > float(a)) == (way == "rises")
     assert way == "falls" and "leaves it out" in why
+
+
+def test_an_unused_device_s_best_move_is_one_it_can_make():
+    """bench-six-7b's Raspberry Pis cannot hold llama-2-7b alone, and joining a replica slows it:
+    the reason said "at its best (alone) the plan serves 2.563 req/s, 2.563 without it", a move
+    that does not exist, rated as adding nothing. It now names the best replica to join and what
+    the plan would serve there, and says why alone is no move."""
+    from meshllm.partition.plan import plan_cluster
+
+    plan = plan_cluster(plan_inputs(load_cluster(REPO / "clusters" / "bench-six-7b.yaml")), seed=0, log=False)
+    for pi in ("pi5-1", "pi5-2"):
+        why = plan.reasons[pi]
+        assert "(alone)" not in why and "at its best (replica " in why and "GB short" in why, why
+        with_it, without = map(float, re.search(r"serves ([\d.]+) req/s, ([\d.]+) without it", why).groups())
+        assert with_it < without == round(plan.capacity_req_s, 3)
 
 
 def test_an_unused_device_s_reason_rates_the_plan_as_the_search_does_after_a_re_split():

@@ -26,19 +26,22 @@ def genes_of(ev: Evaluator, grouping: Grouping) -> list[int]:
     return genes
 
 
-def best_move(ev: Evaluator, genes: list[int], i: int) -> tuple[float, list[int], str]:
-    """(capacity, genes, where) of the best single move putting member i in a replica: alone, or
-    into one of the REASON_MOVES replicas with the fewest devices (where one more device weighs most)."""
+def best_move(ev: Evaluator, genes: list[int], i: int) -> tuple[float, list[int], str] | None:
+    """(capacity, genes, where) of the best single move putting member i in a replica: alone (if it
+    can hold the model alone), or into one of the REASON_MOVES replicas with the fewest devices
+    (where one more device weighs most); None if there is no such move."""
     n_groups = max(genes, default=NONE) + 1
     sizes = {label: genes.count(label) for label in range(n_groups)}
-    best = (0.0, genes, "nowhere")
-    for label in sorted(sizes, key=lambda x: (sizes[x], x))[:REASON_MOVES] + [n_groups]:
+    labels = sorted(sizes, key=lambda x: (sizes[x], x))[:REASON_MOVES]
+    if not ev.replica([i])[1].reason:
+        labels.append(n_groups)
+    best = None
+    for label in labels:
         trial = list(genes)
         trial[i] = label
         cap = ev.fitness(trial)
-        where = f"replica {label}" if label < n_groups else "alone"
-        if cap > best[0]:
-            best = (cap, trial, where)
+        if best is None or cap > best[0]:
+            best = (cap, trial, f"replica {label}" if label < n_groups else "alone")
     return best
 
 
@@ -50,7 +53,10 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -
     alone_note = f"; alone: {shortfall_reason(ev.mc, [m], ev.mix.prefill_wp())}" if alone.reason else ""
     base = ev.decode(genes)  # the grouping as the search rates it, like every move below
     cap0 = base.fitness
-    cap, trial, where = best_move(ev, genes, i)
+    move = best_move(ev, genes, i)
+    if move is None:
+        return f"no replica to join{alone_note}"
+    cap, trial, where = move
     if cap <= cap0 * (1 + 1e-6):
         return (f"adds no capacity: at its best ({where}) the plan serves {cap:.3f} req/s, "
                 f"{cap0:.3f} without it{alone_note}")
