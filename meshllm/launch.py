@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the simulator and keep the best, as --simulate plans meshllm (seconds to minutes)")
     p.add_argument("--rate", type=float, default=None,
                    help="plan, simulate: override the workload's arrival rate (req/s) the plan is made for")
-    p.add_argument("--timeout", type=float, default=None, help="--status: seconds to wait for the reply (3); --cluster: for the mesh to form (60) "
-                   "and its layers to load (at least 300)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="status: seconds to wait for the reply (3); cluster: for the mesh to form (60) and its "
+                        "layers to load (at least 300)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -111,8 +112,8 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) 
               ("temperature", is_num(a.temperature, 0.0, MAX_TEMPERATURE), f"in [0, {MAX_TEMPERATURE:g}] (0: greedy)"),
               ("top_k", is_int(a.top_k, 0), ">= 0 (0: all tokens)"),
               ("top_p", is_num(a.top_p, 0.0, 1.0) and a.top_p > 0, "in (0, 1]"),
-              ("rate", is_num(a.rate, 0.0, inf) and 0 < a.rate < inf, "a number of requests per second > 0"),
-              ("timeout", is_num(a.timeout, 0.0, inf) and 0 < a.timeout < inf, "a number of seconds > 0")]
+              ("rate", is_num(a.rate) and 0 < a.rate < inf, "a number of requests per second > 0"),
+              ("timeout", is_num(a.timeout) and 0 < a.timeout < inf, "a number of seconds > 0")]
     for dest, ok, want in checks:
         if getattr(a, dest) is not None and not ok:
             raise InputError(f"{flag(dest)} must be {want}, got {getattr(a, dest):g}")
