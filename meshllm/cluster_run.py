@@ -107,12 +107,16 @@ def workload_jobs(cfg: ClusterConfig, args: Any) -> list[Job]:
     if not prompts:
         raise InputError(f"{cfg.source}: workload.prompts: no prompts to run (give --prompt TEXT or list "
                          "workload.prompts)")
+    chat = bool(getattr(args, "chat", False))
+    if "" in prompts and not chat:  # no tokens to start from (the API would refuse each: 400)
+        where = "--prompt" if getattr(args, "prompt", None) else f"{cfg.source}: workload.prompts"
+        raise InputError(f"{where}: an empty prompt encodes to zero tokens (give text, or --chat)")
     n = len(prompts) if getattr(args, "prompt", None) else (wl.requests or len(prompts))
     max_tokens = getattr(args, "max_tokens", None) or wl.max_tokens
     temp = getattr(args, "temperature", None)
     temp = wl.temperature if temp is None else temp
     return [Job(prompts[i % len(prompts)], max_tokens, temp, getattr(args, "seed", 0) or 0,
-                bool(getattr(args, "chat", False)), getattr(args, "top_p", 1.0) or 1.0,
+                chat, getattr(args, "top_p", 1.0) or 1.0,
                 getattr(args, "top_k", 0) or 0) for i in range(n)]
 
 

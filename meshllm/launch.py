@@ -100,6 +100,9 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) 
     API's ranges for sampling: the CLI sends them there with --cluster)."""
     from meshllm.mesh.fields import MAX_TEMPERATURE, is_int, is_num
 
+    if getattr(a, mode) == "":
+        want = "[ID@]HOST:PORT" if mode == "status" else "a file path"
+        raise InputError(f"{flag(mode)}: the argument is empty ({want} expected)")
     for dest, modes in APPLIES.items():
         if mode not in modes and getattr(a, dest) != p.get_default(dest):
             names = [flag(m) for m in modes]
@@ -173,9 +176,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 def cmd_simulate(a: argparse.Namespace) -> int:
     from meshllm.config import load_cluster, plan_inputs
+    from meshllm.partition.plan import check_servable
     from meshllm.sim.sweep import simulate_policies
 
     inp = plan_inputs(load_cluster(a.simulate))
+    check_servable(inp)  # as --plan: exit 2 naming the shortfall, not a report of policies that cannot run
     _emit(simulate_policies(inp, rate=a.rate, seed=a.seed, log=True), a.json)
     return 0
 
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     handlers = {"node_config": cmd_node, "cluster": cmd_cluster, "plan": cmd_plan, "simulate": cmd_simulate,
                 "reference": cmd_reference, "status": cmd_status, "keygen": cmd_keygen}
-    mode = next(k for k in handlers if getattr(a, k))
+    mode = next(k for k in handlers if getattr(a, k) not in (None, False))  # "" too: a bad path, said so
     try:
         check_options(p, a, mode)
         return handlers[mode](a)

@@ -74,8 +74,11 @@ def test_plan_rate_plans_for_that_load_and_other_modes_refuse_it():
     assert r.returncode == 2 and "--rate applies to --plan and --simulate only" in r.stderr
 
 
-def test_impossible_cluster_exits_2_naming_the_shortfall():
-    p = run_cli("--plan", "clusters/impossible.yaml", "--json")
+@pytest.mark.parametrize("mode", ["--plan", "--simulate"])
+def test_impossible_cluster_exits_2_naming_the_shortfall(mode):
+    """--simulate reported the policies that could not run (all null, exit 0; memory-ring's
+    impossible ring with figures) where --plan exits 2: both now name the shortfall."""
+    p = run_cli(mode, "clusters/impossible.yaml", "--json")
     assert p.returncode == 2 and p.stdout == ""
     line = p.stderr.strip()
     assert "\n" not in line and "Traceback" not in line

@@ -68,6 +68,9 @@ def test_bad_inputs_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("args, problem", [
+    (["--plan", ""], "--plan: the argument is empty"),
+    (["--cluster", "clusters/demo.yaml", "--prompt", "hi", "--prompt", ""], "--prompt: an empty prompt encodes to zero"),
+    (["--keygen", ""], "--keygen: the argument is empty"),
     (["--reference", "--threads", "0"], "--threads must be a number of threads >= 1"),
     (["--reference", "--temperature", "-1"], "--temperature must be in [0, 2]"),
     (["--reference", "--temperature", "2.5"], "--temperature must be in [0, 2]"),
@@ -85,7 +88,9 @@ def test_bad_inputs_exit_2(tmp_path):
     (["--status", "127.0.0.1:9", "--seed", "3"], "--seed applies to --reference, --cluster, --plan and --simulate only"),
 ])
 def test_an_option_out_of_range_or_that_its_mode_ignores_exits_2(args, problem):
-    """Sampling options the API would refuse, and options the chosen mode never reads (--png with
-    --reference, --serve with --simulate, --model with --cluster: all ran as if not given), are bad
-    input: one line, exit 2, before any model loads or process starts."""
+    """Sampling options the API would refuse, options the chosen mode never reads (--png with
+    --reference, --serve with --simulate, --model with --cluster: all ran as if not given), an
+    empty mode argument (a StopIteration, exit 1) and an empty prompt to --cluster (its request
+    failed after the mesh started) are bad input: one line, exit 2, before any model loads or
+    process starts."""
     _one_line_error(run_cli(*args, timeout=60), problem)

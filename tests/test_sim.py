@@ -363,6 +363,22 @@ def test_baseline_builders(demo):
     assert rep.counts[rep.members.index(biggest)] == max(rep.counts)
 
 
+def test_memory_ring_runs_no_ring_that_cannot_hold_the_model():
+    """clusters/impossible.yaml (llama-2-70b on 17 GB): memory-ring split its 80 layers over the
+    three boards (57 GB of weights on an 8 GB Pi) and `--simulate` reported it sustaining
+    0.0006 req/s. A ring with no KV room for the planner's reserve is no usable replica, and
+    each device says why; every other cluster's ring still runs (demo's nodes' roles allow one
+    phase each: no mixed ring there, as before)."""
+    inp = plan_inputs(load_cluster(REPO / "clusters" / "impossible.yaml"))
+    ring = memory_ring(inp)
+    assert ring.replicas == [] and set(ring.idle) == {"pi-1", "pi-2", "nano-1"}
+    assert all("no KV room" in why for why in ring.idle.values())
+    for path in sorted((REPO / "clusters").glob("*.yaml")):
+        if path.name != "impossible.yaml":
+            got = memory_ring(plan_inputs(load_cluster(path)))
+            assert len(got.replicas) == 1 or all("its roles" in w for w in got.idle.values()), path.name
+
+
 def test_bound_is_compute_over_request_flops(demo):
     _, inp = demo
     lengths = [(16, 32)] * 10

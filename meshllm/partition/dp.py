@@ -283,16 +283,25 @@ def split_replica(mc: ModelCosts, members: Sequence[Member], net: Net, wp: Workp
     return Splitter(mc, net, wp).split(members, exact_max)
 
 
+def memory_shortfall(mc: ModelCosts, members: Sequence[Member], wp: Workpoint) -> str | None:
+    """How much memory `members` lack, all together, for the weights and the KV of `wp`; None if
+    they have enough."""
+    need = mc.weight_bytes + mc.n_layers * wp.kv_tokens * mc.kv_bytes_per_token
+    have = sum(m.device.memory_bytes for m in members)
+    if have >= need:
+        return None
+    return (f"devices {', '.join(m.id for m in members)} have {have / GB:.2f} GB, the model needs {need / GB:.2f} GB "
+            f"(weights + KV for {wp.kv_tokens:.0f} tokens): {(need - have) / GB:.2f} GB short")
+
+
 def shortfall_reason(mc: ModelCosts, members: Sequence[Member], wp: Workpoint) -> str:
     """Why no split fits: too many devices for the layers, or memory (with how much is missing)."""
     if len(members) > mc.n_layers:
         return f"{len(members)} devices but only {mc.n_layers} layers"
-    need = mc.weight_bytes + mc.n_layers * wp.kv_tokens * mc.kv_bytes_per_token
-    have = sum(m.device.memory_bytes for m in members)
+    short = memory_shortfall(mc, members, wp)
+    if short is not None:
+        return short
     ids = ", ".join(m.id for m in members)
-    if have < need:
-        return (f"devices {ids} have {have / GB:.2f} GB, the model needs {need / GB:.2f} GB "
-                f"(weights + KV for {wp.kv_tokens:.0f} tokens): {(need - have) / GB:.2f} GB short")
     tight = [m for m in members if memory_cap_layers(mc, m.device, False, False, wp.kv_tokens) < 1]
     if tight:
         m = tight[0]

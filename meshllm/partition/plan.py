@@ -19,7 +19,7 @@ from typing import Any
 from meshllm.defaults import REPLICA_ROLES, Role
 from meshllm.errors import InputError
 from meshllm.partition.cost import DRAFT_DTYPE, model_costs
-from meshllm.partition.dp import Split
+from meshllm.partition.dp import Split, memory_shortfall
 from meshllm.partition.genetic import evolve_plan
 from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
@@ -217,9 +217,21 @@ def plan_cluster(inp: PlanInputs, seed: int = 0, log: bool = True, judge: Judge 
     return plan_from_grouping(inp, grouping, t0, ev)
 
 
+NO_STAGE = "no node may hold a stage (every node's roles exclude prefill and decode)"
+
+
+def check_servable(inp: PlanInputs) -> None:
+    """PlanInfeasible when no plan can exist, as far as is known without a search (no node may
+    hold a stage, or all that may are short of memory together): `--simulate` checks it first."""
+    why = NO_STAGE if not inp.members else memory_shortfall(inp.mc, inp.members, inp.mix.prefill_wp())
+    if why is not None:
+        prefix = "" if not inp.members else "all stage-capable nodes together: "
+        raise PlanInfeasible(f"{inp.source}: cannot serve {inp.args.name}: {prefix}{why}")
+
+
 def infeasible_reason(inp: PlanInputs) -> str:
     if not inp.members:
-        return "no node may hold a stage (every node's roles exclude prefill and decode)"
+        return NO_STAGE
     ev = evaluate_replica(inp.mc, inp.members, inp.net, inp.mix)
     if ev.reason:
         return f"all stage-capable nodes together: {ev.reason}"

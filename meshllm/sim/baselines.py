@@ -218,7 +218,12 @@ def memory_ring(inp: PlanInputs) -> Policy:
     counts = np.floor(share).astype(int)
     for i in np.argsort(-(share - counts), kind="stable")[: extra - counts.sum()]:
         counts[i] += 1
-    return Policy([SimReplica(0, "mixed", tuple(members), tuple(int(c) + 1 for c in counts), inp)], idle)
+    ring = SimReplica(0, "mixed", tuple(members), tuple(int(c) + 1 for c in counts), inp)
+    if ring.kv_capacity_tokens() < inp.mix.kv_tokens:  # the planner's rule for a replica that holds the model
+        idle.update({m.id: f"the ring (layers by memory) leaves a stage no KV room for {inp.mix.kv_tokens:.0f} "
+                           f"tokens" for m in members})
+        return Policy([], idle)
+    return Policy([ring], idle)
 
 
 def grouping_policy(inp: PlanInputs, ev: Evaluator, genes: Sequence[int]) -> Policy:
