@@ -46,6 +46,7 @@ from meshllm.errors import ConfigError
 from meshllm.mesh.ingress import RateLimit
 from meshllm.mesh.keys import NodeKeys, read_authorized_keys
 from meshllm.partition.inputs import PlanInputs, PlanNode
+from meshllm.shapes import transformer_configs
 
 
 @dataclass(frozen=True)
@@ -126,16 +127,26 @@ def parse_node(data: dict, src: str) -> NodeConfig:
     fail = float(_num(data.get("failure_timeout_s", FAILURE_TIMEOUT_S), src, "failure_timeout_s", strict=True))
     if fail <= hb:
         raise ConfigError(src, "failure_timeout_s", f"must be larger than heartbeat_interval_s ({hb:g}), got {fail:g}")
+    model, weights = _model(data.get("model", DEFAULT_MODEL), src), _weights_keys(data, src)
+    if not weights["fetch_weights"] and model_is_elsewhere(model):
+        raise ConfigError(src, "model", f"{model!r}: no such file or directory here, not a registry name, and "
+                                        "fetch_weights is false (no peer may send it)")
     return NodeConfig(
         source=src, id=data["id"], device=load_device(data["device"], f"{src}: device"),
         zone=str(data.get("zone", "default")), listen=data["listen"], advertise=data.get("advertise"),
-        seeds=seeds, seed_ids=seed_ids, mdns=mdns, model=_model(data.get("model", DEFAULT_MODEL), src),
+        seeds=seeds, seed_ids=seed_ids, mdns=mdns, model=model,
         roles=_roles(data.get("roles"), src, "roles"), node_key=security.get("node_key"),
         authorized_keys=security.get("authorized_keys"), rate_limit=_rate_limit(data.get("rate_limit"), src),
         links=links, heartbeat_interval_s=hb, failure_timeout_s=fail, **_gateway(data.get("gateway"), src),
-        **_weights_keys(data, src),
+        **weights,
         **_serving(data, src),
     )
+
+
+def model_is_elsewhere(model: str) -> bool:
+    """`model:` names neither a registry entry nor a file or directory on this machine: only a
+    peer can send it (fetch_weights)."""
+    return model not in transformer_configs and not Path(model).exists()
 
 
 def _weights_keys(d: dict, src: str) -> dict[str, Any]:

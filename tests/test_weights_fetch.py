@@ -37,7 +37,7 @@ from meshllm.roles import weights_fetch as wf
 from meshllm.roles.weights_fetch import MeshWeights
 from meshllm.roles.weights_pull import FlowControl
 from meshllm.roles.weights_serve import MAX_CHUNK_BYTES
-from tests.conftest import REPO, stop_processes, write_gguf_model
+from tests.conftest import REPO, run_cli, stop_processes, write_gguf_model
 
 DEVICE = {"name": "box", "memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 60, "network_mbps": 1000}
 QTYPES = {"attn_q": "Q8_0", "attn_k": "Q4_0", "ffn_": "Q8_0", "token_embd": "Q8_0"}
@@ -92,6 +92,28 @@ def test_node_file_keys():
         parse_node({**base, "fetch_weights": "yes"}, "n.yaml")
     with pytest.raises(ConfigError, match="weights_cache"):
         parse_node({**base, "weights_cache": 3}, "n.yaml")
+
+
+def test_a_node_file_whose_model_nothing_could_bring_exits_2(tmp_path):
+    """`model:` a path that is not here with `fetch_weights: false`: the node started and logged
+    "cannot plan ... no peer could send its shape" for ever. Now the node file is refused (exit
+    2). With fetch_weights (the default) such a node is one that fetches: accepted."""
+    from meshllm.errors import ConfigError
+    from meshllm.node_config import parse_node
+
+    base = {"id": "n", "device": DEVICE, "listen": "127.0.0.1:7700", "mdns": False}
+    missing = str(tmp_path / "missing.gguf")
+    with pytest.raises(ConfigError, match="fetch_weights is false"):
+        parse_node({**base, "model": missing, "fetch_weights": False}, "n.yaml")
+    assert parse_node({**base, "model": missing}, "n.yaml").fetch_weights
+    here = tmp_path / "here.gguf"
+    here.write_bytes(b"GGUF")
+    for model in ("smollm2-135m", str(here)):
+        assert parse_node({**base, "model": model, "fetch_weights": False}, "n.yaml").model == model
+    path = tmp_path / "n.yaml"
+    path.write_text(yaml.safe_dump({**base, "model": missing, "fetch_weights": False}))
+    r = run_cli("--node-config", str(path), timeout=60)
+    assert r.returncode == 2 and "fetch_weights is false" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 # -- in-process meshes ----------------------------------------------------------------------------
