@@ -145,7 +145,8 @@ def parse_node(data: dict, src: str) -> NodeConfig:
 
 def model_is_elsewhere(model: str) -> bool:
     """`model:` names neither a registry entry nor a file or directory on this machine: only a
-    peer can send it (fetch_weights)."""
+    peer can send it (fetch_weights). The node file's check, without reading the file; at run
+    time roles/weights_fetch.py's `MeshWeights.missing` decides (and warns at start)."""
     return model not in transformer_configs and not Path(model).exists()
 
 

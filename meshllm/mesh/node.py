@@ -30,7 +30,7 @@ from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
 from meshllm.mesh.sockets import client_socket
 from meshllm.mesh.transport import Transport
-from meshllm.node_config import NodeConfig, model_is_elsewhere
+from meshllm.node_config import NodeConfig
 from meshllm.roles.coordinator import Coordinator
 from meshllm.roles.host import RoleHost, preload_compute
 
@@ -147,9 +147,6 @@ class Node:
 
 def run_node(cfg: NodeConfig) -> int:
     """Run until SIGINT/SIGTERM (exit 0) or a duplicate-id refusal (exit 1)."""
-    if cfg.fetch_weights and model_is_elsewhere(cfg.model):  # a typo looks the same: say it once, up front
-        log.warning("%s: model %r is not on this node (no such file, not a registry name): its layers and "
-                    "tokenizer will be fetched from a peer that has it (fetch_weights: true)", cfg.id, cfg.model)
     stop = threading.Event()
     node = Node(cfg)  # binds the sockets: a port in use fails here, before any signal handling
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -84,6 +84,13 @@ class MeshWeights:
         self.stats: dict[str, Any] | None = None  # the last shard's: fetched bytes, source, rate
 
     def start(self) -> None:
+        try:
+            err = self.missing() if self.cfg.fetch_weights else None
+        except ModelFileError:
+            err = None  # a broken file here: ShardHolder.load says so when it needs it
+        if err is not None:  # a typo'd path looks the same as a deliberate fetch: say it once, up front
+            log.warning("%s: %s: its layers and tokenizer will be fetched from a peer that has it "
+                        "(fetch_weights: true)", self.cfg.id, err)
         self.worker.start()
 
     def close(self) -> None:
