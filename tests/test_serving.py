@@ -210,6 +210,19 @@ def test_bad_input_is_a_4xx_and_the_mesh_keeps_serving(disagg, body, status, cod
     assert same_up_to_tie(ok["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, "The sky is", 12))[0]
 
 
+def test_aiohttp_s_own_errors_are_the_api_s_json_errors(disagg):
+    """No such route, a wrong method, a body over the limit: aiohttp answered these in plain
+    text ("404: Not Found"), which an OpenAI client cannot parse as an error."""
+    from meshllm.roles.http_api import MAX_BODY_BYTES
+
+    for (status, raw), want, code in [(disagg.get("/v1/nope"), 404, "not_found"),
+                                       (disagg.get("/v1/completions"), 405, "method_not_allowed")]:
+        assert status == want and json.loads(raw)["error"]["code"] == code, raw
+    status, got = disagg.post("/v1/completions", b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}')
+    assert status == 413 and got["error"]["code"] == "body_too_large", got
+    assert disagg.get("/health")[0] == 200
+
+
 def test_a_client_that_disconnects_is_released_everywhere(disagg):
     host, port = disagg.url.removeprefix("http://").split(":")
     body = json.dumps({"model": "smollm2-135m", "prompt": "Write a very long poem about rivers.",

@@ -340,8 +340,30 @@ def bearer_check(token: str | None):
     return check
 
 
+# aiohttp's own 4xx (no such route, wrong method, body too large) -> the API's error codes
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """aiohttp middleware: the errors aiohttp raises itself come back as the API's JSON error
+    body, as every other error does (they were plain text, which OpenAI clients cannot parse)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = f"{request.method} {request.path}: {e.reason}"
+        if e.status == 413:
+            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+        resp = ApiError(e.status, message, None, _HTTP_CODES.get(e.status, "http_error")).response()
+        if "Allow" in e.headers:
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
+
+
 def build_app(gw: Gateway, token: str | None = None) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[bearer_check(token)])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors, bearer_check(token)])
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await _generate(request, gw, chat=False)
