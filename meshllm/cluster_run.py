@@ -25,7 +25,7 @@ from meshllm.emulate import (
     READY_TIMEOUT_S,
     EmulatedCluster,
     alive_peers,
-    gateway_node,
+    gateway_nodes,
     http_json,
     log,
     raise_if_interrupted,
@@ -50,7 +50,7 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
     timeout_s = getattr(args, "timeout", None) or FORMATION_TIMEOUT_S
     jobs = workload_jobs(cfg, args)  # bad input -> exit 2 before anything starts
     faults = parse_faults(cfg, getattr(args, "kill", None) or [], getattr(args, "partition", None) or [],
-                          gateway_node(cfg))
+                          gateway_nodes(cfg))
     plan = plan_cluster(plan_inputs(cfg), seed=0, log=False)  # infeasible -> exit 2 before any spawn
     log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s%s", len(plan.replicas), len(plan.drafters),
              plan.planner_s, "; the coordinator will judge it and other candidates in the simulator"
@@ -70,7 +70,7 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
             if getattr(args, "serve", False):
                 return serve_until_interrupted(cluster)
             injector = FaultInjector(cluster, faults, *healing_watch(cluster, faults, cfg.time_scale))
-            outs = run_jobs(f"http://{cluster.gateway}", served_name(cfg.model), jobs,
+            outs = run_jobs(cluster.gateway_urls(), served_name(cfg.model), jobs,
                             cfg.workload.arrival_rate_per_s, getattr(args, "seed", 0) or 0,
                             progress=len(jobs) > 1, on_start=injector.start, headers=cluster.api_headers)
             injector.stop()
@@ -87,10 +87,8 @@ def healing_watch(cluster: EmulatedCluster, faults: list, time_scale: float) -> 
     plan, the nodes it uses now (before the faults), the bound on healing; () without one."""
     if not any(f.kind == "partition" for f in faults):
         return ()
-    url = f"http://{cluster.gateway}/v1/plan"
-
-    def live_plan() -> Any:
-        return http_json(url, headers=cluster.api_headers)[1].get("plan")
+    def live_plan() -> Any:  # from a gateway that is alive
+        return http_json(f"http://{cluster.gateway}/v1/plan", headers=cluster.api_headers)[1].get("plan")
 
     try:
         in_use = Plan.from_json(live_plan()).nodes_in_use()
@@ -122,17 +120,21 @@ def workload_jobs(cfg: ClusterConfig, args: Any) -> list[Job]:
 
 def serve_until_interrupted(cluster: EmulatedCluster) -> None:
     """Serve until Ctrl-C / SIGTERM. A node that dies meanwhile is reported, not fatal: the mesh
-    re-plans around it (and the gateway's own death ends the run)."""
-    print(f"meshllm: serving on http://{cluster.gateway}", file=sys.stderr, flush=True)
+    re-plans around it (and the death of the last gateway node ends the run)."""
+    first, *others = cluster.gateway_urls()
+    print(f"meshllm: serving on {first}", file=sys.stderr, flush=True)
+    for url in others:
+        print(f"meshllm: another gateway on {url}", file=sys.stderr, flush=True)
     reported: set[str] = set()
     try:
         while True:
             raise_if_interrupted()
             for nid in cluster.dead() - reported:
                 reported.add(nid)
-                log.warning("node %s exited (code %s); the mesh goes on without it", nid,
-                            cluster.procs[nid].returncode)
-            if cluster.gateway_node in reported:
+                log.warning("node %s exited (code %s); the mesh goes on without it%s", nid,
+                            cluster.procs[nid].returncode, f" (its API at http://{cluster.gateways[nid]} is gone)"
+                            if nid in cluster.gateways else "")
+            if set(cluster.gateways) <= reported:
                 raise RuntimeError(f"the gateway node {cluster.gateway_node} exited: "
                                    f"{cluster.log_tail(cluster.gateway_node)}")
             time.sleep(0.5)
@@ -164,6 +166,7 @@ def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, for
              "pid": cluster.procs[n.id].pid, "peers": sorted(alive_peers(statuses[n.id]))} for n in cfg.nodes]
     return {"results": [o.to_json() for o in outs], "metrics": metrics, "plan": live.get("plan"),
             "plan_version": live.get("version"),
-            "mesh": {"nodes": mesh, "formation_s": round(formed_s, 3), "gateway": f"http://{cluster.gateway}",
+            "mesh": {"nodes": mesh, "formation_s": round(formed_s, 3), "gateway": cluster.gateway_urls()[0],
+                     "gateways": cluster.gateway_urls(),
                      "links": [{"zones": list(ln.zones), "rtt_ms": ln.rtt_ms, "bandwidth_mbps": ln.bandwidth_mbps}
                                for ln in cfg.links]}}

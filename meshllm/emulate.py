@@ -93,14 +93,17 @@ def node_file(spec: NodeSpec, cfg: ClusterConfig, address: str, seed: str, gatew
     return out
 
 
-def gateway_node(cfg: ClusterConfig) -> str:
-    """The node that runs the emulated mesh's gateway: one whose roles name `gateway`, else the
-    first that may hold a stage, else the first node."""
-    for want in (lambda n: n.roles is not None and Role.GATEWAY in n.roles,
-                 lambda n: n.roles is None or bool(set(n.roles) & set(STAGE_ROLES)), lambda n: True):
+def gateway_nodes(cfg: ClusterConfig) -> list[str]:
+    """The nodes that run the emulated mesh's gateways: every one whose roles name `gateway`
+    (the first is the one clients use first), else the first that may hold a stage, else the
+    first node."""
+    named = [n.id for n in cfg.nodes if n.roles is not None and Role.GATEWAY in n.roles]
+    if named:
+        return named
+    for want in (lambda n: n.roles is None or bool(set(n.roles) & set(STAGE_ROLES)), lambda n: True):
         for n in cfg.nodes:
             if want(n):
-                return n.id
+                return [n.id]
     raise AssertionError("a cluster has at least one node")
 
 
@@ -134,8 +137,8 @@ class EmulatedCluster:
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="meshllm-cluster-"))
         self.addresses: dict[str, str] = {}
         self.procs: dict[str, subprocess.Popen] = {}
-        self.gateway_node = gateway_node(cfg)
-        self.gateway = f"127.0.0.1:{free_port_pair()}"  # the OpenAI API of the emulated mesh
+        # the OpenAI API of the emulated mesh, on each gateway node (HOST:PORT by node id)
+        self.gateways = {nid: f"127.0.0.1:{free_port_pair()}" for nid in gateway_nodes(cfg)}
         self.keys: NodeKeys | None = None  # with security.curve: the emulator's own identity
         self.api_headers: dict[str, str] = {}  # with security.api_token: the bearer token the gateway wants
 
@@ -166,7 +169,7 @@ class EmulatedCluster:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         for i, spec in enumerate(self.cfg.nodes):
             path = self.workdir / f"{spec.id}.yaml"
-            gw = self.gateway if spec.id == self.gateway_node else None
+            gw = self.gateways.get(spec.id)
             nf = node_file(spec, self.cfg, self.addresses[spec.id], seed, gw, self.own_cpu(i), self.judge)
             nf.update(secure.get(spec.id, {}))
             if gw and token_file:
@@ -243,17 +246,38 @@ class EmulatedCluster:
         missing = {n: sorted(set(ids) - {n} - alive_peers(statuses.get(n, {}))) for n in ids}
         raise RuntimeError(f"the mesh did not form within {timeout_s:g} s; unseen peers: {missing}")
 
+    @property
+    def gateway_node(self) -> str:
+        """The gateway node the emulator talks to: the first whose process is alive."""
+        dead = self.dead()
+        return next((nid for nid in self.gateways if nid not in dead), next(iter(self.gateways)))
+
+    @property
+    def gateway(self) -> str:
+        """HOST:PORT of that node's API."""
+        return self.gateways[self.gateway_node]
+
+    def gateway_urls(self) -> list[str]:
+        """Every gateway's API (http://HOST:PORT), the one clients use first first."""
+        return [f"http://{a}" for a in self.gateways.values()]
+
     def wait_serving(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
-        """Block until the gateway says every replica of the plan is loaded; returns /health."""
-        deadline, last = time.monotonic() + timeout_s, {}
+        """Block until every gateway says every replica of the plan is loaded; returns the first's
+        /health."""
+        deadline, last, waiting = time.monotonic() + timeout_s, {}, list(self.gateways)
         while time.monotonic() < deadline:
             self._check_alive()
-            code, last = http_json(f"http://{self.gateway}/health", timeout_s=2.0, headers=self.api_headers)
-            if code == 200:
-                return last
+            while waiting:
+                code, last = http_json(f"http://{self.gateways[waiting[0]]}/health", timeout_s=2.0,
+                                       headers=self.api_headers)
+                if code != 200:
+                    break
+                waiting.pop(0)
+            if not waiting:
+                return http_json(f"http://{self.gateway}/health", timeout_s=2.0, headers=self.api_headers)[1]
             time.sleep(STATUS_POLL_S * 3)
-        raise RuntimeError(f"the mesh did not start serving within {timeout_s:g} s (gateway health: {last}); "
-                           f"gateway log: {self.log_tail(self.gateway_node)}")
+        raise RuntimeError(f"the mesh did not start serving within {timeout_s:g} s (gateway {waiting[0]}'s "
+                           f"health: {last}); its log: {self.log_tail(waiting[0])}")
 
     def dead(self) -> set[str]:
         return {nid for nid, p in self.procs.items() if p.poll() is not None}

@@ -43,17 +43,19 @@ class Fault:
     until_s: float = 0.0
 
 
-def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], gateway: str) -> list[Fault]:
+def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], gateways: list[str]) -> list[Fault]:
     """`--kill NODE@S` and `--partition ZA:ZB@S1-S2`, checked against the cluster file (exit 2);
-    `gateway`: the node whose API the workload's client talks to (it may not be killed)."""
+    `gateways`: the nodes whose APIs the workload's client talks to (not every one may be killed:
+    the client goes to the next when one goes away)."""
     ids, zones, out = {n.id for n in cfg.nodes}, {n.zone for n in cfg.nodes}, []
     for k in kills:
         node, _, at = k.rpartition("@")
         if node not in ids:
             raise InputError(f"--kill {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
-        if node == gateway:
-            raise InputError(f"--kill {k!r}: {node} runs the gateway the workload's client talks to")
         out.append(Fault("kill", _seconds(at, f"--kill {k!r}"), node=node))
+    if gateways and set(gateways) <= {f.node for f in out}:
+        raise InputError(f"--kill: {', '.join(gateways)} run{'s' if len(gateways) == 1 else ''} every gateway the "
+                         "workload's client talks to (name another node's roles `gateway` in the cluster file)")
     for p in partitions:
         pair, _, span = p.rpartition("@")
         za, _, zb = pair.partition(":")

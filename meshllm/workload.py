@@ -1,7 +1,10 @@
 """A workload client for a gateway's OpenAI API: what `--cluster` and the benchmarks send.
 
 Each request streams (SSE) and every token's arrival time is recorded, so TTFT and ITL are
-what a client sees. Arrivals are all at once (rate 0) or Poisson (seeded). Concurrency is
+what a client sees. Given several gateways, a request whose gateway goes away (connection
+refused, reset, or a stream cut before its end) is sent again, whole, to the next one: a gateway
+holds its requests' progress, so the output starts over there (greedy and seeded sampling give
+the same tokens), and the pause counts as a recovery gap. Arrivals are all at once (rate 0) or Poisson (seeded). Concurrency is
 bounded by the number of requests; every request has a timeout. The metrics follow `vllm
 bench serve`: TTFT from send to the first token; ITL the gaps between successive tokens
 (tokens that arrive together have a gap of 0); output tokens/s over the whole run.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import random
 import statistics
@@ -22,7 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger("meshllm.workload")
 REQUEST_TIMEOUT_S = 600.0
+FAILOVER_ROUNDS = 2  # a request tries each gateway at most this many times
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,13 @@ class Outcome:
     error: str | None = None
     sent: float = 0.0
     done: float = 0.0
+    failed_at: float | None = None  # when its gateway went away (it is sent again to another)
+
+    def restart(self) -> None:
+        """Its gateway went away: the next gateway streams the output from the start."""
+        self.token_ids, self.text, self.itl_ms, self.finish_reason = [], "", [], None
+        self.attempts += 1
+        self.failed_at = time.monotonic()
 
     def to_json(self) -> dict[str, Any]:
         out = {"prompt": self.prompt, "token_ids": self.token_ids, "text": self.text,
@@ -87,7 +100,7 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
     else:
         body["prompt"] = job.prompt
         path = "/v1/completions"
-    out.sent = time.monotonic()
+    out.sent = out.sent or time.monotonic()
     last = None
     async with session.post(url + path, json=body) as resp:
         if resp.status != 200:
@@ -105,9 +118,12 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
             ch = ev["choices"][0]
             ids = ch.get("token_ids") or []
             for i, _ in enumerate(ids):
-                if last is None:
+                if last is None and out.failed_at is not None:  # the first token from the next gateway
+                    out.recovery_gaps_ms.append(round(1000 * (now - out.failed_at), 3))
+                    out.failed_at = None
+                if last is None and out.ttft_ms is None:
                     out.ttft_ms = round(1000 * (now - out.sent), 3)
-                else:
+                elif last is not None:
                     out.itl_ms.append(round(1000 * (now - last), 3) if i == 0 else 0.0)
                 last = now
             out.token_ids.extend(ids)
@@ -117,14 +133,22 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
                 ext = ev.get("meshllm") or {}
                 out.queue_ms = float(ext.get("queue_ms", 0.0))
                 out.spec = ext.get("spec")
-                out.attempts = int(ext.get("attempts", 1))
-                out.recovery_gaps_ms = list(ext.get("recovery_gaps_ms", []))
+                out.attempts += int(ext.get("attempts", 1)) - 1  # resumed inside the mesh too
+                out.recovery_gaps_ms += list(ext.get("recovery_gaps_ms", []))
+    if out.finish_reason is None and out.error is None:
+        raise GatewayGone("the stream ended before its last token")
     out.done = time.monotonic()
 
 
-async def _run(url: str, model: str, jobs: list[Job], rate: float, seed: int, progress: bool,
+class GatewayGone(Exception):
+    """The gateway stopped answering mid-request: the request goes to another gateway."""
+
+
+async def _run(urls: list[str], model: str, jobs: list[Job], rate: float, seed: int, progress: bool,
                on_start=None, headers: dict[str, str] | None = None) -> list[Outcome]:
     import aiohttp
+
+    gone = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, GatewayGone)  # try the next gateway
 
     outs = [Outcome(j.prompt) for j in jobs]
     at = arrival_times(len(jobs), rate, seed)
@@ -136,10 +160,23 @@ async def _run(url: str, model: str, jobs: list[Job], rate: float, seed: int, pr
 
     async def go(i: int, session) -> None:
         await asyncio.sleep(max(0.0, t0 + at[i] - time.monotonic()))
-        try:
-            await asyncio.wait_for(_one(session, url, model, jobs[i], outs[i]), REQUEST_TIMEOUT_S)
-        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-            outs[i].error = f"{type(e).__name__}: {e}"
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        tries = FAILOVER_ROUNDS * len(urls) if len(urls) > 1 else 1
+        for k in range(tries):
+            try:
+                await asyncio.wait_for(_one(session, urls[k % len(urls)], model, jobs[i], outs[i]),
+                                       max(0.0, deadline - time.monotonic()))
+                break
+            except gone as e:
+                if k == tries - 1:
+                    outs[i].error = f"{type(e).__name__}: {e}"
+                else:
+                    log.warning("request %d: gateway %s went away (%s); sending it to %s", i, urls[k % len(urls)],
+                                type(e).__name__, urls[(k + 1) % len(urls)])
+                    outs[i].restart()
+            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+                outs[i].error = f"{type(e).__name__}: {e}"
+                break
         if bar is not None:
             bar.update(1)
 
@@ -157,11 +194,12 @@ def _bar(n: int):
     return tqdm(total=n, desc="requests", unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
-def run_jobs(url: str, model: str, jobs: list[Job], rate: float = 0.0, seed: int = 0,
+def run_jobs(url: str | list[str], model: str, jobs: list[Job], rate: float = 0.0, seed: int = 0,
              progress: bool = True, on_start=None, headers: dict[str, str] | None = None) -> list[Outcome]:
-    """Send `jobs` to the gateway at `url` (http://HOST:PORT) and wait for every one (`headers`:
-    e.g. the API's bearer token)."""
-    return asyncio.run(_run(url, model, jobs, rate, seed, progress, on_start, headers))
+    """Send `jobs` to the gateway at `url` (http://HOST:PORT; a list: the first, and the others in
+    turn when one goes away) and wait for every one (`headers`: e.g. the API's bearer token)."""
+    urls = [url] if isinstance(url, str) else list(url)
+    return asyncio.run(_run(urls, model, jobs, rate, seed, progress, on_start, headers))
 
 
 def _pct(xs: list[float], q: float) -> float | None:

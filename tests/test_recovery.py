@@ -20,7 +20,8 @@ from tests.serving_util import reference, same_up_to_tie
 pytestmark = pytest.mark.slow
 
 CLUSTER = REPO / "clusters" / "failure.yaml"  # edge-1 (coordinator, drafter), edge-2 (drafter),
-# fog-1 (prefill + gateway), fog-2 / fog-3 (decode), fog-4 (prefill or decode)
+# fog-1 (prefill + the gateway the client uses first), fog-2 / fog-3 (decode), fog-4 (prefill or
+# decode + a second gateway)
 MAX_TOKENS = 32
 
 
@@ -52,12 +53,17 @@ def test_stage_coordinator_prefill_and_drafter_deaths_lose_nothing(seed, smollm2
         # before it has noticed (the failure timeout is 2.5 s): the next coordinator must re-plan
         # the live nodes, not wait for all the expected ones (every request used to fail here)
         faults = ("--kill", f"fog-2@{at[0]}", "--kill", f"edge-1@{at[0] + 0.7:.2f}")
-    else:  # a drafter, then a prefill node
-        faults = ("--kill", f"edge-2@{at[0]}", "--kill", f"fog-4@{at[1]}")
+    else:  # a drafter, then a prefill node that runs the gateway the client talks to: the client
+        # sends the requests it had there, and the later ones, to the second gateway (fog-4)
+        faults = ("--kill", f"edge-2@{at[0]}", "--kill", f"fog-1@{at[1]}")
     out = run_with_faults(*faults)
     assert [f["node"] for f in out["faults"]] == [faults[1].split("@")[0], faults[3].split("@")[0]]
     gaps = check(out, smollm2, smollm2_tokenizer)
     assert all(g < 60_000 for g in gaps), "a pause, not a hang"
+    if seed == 2:
+        assert len(out["mesh"]["gateways"]) == 2 and out["metrics"]["resumed_requests"] >= 1, out["metrics"]
+        # the report comes from the live gateway: its plan is the one made around fog-1's death
+        assert "fog-1" not in {st["node"] for r in out["plan"]["replicas"] for st in r["stages"]}, out["plan"]
 
 
 def test_a_healed_partition_loses_and_duplicates_nothing(smollm2, smollm2_tokenizer):
@@ -72,8 +78,62 @@ def test_a_healed_partition_loses_and_duplicates_nothing(smollm2, smollm2_tokeni
 
 
 def test_bad_fault_arguments_exit_2_before_anything_starts():
-    for args in (["--kill", "nobody@1"], ["--kill", "fog-2@soon"], ["--kill", "fog-1@1"],
+    for args in (["--kill", "nobody@1"], ["--kill", "fog-2@soon"], ["--kill", "fog-1@1", "--kill", "fog-4@2"],
                  ["--partition", "edge:mars@1-2"], ["--partition", "edge:fog@3-2"]):
         r = subprocess.run([sys.executable, str(REPO / "launch.py"), "--cluster", str(CLUSTER), *args],
                            capture_output=True, text=True, timeout=120, cwd=REPO)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+
+
+def test_a_dead_gateway_s_sequences_are_released_and_another_gateway_serves(tmp_path, smollm2, smollm2_tokenizer):
+    """Two gateways (`roles: [gateway]` on two nodes); the first, a node with no stage, is killed
+    while a long request streams through it. The replica is unchanged by the re-plan, so it kept
+    decoding that sequence, for nobody, up to max_tokens; now it releases it, and the second
+    gateway serves the reference's tokens."""
+    import os
+    import re
+    import signal
+    import socket
+    import time
+
+    from tests.serving_util import Served, small_device, write_cluster
+
+    dev = small_device("slow-nuc", 8.0, gbps=5.0)  # ~0.1 s a token: the long request outlasts the check
+    path = write_cluster(tmp_path / "two-gw.yaml", [
+        {"id": "gw-a", "device": dev, "zone": "fog", "roles": ["gateway"]},
+        {"id": "s1", "device": dev, "zone": "fog", "roles": ["prefill", "decode", "gateway"]}])
+    served = Served(path, tmp_path / "serve.log")
+    try:
+        log = served.log.read_text()
+        other = re.search(r"meshllm: another gateway on (http://\S+)", log).group(1)
+        workdir = re.search(r"logs in (\S+)\)", log).group(1)
+        host, port = served.url.removeprefix("http://").split(":")
+        body = json.dumps({"model": "smollm2-135m", "prompt": "Count from one to two hundred: 1, 2, 3, 4,",
+                           "max_tokens": 1000, "temperature": 0, "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            got = b""
+            while got.count(b"data: ") < 3:  # a few tokens streamed
+                got += sock.recv(65536)
+            pid = int(subprocess.run(["pgrep", "-f", f"{workdir}/gw-a.yaml"], capture_output=True,
+                                     text=True).stdout.split()[0])
+            os.killpg(pid, signal.SIGKILL)
+        served.url = other
+        deadline, busy = time.monotonic() + 20, None
+        while time.monotonic() < deadline:  # failure detection (2.5 s), the re-plan, then the release
+            nodes = json.loads(served.get("/v1/mesh")[1])["nodes"]
+            busy = (nodes["s1"]["load"].get("leader") or {}).get("active", 0)
+            if not busy:
+                break
+            time.sleep(0.5)
+        assert not busy, "the replica still decodes the dead gateway's sequence"
+        assert "its API at" in served.log.read_text(), served.log.read_text()[-2000:]
+        code, out = served.post("/v1/completions", {"model": "smollm2-135m", "prompt": "The sky is",
+                                                    "max_tokens": 12, "temperature": 0})
+        assert code == 200, out
+        ok, why = same_up_to_tie(out["choices"][0]["token_ids"],
+                                 reference(smollm2, smollm2_tokenizer, "The sky is", 12))
+        assert ok, why
+    finally:
+        assert served.stop() == 0, served.log.read_text()[-2000:]

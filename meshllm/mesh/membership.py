@@ -96,6 +96,10 @@ class Membership:
     def live(self) -> list[Peer]:
         return [p for p in self.peers() if p.state in (PeerState.ALIVE, PeerState.SUSPECT)]
 
+    def addresses_gone(self) -> set[str]:
+        """The addresses of the peers known dead or gone (safe to call from another thread)."""
+        return {p.info.address for p in list(self._peers.values()) if p.state in (PeerState.DEAD, PeerState.LEFT)}
+
     def conflicts(self, info: PeerInfo) -> bool:
         """True if `info` claims the id of a different live node (or ours): a duplicate id."""
         if info.id == self.self_id:

@@ -150,8 +150,12 @@ class RoleHost:
         self.ctx = self.stage.ctx = ctx
         if self.leader is not None:
             self.leader.ctx = ctx
+            gone = self.members.addresses_gone() if self.members is not None else set()
             for s in list(self.leader.seqs.values()):
-                if s.decode_rid != self.leader.rid and not ctx.unchanged(old, s.decode_rid):
+                if s.gateway in gone:  # nobody streams its tokens any more (a client sends it again elsewhere)
+                    log.info("%s: releasing sequence %d: its gateway %s is gone", self.me, s.id, s.gateway)
+                    self.leader.abort(s.id)
+                elif s.decode_rid != self.leader.rid and not ctx.unchanged(old, s.decode_rid):
                     self.leader.fail(s, f"its decode replica changed in plan v{ctx.version}; retry the request")
         log.info("%s: plan v%d keeps replica %d as it was", self.me, ctx.version, self.stage.replica.id)
 
