@@ -3,7 +3,9 @@
 Run:  python bench/recovery.py [--seeds 3] [--out bench/results/recovery.txt]
 
 For each kind of node of clusters/failure.yaml (a decode stage fog-2, the coordinator edge-1 --
-the lowest id, also a drafter --, the prefill/decode node fog-4 and the drafter edge-2) and each
+the lowest id, also a drafter --, the prefill/decode node fog-4, the drafter edge-2, and fog-1,
+a prefill node that runs the gateway the client talks to first: the client sends its requests
+to the second gateway, on fog-4) and each
 seed, `launch.py --cluster clusters/failure.yaml --json --kill NODE@S` kills that node with
 kill -9 at a seeded random moment 0.5-3 s after the workload's first request; then, per seed,
 the only decode stage and 0.7 s later the coordinator (before it has re-planned, so the next
@@ -38,7 +40,8 @@ MAX_TOKENS = 32
 GOAL_S = 5.0
 RUN_TIMEOUT_S = 900
 TAKEOVER_AFTER_S = 0.7  # under the failure timeout (2.5 s): the next coordinator must re-plan for both
-VICTIMS = {"decode stage": "fog-2", "coordinator": "edge-1", "prefill/decode node": "fog-4", "drafter": "edge-2"}
+VICTIMS = {"decode stage": "fog-2", "coordinator": "edge-1", "prefill/decode node": "fog-4", "drafter": "edge-2",
+           "first gateway (prefill)": "fog-1"}
 
 
 LINES: list[str] = []  # what was printed, for --out

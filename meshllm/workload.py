@@ -4,7 +4,8 @@ Each request streams (SSE) and every token's arrival time is recorded, so TTFT a
 what a client sees. Given several gateways, a request whose gateway goes away (connection
 refused, reset, or a stream cut before its end) is sent again, whole, to the next one: a gateway
 holds its requests' progress, so the output starts over there (greedy and seeded sampling give
-the same tokens), and the pause counts as a recovery gap. Arrivals are all at once (rate 0) or Poisson (seeded). Concurrency is
+the same tokens), and the pause, from the last token before until the next gateway passes the
+point the request had reached, counts as a recovery gap. Arrivals are all at once (rate 0) or Poisson (seeded). Concurrency is
 bounded by the number of requests; every request has a timeout. The metrics follow `vllm
 bench serve`: TTFT from send to the first token; ITL the gaps between successive tokens
 (tokens that arrive together have a gap of 0); output tokens/s over the whole run.
@@ -58,13 +59,15 @@ class Outcome:
     error: str | None = None
     sent: float = 0.0
     done: float = 0.0
-    failed_at: float | None = None  # when its gateway went away (it is sent again to another)
+    last_at: float | None = None  # when its last token came
+    failed_at: float | None = None  # its gateway went away: the last token before that (or then)
+    resume_from: int = 0  # tokens it had then: the pause lasts until the next gateway passes them
 
     def restart(self) -> None:
         """Its gateway went away: the next gateway streams the output from the start."""
-        self.token_ids, self.text, self.itl_ms, self.finish_reason = [], "", [], None
+        self.failed_at, self.resume_from = self.last_at or time.monotonic(), len(self.token_ids)
+        self.token_ids, self.text, self.itl_ms, self.finish_reason, self.last_at = [], "", [], None, None
         self.attempts += 1
-        self.failed_at = time.monotonic()
 
     def to_json(self) -> dict[str, Any]:
         out = {"prompt": self.prompt, "token_ids": self.token_ids, "text": self.text,
@@ -118,15 +121,15 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
             ch = ev["choices"][0]
             ids = ch.get("token_ids") or []
             for i, _ in enumerate(ids):
-                if last is None and out.failed_at is not None:  # the first token from the next gateway
-                    out.recovery_gaps_ms.append(round(1000 * (now - out.failed_at), 3))
-                    out.failed_at = None
                 if last is None and out.ttft_ms is None:
                     out.ttft_ms = round(1000 * (now - out.sent), 3)
                 elif last is not None:
                     out.itl_ms.append(round(1000 * (now - last), 3) if i == 0 else 0.0)
-                last = now
+                last = out.last_at = now
             out.token_ids.extend(ids)
+            if out.failed_at is not None and (len(out.token_ids) > out.resume_from or ch.get("finish_reason")):
+                out.recovery_gaps_ms.append(round(1000 * (now - out.failed_at), 3))  # past where it had got
+                out.failed_at = None
             out.text += ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content") or ""
             if ch.get("finish_reason"):
                 out.finish_reason = ch["finish_reason"]
