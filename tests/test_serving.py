@@ -12,6 +12,7 @@ import concurrent.futures as cf
 import json
 import socket
 import time
+import urllib.request
 
 import pytest
 
@@ -197,6 +198,13 @@ def test_continuous_batching_short_request_overtakes_a_long_one(disagg):
     ({"model": "smollm2-135m", "prompt": "hi " * 9000}, 400, "context_length_exceeded"),
     ({"model": "smollm2-135m", "prompt": "hi", "temperature": -1}, 400, "invalid_value"),
     ({"model": "smollm2-135m", "messages": "hello"}, 400, "invalid_value"),
+    # OpenAI fields this server does not implement are refused, not ignored (the output would not be what was asked)
+    ({"model": "smollm2-135m", "prompt": "hi", "presence_penalty": 0.5}, 400, "unsupported_parameter"),
+    ({"model": "smollm2-135m", "prompt": "hi", "logprobs": 3}, 400, "unsupported_parameter"),
+    ({"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_object"}}, 400, "unsupported_parameter"),
+    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 4, "max_completion_tokens": 5}, 400, "invalid_value"),
+    ({"model": "smollm2-135m", "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "invalid_value"),
 ])
 def test_bad_input_is_a_4xx_and_the_mesh_keeps_serving(disagg, body, status, code, smollm2, smollm2_tokenizer):
     path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
@@ -208,6 +216,27 @@ def test_bad_input_is_a_4xx_and_the_mesh_keeps_serving(disagg, body, status, cod
         ok_status, ok = other.result(timeout=120)
     assert ok_status == 200
     assert same_up_to_tie(ok["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, "The sky is", 12))[0]
+
+
+def test_openai_fields_at_their_no_op_values_max_completion_tokens_and_the_usage_chunk(disagg):
+    """What current OpenAI clients send: penalties at 0, logprobs false, max_completion_tokens
+    (chat's name for max_tokens: ignored, a chat ran to the end of the context), and
+    stream_options.include_usage (a last chunk with no choices and the usage)."""
+    code, out = disagg.post("/v1/chat/completions", {
+        "model": "smollm2-135m", "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0,
+        "max_completion_tokens": 5, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False,
+        "response_format": {"type": "text"}, "user": "tenant-1"})
+    assert code == 200 and out["usage"]["completion_tokens"] <= 5, out
+    req = urllib.request.Request(disagg.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": "smollm2-135m", "prompt": "The sky is", "max_tokens": 6,
+                                                  "temperature": 0, "stream": True,
+                                                  "stream_options": {"include_usage": True}}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    *tokens, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6, last
+    assert sum(len(e["choices"][0]["token_ids"]) for e in tokens) == 6
 
 
 def test_aiohttp_s_own_errors_are_the_api_s_json_errors(disagg):

@@ -8,8 +8,10 @@
     GET  /v1/plan               meshllm extension: the plan being served and its version
     GET  /v1/mesh               meshllm extension: every node's state and load (memory, layers, traffic)
 
-Request fields: model, max_tokens, temperature, top_p, seed, stop (string or up to 4), stream,
-n (1 only); `top_k` is accepted as an extension, and so is `meshllm`: {"speculation": "async" |
+Request fields: model, max_tokens (or max_completion_tokens), temperature, top_p, seed, stop
+(string or up to 4), stream, stream_options.include_usage, n (1 only); the OpenAI fields this API
+does not implement (penalties, logprobs, logit_bias, echo, tools, ...: `NO_OP`) are a 400 unless
+at their no-op value, never silently ignored; `top_k` is accepted as an extension, and so is `meshllm`: {"speculation": "async" |
 "sync" | "off", "gamma": 1-16, "adaptive": bool, "decode_replica": id} (per-request controls for operators and
 benchmarks; by default the cluster's settings and the router decide). Every choice carries `token_ids` (extension)
 so clients can compare against `--reference`. Bad input is a 4xx with an OpenAI-style JSON
@@ -44,6 +46,14 @@ log = logging.getLogger("meshllm.http")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP = 4
+# OpenAI request fields not implemented here -> whether a value asks for nothing (else a 400)
+NO_OP = {
+    "presence_penalty": lambda v: v in (None, 0), "frequency_penalty": lambda v: v in (None, 0),
+    "logit_bias": lambda v: not v, "logprobs": lambda v: v in (None, False), "top_logprobs": lambda v: v in (None, 0),
+    "echo": lambda v: v in (None, False), "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
+    "tools": lambda v: not v, "functions": lambda v: not v, "tool_choice": lambda v: v in (None, "none"),
+    "function_call": lambda v: v in (None, "none"), "response_format": lambda v: v in (None, {"type": "text"}),
+}
 
 
 class ApiError(Exception):
@@ -67,6 +77,7 @@ class Params:
     seed: int
     stop: tuple[str, ...]
     stream: bool
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     spec_mode: str | None = None  # meshllm extension: override the cluster's speculation mode
     gamma: int | None = None
     decode_replica: int | None = None
@@ -99,7 +110,14 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
     if len(ids) >= gw.model.max_context:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context holds {gw.model.max_context}",
                        "messages" if chat else "prompt", "context_length_exceeded")
-    max_tokens = _number(body, "max_tokens", DEFAULT_MAX_TOKENS if not chat else gw.model.max_context, 1, 1 << 31,
+    for key, no_op in NO_OP.items():
+        if not no_op(body.get(key)):
+            raise ApiError(400, f"'{key}' is not supported by this server (got {body[key]!r:.80})", key,
+                           "unsupported_parameter")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if key == "max_completion_tokens" and body.get("max_tokens") not in (None, body[key]):
+        raise ApiError(400, "give max_tokens or max_completion_tokens, not both", key, "invalid_value")
+    max_tokens = _number(body, key, DEFAULT_MAX_TOKENS if not chat else gw.model.max_context, 1, 1 << 31,
                          integer=True)
     if body.get("n", 1) != 1:
         raise ApiError(400, "only n=1 is supported", "n", "invalid_value")
@@ -111,6 +129,11 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", "stream", "invalid_value")
+    opts = body.get("stream_options")
+    if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}
+                             or not isinstance(opts.get("include_usage", False), bool)):
+        raise ApiError(400, "'stream_options' is {include_usage: bool}, with stream: true", "stream_options",
+                       "invalid_value")
     ext = body.get("meshllm") or {}
     if not isinstance(ext, dict) or set(ext) - {"speculation", "gamma", "adaptive", "decode_replica"}:
         raise ApiError(400, "'meshllm' takes speculation, gamma, adaptive and decode_replica", "meshllm",
@@ -126,7 +149,7 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
     return Params(ids, min(max_tokens, gw.model.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),
                   _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
                   _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
-                  mode, gamma, pin, adaptive)
+                  bool((opts or {}).get("include_usage")), mode, gamma, pin, adaptive)
 
 
 def _prompt_ids(body: dict, gw: Gateway) -> list[int]:
@@ -288,9 +311,11 @@ class Run:
         return web.json_response({
             "id": self.rid, "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": self.gw.model_name, "choices": [choice],
-            "usage": {"prompt_tokens": self.s.n_in, "completion_tokens": len(self.ids),
-                      "total_tokens": self.s.n_in + len(self.ids)},
-            "meshllm": self.extension()})
+            "usage": self.usage(), "meshllm": self.extension()})
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.s.n_in, "completion_tokens": len(self.ids),
+                "total_tokens": self.s.n_in + len(self.ids)}
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -304,6 +329,9 @@ class Run:
                     chunk["meshllm"] = self.extension()
                 await resp.write(_sse(chunk))
                 first = False
+            if self.p.include_usage:  # OpenAI's last chunk: no choices, the usage
+                await resp.write(_sse({"id": self.rid, "object": chunk["object"], "created": int(time.time()),
+                                       "model": self.gw.model_name, "choices": [], "usage": self.usage()}))
             status = "ok"
         except RequestError as e:
             status = "error"
