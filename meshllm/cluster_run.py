@@ -87,6 +87,7 @@ def healing_watch(cluster: EmulatedCluster, faults: list, time_scale: float) -> 
     plan, the nodes it uses now (before the faults), the bound on healing; () without one."""
     if not any(f.kind == "partition" for f in faults):
         return ()
+
     def live_plan() -> Any:  # from a gateway that is alive
         return http_json(f"http://{cluster.gateway}/v1/plan", headers=cluster.api_headers)[1].get("plan")
 

@@ -1,14 +1,17 @@
 """A workload client for a gateway's OpenAI API: what `--cluster` and the benchmarks send.
 
 Each request streams (SSE) and every token's arrival time is recorded, so TTFT and ITL are
-what a client sees. Given several gateways, a request whose gateway goes away (connection
-refused, reset, or a stream cut before its end) is sent again, whole, to the next one: a gateway
-holds its requests' progress, so the output starts over there (greedy and seeded sampling give
-the same tokens), and the pause, from the last token before until the next gateway passes the
-point the request had reached, counts as a recovery gap. Arrivals are all at once (rate 0) or Poisson (seeded). Concurrency is
+what a client sees. Arrivals are all at once (rate 0) or Poisson (seeded). Concurrency is
 bounded by the number of requests; every request has a timeout. The metrics follow `vllm
 bench serve`: TTFT from send to the first token; ITL the gaps between successive tokens
 (tokens that arrive together have a gap of 0); output tokens/s over the whole run.
+
+Given several gateways, a request whose gateway goes away (connection refused, reset, or a
+stream cut before its end) is sent again, whole, to the next one: a gateway holds its requests'
+progress, so the output starts over there (greedy and seeded sampling give the same tokens),
+and the pause, from the last token before until the next gateway passes the point the request
+had reached, counts as a recovery gap. With one gateway such a request fails (a cut stream is
+never taken for a whole one).
 
 The report of a run is here too: each node's figures (memory, layers, KV traffic), the KV
 shipped per prefilled token, and the readable text `--cluster` prints without `--json`.
