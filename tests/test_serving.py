@@ -225,7 +225,7 @@ def test_openai_fields_at_their_no_op_values_max_completion_tokens_and_the_usage
     code, out = disagg.post("/v1/chat/completions", {
         "model": "smollm2-135m", "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0,
         "max_completion_tokens": 5, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False,
-        "response_format": {"type": "text"}, "user": "tenant-1"})
+        "response_format": {"type": "text"}, "user": "tenant-1", "n": None, "stream": None, "stop": None})
     assert code == 200 and out["usage"]["completion_tokens"] <= 5, out
     req = urllib.request.Request(disagg.url + "/v1/completions", headers={"Content-Type": "application/json"},
                                  data=json.dumps({"model": "smollm2-135m", "prompt": "The sky is", "max_tokens": 6,

@@ -119,14 +119,14 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", key, "invalid_value")
     max_tokens = _number(body, key, DEFAULT_MAX_TOKENS if not chat else gw.model.max_context, 1, 1 << 31,
                          integer=True)
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise ApiError(400, "only n=1 is supported", "n", "invalid_value")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(x, str) and x for x in stop):
         raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop",
                        "invalid_value")
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]  # null: the default, as for every field
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", "stream", "invalid_value")
     opts = body.get("stream_options")
