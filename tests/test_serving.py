@@ -198,6 +198,8 @@ def test_continuous_batching_short_request_overtakes_a_long_one(disagg):
     ({"model": "smollm2-135m", "prompt": "hi " * 9000}, 400, "context_length_exceeded"),
     ({"model": "smollm2-135m", "prompt": "hi", "temperature": -1}, 400, "invalid_value"),
     ({"model": "smollm2-135m", "messages": "hello"}, 400, "invalid_value"),
+    ({"model": "smollm2-135m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     400, "invalid_value"),
     # OpenAI fields this server does not implement are refused, not ignored (the output would not be what was asked)
     ({"model": "smollm2-135m", "prompt": "hi", "presence_penalty": 0.5}, 400, "unsupported_parameter"),
     ({"model": "smollm2-135m", "prompt": "hi", "logprobs": 3}, 400, "unsupported_parameter"),
@@ -223,7 +225,9 @@ def test_openai_fields_at_their_no_op_values_max_completion_tokens_and_the_usage
     (chat's name for max_tokens: ignored, a chat ran to the end of the context), and
     stream_options.include_usage (a last chunk with no choices and the usage)."""
     code, out = disagg.post("/v1/chat/completions", {
-        "model": "smollm2-135m", "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0,
+        "model": "smollm2-135m", "temperature": 0,
+        "messages": [{"role": "developer", "content": "Be brief."},  # OpenAI's newer role name and content parts
+                     {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}],
         "max_completion_tokens": 5, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False,
         "response_format": {"type": "text"}, "user": "tenant-1", "n": None, "stream": None, "stop": None})
     assert code == 200 and out["usage"]["completion_tokens"] <= 5, out

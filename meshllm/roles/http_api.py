@@ -176,11 +176,16 @@ def _chat_ids(body: dict, gw: Gateway) -> list[int]:
         raise ApiError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
     clean = []
     for i, m in enumerate(msgs):
-        if (not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant")
-                or not isinstance(m.get("content"), str)):
-            raise ApiError(400, f"messages[{i}] must be {{role: system|user|assistant, content: string}}",
-                           f"messages[{i}]", "invalid_value")
-        clean.append({"role": m["role"], "content": m["content"]})
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and content and all(
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                for part in content):
+            content = "".join(part["text"] for part in content)  # OpenAI's content parts, text only
+        role = {"developer": "system"}.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None
+        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}] must be {{role: system|developer|user|assistant, content: a string "
+                                "or a list of text parts}}", f"messages[{i}]", "invalid_value")
+        clean.append({"role": role, "content": content})
     try:
         return gw.model.tokenizer.encode(gw.model.tokenizer.render_chat(clean))
     except ValueError as e:  # e.g. no chat template
