@@ -3,10 +3,12 @@ single-process reference they are compared with (the same engine call as `--refe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -83,6 +85,21 @@ class Served:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def streaming(url: str, body: dict, events: int = 3):
+    """A streaming POST /v1/completions on a raw socket, held once `events` SSE events have come;
+    leaving the block closes the socket (the client goes away)."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+        got = b""
+        while got.count(b"data: ") < events:
+            got += sock.recv(65536)
+        yield sock
 
 
 def reference(model, tokenizer, prompt: str, max_tokens: int, chat: bool = False, temperature: float = 0.0,

@@ -93,10 +93,9 @@ def test_a_dead_gateway_s_sequences_are_released_and_another_gateway_serves(tmp_
     import os
     import re
     import signal
-    import socket
     import time
 
-    from tests.serving_util import Served, small_device, write_cluster
+    from tests.serving_util import Served, small_device, streaming, write_cluster
 
     dev = small_device("slow-nuc", 8.0, gbps=5.0)  # ~0.1 s a token: the long request outlasts the check
     path = write_cluster(tmp_path / "two-gw.yaml", [
@@ -107,15 +106,8 @@ def test_a_dead_gateway_s_sequences_are_released_and_another_gateway_serves(tmp_
         log = served.log.read_text()
         other = re.search(r"meshllm: another gateway on (http://\S+)", log).group(1)
         workdir = re.search(r"logs in (\S+)\)", log).group(1)
-        host, port = served.url.removeprefix("http://").split(":")
-        body = json.dumps({"model": "smollm2-135m", "prompt": "Count from one to two hundred: 1, 2, 3, 4,",
-                           "max_tokens": 1000, "temperature": 0, "stream": True}).encode()
-        with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            got = b""
-            while got.count(b"data: ") < 3:  # a few tokens streamed
-                got += sock.recv(65536)
+        with streaming(served.url, {"model": "smollm2-135m", "prompt": "Count from one to two hundred: 1, 2, 3, 4,",
+                                    "max_tokens": 1000, "temperature": 0, "stream": True}):
             pid = int(subprocess.run(["pgrep", "-f", f"{workdir}/gw-a.yaml"], capture_output=True,
                                      text=True).stdout.split()[0])
             os.killpg(pid, signal.SIGKILL)

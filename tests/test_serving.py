@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import socket
 import time
 import urllib.request
 
 import pytest
 
-from tests.serving_util import Served, reference, same_up_to_tie, small_device, write_cluster
+from tests.serving_util import Served, reference, same_up_to_tie, small_device, streaming, write_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -257,15 +256,9 @@ def test_aiohttp_s_own_errors_are_the_api_s_json_errors(disagg):
 
 
 def test_a_client_that_disconnects_is_released_everywhere(disagg):
-    host, port = disagg.url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "smollm2-135m", "prompt": "Write a very long poem about rivers.",
-                       "max_tokens": 400, "stream": True}).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        got = b""
-        while got.count(b"data: ") < 3:  # a few tokens streamed
-            got += sock.recv(65536)
+    with streaming(disagg.url, {"model": "smollm2-135m", "prompt": "Write a very long poem about rivers.",
+                                "max_tokens": 400, "stream": True}):
+        pass  # a few tokens streamed, then the client goes away
     deadline = time.monotonic() + 30  # the socket is closed: the sequence must go from every node
     while time.monotonic() < deadline:
         nodes = json.loads(disagg.get("/v1/mesh")[1])["nodes"].values()
