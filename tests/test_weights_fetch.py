@@ -376,7 +376,7 @@ def test_a_gateway_without_the_file_takes_the_tokenizer_from_a_peers_header(mesh
 
 
 def test_the_api_answers_503_until_a_gateway_without_the_file_has_its_tokenizer():
-    from meshllm.roles.http_api import ApiError, parse_params
+    from meshllm.roles.api_params import ApiError, parse_params
     from meshllm.roles.model_info import ModelInfo
 
     gw = SimpleNamespace(model_name="m", model=ModelInfo("gw", "m"))

@@ -10,7 +10,7 @@
 
 Request fields: model, max_tokens (or max_completion_tokens), temperature, top_p, seed, stop
 (string or up to 4), stream, stream_options.include_usage, n (1 only); the OpenAI fields this API
-does not implement (penalties, logprobs, logit_bias, echo, tools, ...: `NO_OP`) are a 400 unless
+does not implement (penalties, logprobs, logit_bias, echo, tools, ...: `api_params.NO_OP`) are a 400 unless
 at their no-op value, never silently ignored; `top_k` is accepted as an extension, and so is `meshllm`: {"speculation": "async" |
 "sync" | "off", "gamma": 1-16, "adaptive": bool, "decode_replica": id} (per-request controls for operators and
 benchmarks; by default the cluster's settings and the router decide). Every choice carries `token_ids` (extension)
@@ -33,165 +33,15 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
-from meshllm.mesh.fields import MAX_TEMPERATURE
+from meshllm.roles.api_params import ApiError, Params, parse_params
 from meshllm.roles.gateway import Gateway, RequestError, Stream
 
 log = logging.getLogger("meshllm.http")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP = 4
-# OpenAI request fields not implemented here -> whether a value asks for nothing (else a 400)
-NO_OP = {
-    "presence_penalty": lambda v: v in (None, 0), "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: not v, "logprobs": lambda v: v in (None, False), "top_logprobs": lambda v: v in (None, 0),
-    "echo": lambda v: v in (None, False), "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
-    "tools": lambda v: not v, "functions": lambda v: not v, "tool_choice": lambda v: v in (None, "none"),
-    "function_call": lambda v: v in (None, "none"), "response_format": lambda v: v in (None, {"type": "text"}),
-}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> web.Response:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status)
-
-
-@dataclass(frozen=True)
-class Params:
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
-    spec_mode: str | None = None  # meshllm extension: override the cluster's speculation mode
-    gamma: int | None = None
-    decode_replica: int | None = None
-    adaptive: bool | None = None
-
-
-def _number(body: dict, key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
-    v = body.get(key, default)
-    if v is None:
-        v = default
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or not lo <= v <= hi:
-        kind = "an integer" if integer else "a number"
-        raise ApiError(400, f"'{key}' must be {kind} in [{lo:g}, {hi:g}], got {v!r}", key, "invalid_value")
-    return v
-
-
-def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", None, "invalid_body")
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise ApiError(400, "'model' is required and must be a string", "model", "invalid_value")
-    if model != gw.model_name:
-        raise ApiError(404, f"model {model!r} is not served here; this mesh serves {gw.model_name!r}", "model",
-                       "model_not_found")
-    if gw.model.tokenizer is None:  # a gateway without the model file, its header not fetched yet
-        raise ApiError(503, f"this gateway has no tokenizer yet: {gw.model.error}", None, "unavailable")
-    ids = _chat_ids(body, gw) if chat else _prompt_ids(body, gw)
-    if len(ids) >= gw.model.max_context:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context holds {gw.model.max_context}",
-                       "messages" if chat else "prompt", "context_length_exceeded")
-    for key, no_op in NO_OP.items():
-        if not no_op(body.get(key)):
-            raise ApiError(400, f"'{key}' is not supported by this server (got {body[key]!r:.80})", key,
-                           "unsupported_parameter")
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    if key == "max_completion_tokens" and body.get("max_tokens") not in (None, body[key]):
-        raise ApiError(400, "give max_tokens or max_completion_tokens, not both", key, "invalid_value")
-    max_tokens = _number(body, key, DEFAULT_MAX_TOKENS if not chat else gw.model.max_context, 1, 1 << 31,
-                         integer=True)
-    if body.get("n") not in (None, 1):
-        raise ApiError(400, "only n=1 is supported", "n", "invalid_value")
-    stop = body.get("stop")
-    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(x, str) and x for x in stop):
-        raise ApiError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP}", "stop",
-                       "invalid_value")
-    stream = False if body.get("stream") is None else body["stream"]  # null: the default, as for every field
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be true or false", "stream", "invalid_value")
-    opts = body.get("stream_options")
-    if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}
-                             or not isinstance(opts.get("include_usage", False), bool)):
-        raise ApiError(400, "'stream_options' is {include_usage: bool}, with stream: true", "stream_options",
-                       "invalid_value")
-    ext = body.get("meshllm") or {}
-    if not isinstance(ext, dict) or set(ext) - {"speculation", "gamma", "adaptive", "decode_replica"}:
-        raise ApiError(400, "'meshllm' takes speculation, gamma, adaptive and decode_replica", "meshllm",
-                       "invalid_value")
-    adaptive = ext.get("adaptive")
-    if adaptive is not None and not isinstance(adaptive, bool):
-        raise ApiError(400, "meshllm.adaptive must be true or false", "meshllm.adaptive", "invalid_value")
-    mode = ext.get("speculation")
-    if mode not in (None, "async", "sync", "off"):
-        raise ApiError(400, "meshllm.speculation must be async, sync or off", "meshllm.speculation", "invalid_value")
-    gamma = None if ext.get("gamma") is None else _number(ext, "gamma", 4, 1, 16, integer=True)
-    pin = None if ext.get("decode_replica") is None else _number(ext, "decode_replica", 0, 0, 1 << 20, integer=True)
-    return Params(ids, min(max_tokens, gw.model.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),
-                  _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
-                  _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
-                  bool((opts or {}).get("include_usage")), mode, gamma, pin, adaptive)
-
-
-def _prompt_ids(body: dict, gw: Gateway) -> list[int]:
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]
-    if isinstance(p, str):
-        ids = gw.model.tokenizer.encode(p)
-    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        if not all(0 <= x < gw.model.vocab for x in p):
-            raise ApiError(400, f"token ids must be in [0, {gw.model.vocab})", "prompt", "invalid_value")
-        ids = list(p)
-    else:
-        raise ApiError(400, "'prompt' must be a string, a list of one string, or a list of token ids", "prompt",
-                       "invalid_value")
-    if not ids:
-        raise ApiError(400, "the prompt encodes to zero tokens", "prompt", "invalid_value")
-    return ids
-
-
-def _chat_ids(body: dict, gw: Gateway) -> list[int]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise ApiError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
-    clean = []
-    for i, m in enumerate(msgs):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and content and all(
-                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                for part in content):
-            content = "".join(part["text"] for part in content)  # OpenAI's content parts, text only
-        role = {"developer": "system"}.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None
-        if role not in ("system", "user", "assistant") or not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}] must be {{role: system|developer|user|assistant, content: a string "
-                                "or a list of text parts}}", f"messages[{i}]", "invalid_value")
-        clean.append({"role": role, "content": content})
-    try:
-        return gw.model.tokenizer.encode(gw.model.tokenizer.render_chat(clean))
-    except ValueError as e:  # e.g. no chat template
-        raise ApiError(400, str(e), "messages", "invalid_value") from None
-
-
 class TextStream:
     """Incremental detokenization with stop strings: `push(tokens)` returns the text that is safe
     to show (never half a UTF-8 character, never a possible prefix of a stop string)."""
