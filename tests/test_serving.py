@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import time
-import urllib.request
 
 import pytest
 
@@ -220,26 +219,23 @@ def test_bad_input_is_a_4xx_and_the_mesh_keeps_serving(disagg, body, status, cod
 
 
 def test_openai_fields_at_their_no_op_values_max_completion_tokens_and_the_usage_chunk(disagg):
-    """What current OpenAI clients send: penalties at 0, logprobs false, max_completion_tokens
-    (chat's name for max_tokens: ignored, a chat ran to the end of the context), and
-    stream_options.include_usage (a last chunk with no choices and the usage)."""
-    code, out = disagg.post("/v1/chat/completions", {
-        "model": "smollm2-135m", "temperature": 0,
-        "messages": [{"role": "developer", "content": "Be brief."},  # OpenAI's newer role name and content parts
-                     {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}],
-        "max_completion_tokens": 5, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False,
-        "response_format": {"type": "text"}, "user": "tenant-1", "n": None, "stream": None, "stop": None})
-    assert code == 200 and out["usage"]["completion_tokens"] <= 5, out
-    req = urllib.request.Request(disagg.url + "/v1/completions", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"model": "smollm2-135m", "prompt": "The sky is", "max_tokens": 6,
-                                                  "temperature": 0, "stream": True,
-                                                  "stream_options": {"include_usage": True}}).encode())
-    with urllib.request.urlopen(req, timeout=120) as r:
-        events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
-    *tokens, last = events
-    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6, last
-    assert sum(len(e["choices"][0]["token_ids"]) for e in tokens) == 6
+    """What current OpenAI clients send, through the official client: max_completion_tokens
+    (chat's name for max_tokens: ignored, a chat ran to the end of the context), the developer
+    role and content parts, penalties at 0, nulls, and stream_options.include_usage (a last chunk
+    with no choices and the usage)."""
+    client = openai_client(disagg)
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}]
+    res = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0,
+                                         max_completion_tokens=5, presence_penalty=0, frequency_penalty=0.0,
+                                         response_format={"type": "text"}, user="tenant-1",
+                                         extra_body={"n": None, "stop": None, "logprobs": False})
+    assert res.usage.completion_tokens <= 5, res
+    chunks = list(client.completions.create(model="smollm2-135m", prompt="The sky is", max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    *tokens, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 6, last
+    assert sum(len(c.choices[0].model_extra["token_ids"]) for c in tokens) == 6
 
 
 def test_aiohttp_s_own_errors_are_the_api_s_json_errors(disagg):
