@@ -21,8 +21,8 @@ NO_OP = {
     "presence_penalty": lambda v: v in (None, 0), "frequency_penalty": lambda v: v in (None, 0),
     "logit_bias": lambda v: not v, "logprobs": lambda v: v in (None, False), "top_logprobs": lambda v: v in (None, 0),
     "echo": lambda v: v in (None, False), "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
-    "tools": lambda v: not v, "functions": lambda v: not v, "tool_choice": lambda v: v in (None, "none"),
-    "function_call": lambda v: v in (None, "none"), "response_format": lambda v: v in (None, {"type": "text"}),
+    "tools": lambda v: not v, "functions": lambda v: not v, "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"), "response_format": lambda v: v in (None, {"type": "text"}),
 }
 
 
