@@ -85,11 +85,12 @@ def test_bad_fault_arguments_exit_2_before_anything_starts():
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
 
 
-def test_a_dead_gateway_s_sequences_are_released_and_another_gateway_serves(tmp_path, smollm2, smollm2_tokenizer):
-    """Two gateways (`roles: [gateway]` on two nodes); the first, a node with no stage, is killed
-    while a long request streams through it. The replica is unchanged by the re-plan, so it kept
-    decoding that sequence, for nobody, up to max_tokens; now it releases it, and the second
-    gateway serves the reference's tokens."""
+def test_gateways_a_stopped_one_drains_a_killed_one_s_sequences_are_released(tmp_path, smollm2, smollm2_tokenizer):
+    """Three gateways, two on nodes with no stage. gw-b is stopped (SIGTERM) while a request
+    streams through it: it takes no new request, lets that one finish (it was cut after 5 s),
+    then leaves. gw-a is killed (SIGKILL) while a long request streams through it: the replica,
+    unchanged by the re-plan, kept decoding that sequence for nobody up to max_tokens; now it
+    releases it. The stage node's gateway then serves the reference's tokens."""
     import os
     import re
     import signal
@@ -97,21 +98,41 @@ def test_a_dead_gateway_s_sequences_are_released_and_another_gateway_serves(tmp_
 
     from tests.serving_util import Served, small_device, streaming, write_cluster
 
-    dev = small_device("slow-nuc", 8.0, gbps=5.0)  # ~0.1 s a token: the long request outlasts the check
-    path = write_cluster(tmp_path / "two-gw.yaml", [
+    dev = small_device("slow-nuc", 8.0, gbps=5.0)  # ~0.1 s a token: the long requests outlast the checks
+    path = write_cluster(tmp_path / "three-gw.yaml", [
         {"id": "gw-a", "device": dev, "zone": "fog", "roles": ["gateway"]},
+        {"id": "gw-b", "device": dev, "zone": "fog", "roles": ["gateway"]},
         {"id": "s1", "device": dev, "zone": "fog", "roles": ["prefill", "decode", "gateway"]}])
     served = Served(path, tmp_path / "serve.log")
+    count = {"model": "smollm2-135m", "prompt": "Count from one to two hundred: 1, 2, 3, 4,", "temperature": 0,
+             "stream": True}
     try:
         log = served.log.read_text()
-        other = re.search(r"meshllm: another gateway on (http://\S+)", log).group(1)
+        gw_b, gw_s1 = re.findall(r"meshllm: another gateway on (http://\S+)", log)
         workdir = re.search(r"logs in (\S+)\)", log).group(1)
-        with streaming(served.url, {"model": "smollm2-135m", "prompt": "Count from one to two hundred: 1, 2, 3, 4,",
-                                    "max_tokens": 1000, "temperature": 0, "stream": True}):
-            pid = int(subprocess.run(["pgrep", "-f", f"{workdir}/gw-a.yaml"], capture_output=True,
-                                     text=True).stdout.split()[0])
-            os.killpg(pid, signal.SIGKILL)
-        served.url = other
+
+        def pid(node: str) -> int:
+            return int(subprocess.run(["pgrep", "-f", f"{workdir}/{node}.yaml"], capture_output=True,
+                                      text=True).stdout.split()[0])
+
+        with streaming(gw_b, {**count, "max_tokens": 120}) as sock:
+            b = pid("gw-b")
+            os.kill(b, signal.SIGTERM)
+            raw = b""
+            while b"data: [DONE]" not in raw and (chunk := sock.recv(65536)):
+                raw += chunk
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+        assert events and events[-1]["choices"][0]["finish_reason"] == "length", raw[-500:]
+        ids = [t for e in events for t in e["choices"][0]["token_ids"]]
+        assert len(ids) > 100, f"the stream was cut at {len(ids)} tokens"  # a few came before the `with` body
+        deadline = time.monotonic() + 30
+        while subprocess.run(["kill", "-0", str(b)], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "the stopped gateway did not leave"
+            time.sleep(0.2)
+
+        with streaming(served.url, {**count, "max_tokens": 1000}):
+            os.killpg(pid("gw-a"), signal.SIGKILL)
+        served.url = gw_s1
         deadline, busy = time.monotonic() + 20, None
         while time.monotonic() < deadline:  # failure detection (2.5 s), the re-plan, then the release
             nodes = json.loads(served.get("/v1/mesh")[1])["nodes"]

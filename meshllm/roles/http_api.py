@@ -36,6 +36,7 @@ import uuid
 
 from aiohttp import web
 
+from meshllm.defaults import GATEWAY_DRAIN_S
 from meshllm.roles.api_params import ApiError, Params, parse_params
 from meshllm.roles.gateway import Gateway, RequestError, Stream
 
@@ -312,7 +313,8 @@ class ApiServer:
         asyncio.set_event_loop(self.loop)
         host, _, port = self.listen.rpartition(":")
         try:
-            self._runner = web.AppRunner(build_app(self.gw, self.token), handler_cancellation=True, access_log=None)
+            self._runner = web.AppRunner(build_app(self.gw, self.token), handler_cancellation=True, access_log=None,
+                                         shutdown_timeout=GATEWAY_DRAIN_S)
             self.loop.run_until_complete(self._runner.setup())
             self.loop.run_until_complete(web.TCPSite(self._runner, host.strip("[]"), int(port)).start())
         except OSError as e:
@@ -323,10 +325,16 @@ class ApiServer:
         self.loop.run_forever()
 
     def close(self) -> None:
+        """Stop listening, let the requests in flight finish (up to GATEWAY_DRAIN_S: aiohttp's
+        graceful shutdown), then stop. New connections are refused meanwhile (a client goes to
+        another gateway)."""
         if self._runner is not None and self.loop.is_running():
+            if self.gw.in_flight():
+                log.info("gateway: draining %d request(s) in flight (up to %g s)", self.gw.in_flight(),
+                         GATEWAY_DRAIN_S)
             fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop)
             try:
-                fut.result(timeout=5)
+                fut.result(timeout=GATEWAY_DRAIN_S + 5)
             except Exception as e:  # shutting down: report, never hang
                 log.warning("gateway: HTTP shutdown: %s", e)
             self.loop.call_soon_threadsafe(self.loop.stop)
