@@ -49,6 +49,9 @@ FAILURE_TIMEOUT_S = 2.5  # a peer silent this long is dead (<= 3 s by default)
 # A gateway node told to stop (SIGINT / SIGTERM) takes no new request and lets those in flight
 # finish for up to this long, its node still in the mesh meanwhile; then it leaves.
 GATEWAY_DRAIN_S = 30.0
+# Requests a gateway takes at once (node file `gateway: {max_concurrent: N}`); beyond, a 429 with
+# Retry-After (as TGI's --max-concurrent-requests): an overload is refused, not queued without end.
+GATEWAY_MAX_CONCURRENT = 1024
 
 # A node's compute thread may poll its queue this long after each piece of work before it sleeps
 # (node file `busy_poll_ms`; 0 = never): a pipeline stage between two micro-batches then picks the

@@ -1,6 +1,6 @@
 """A real deployment on loopback: nodes started one by one with `--node-config` (seeds), one of
-them running the gateway (`gateway: {listen: ...}`); the coordinator plans after membership
-settles. Then a node is killed mid-generation: the mesh re-plans, the requests in flight finish
+them running the gateway (`gateway: {listen: ..., max_concurrent: 2}`: a third request at once is
+a 429); the coordinator plans after membership settles. Then a node is killed mid-generation: the mesh re-plans, the requests in flight finish
 (resumed where needed) with the reference's tokens, and the next one is served."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
     gw = f"127.0.0.1:{free_port_pair()}"
     procs = {}
     try:
-        procs["n1"], seed = start(tmp_path, "n1", [], gateway={"listen": gw})
+        procs["n1"], seed = start(tmp_path, "n1", [], gateway={"listen": gw, "max_concurrent": 2})
         procs["n2"], _ = start(tmp_path, "n2", [seed])
         procs["n3"], _ = start(tmp_path, "n3", [seed])
         log = tmp_path / "n1.log"
@@ -91,6 +91,8 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
         with cf.ThreadPoolExecutor(2) as pool:
             futs = [pool.submit(complete, url, long_body, 300) for _ in range(2)]
             time.sleep(2)
+            code, res = complete(url, body)  # a third beside them: over the gateway's max_concurrent
+            assert code == 429 and res["error"]["code"] == "overloaded", res
             os.killpg(procs["n3"].pid, signal.SIGKILL)
             results = [f.result(timeout=300) for f in futs]
         want = reference(smollm2, smollm2_tokenizer, long_prompt, n_long)
