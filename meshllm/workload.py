@@ -11,7 +11,8 @@ stream cut before its end) is sent again, whole, to the next one: a gateway hold
 progress, so the output starts over there (greedy and seeded sampling give the same tokens),
 and the pause, from the last token before until the next gateway passes the point the request
 had reached, counts as a recovery gap. With one gateway such a request fails (a cut stream is
-never taken for a whole one).
+never taken for a whole one). A 429 (the gateway at its `max_concurrent`) is no failure: the
+request waits as its Retry-After says and goes again, within its timeout.
 
 The report of a run is here too: each node's figures (memory, layers, KV traffic), the KV
 shipped per prefilled token, and the readable text `--cluster` prints without `--json`.
@@ -109,6 +110,8 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
     out.sent = out.sent or time.monotonic()
     last = None
     async with session.post(url + path, json=body) as resp:
+        if resp.status == 429:  # the gateway is at its max_concurrent: wait as it says, then again
+            raise Overloaded(float(resp.headers.get("Retry-After", "1") or 1))
         if resp.status != 200:
             out.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
             return
@@ -150,6 +153,14 @@ class GatewayGone(Exception):
     """The gateway stopped answering mid-request: the request goes to another gateway."""
 
 
+class Overloaded(Exception):
+    """A 429: the gateway takes no more requests at once for now (`retry_after` seconds)."""
+
+    def __init__(self, retry_after: float):
+        super().__init__(f"overloaded; retry after {retry_after:g} s")
+        self.retry_after = retry_after
+
+
 async def _run(urls: list[str], model: str, jobs: list[Job], rate: float, seed: int, progress: bool,
                on_start=None, headers: dict[str, str] | None = None) -> list[Outcome]:
     import aiohttp
@@ -168,11 +179,18 @@ async def _run(urls: list[str], model: str, jobs: list[Job], rate: float, seed: 
         await asyncio.sleep(max(0.0, t0 + at[i] - time.monotonic()))
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
         tries = FAILOVER_ROUNDS * len(urls) if len(urls) > 1 else 1
-        for k in range(tries):
+        k = 0
+        while k < tries:
             try:
                 await asyncio.wait_for(_one(session, urls[k % len(urls)], model, jobs[i], outs[i]),
                                        max(0.0, deadline - time.monotonic()))
                 break
+            except Overloaded as e:  # not a failure: the same gateway, once it has room (the deadline bounds it)
+                if time.monotonic() + e.retry_after >= deadline:
+                    outs[i].error = f"Overloaded: {e}"
+                    break
+                await asyncio.sleep(e.retry_after)
+                continue
             except gone as e:
                 if k == tries - 1:
                     outs[i].error = f"{type(e).__name__}: {e}"
@@ -180,6 +198,7 @@ async def _run(urls: list[str], model: str, jobs: list[Job], rate: float, seed: 
                     log.warning("request %d: gateway %s went away (%s); sending it to %s", i, urls[k % len(urls)],
                                 type(e).__name__, urls[(k + 1) % len(urls)])
                     outs[i].restart()
+                k += 1
             except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
                 outs[i].error = f"{type(e).__name__}: {e}"
                 break

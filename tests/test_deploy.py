@@ -106,6 +106,13 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
         code, res = complete(url, body)
         assert code == 200 and same_up_to_tie(res["choices"][0]["token_ids"],
                                               reference(smollm2, smollm2_tokenizer, body["prompt"], 10))[0]
+        # four at once through the workload client (`--cluster`'s): the two over the limit wait as the
+        # 429's Retry-After says and go again; none fails
+        from meshllm.workload import Job, run_jobs
+
+        outs = run_jobs(url, "smollm2-135m", [Job(body["prompt"], 10)] * 4, progress=False)
+        assert [o.error for o in outs] == [None] * 4
+        assert all(o.token_ids == res["choices"][0]["token_ids"] for o in outs)
     finally:
         stop_processes(procs.values())
     assert procs["n1"].returncode == 0 and procs["n2"].returncode == 0
