@@ -113,6 +113,9 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
         outs = run_jobs(url, "smollm2-135m", [Job(body["prompt"], 10)] * 4, progress=False)
         assert [o.error for o in outs] == [None] * 4
         assert all(o.token_ids == res["choices"][0]["token_ids"] for o in outs)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            rejected = re.search(r'meshllm_requests_total\{status="rejected"\} (\d+)', r.read().decode())
+        assert rejected and int(rejected.group(1)) >= 1, "the 429s are counted"
     finally:
         stop_processes(procs.values())
     assert procs["n1"].returncode == 0 and procs["n2"].returncode == 0

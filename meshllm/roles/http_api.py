@@ -94,6 +94,7 @@ async def _generate(request: web.Request, gw: Gateway, chat: bool) -> web.Stream
                                  "(gateway.max_concurrent); retry later, or at another gateway", None,
                             "overloaded").response()
             resp.headers["Retry-After"] = "1"
+            gw.metrics.requests.labels(status="rejected").inc()  # meshllm_requests_total{status="rejected"}
             return resp
         s = await gw.submit(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
                             spec_mode=p.spec_mode, gamma=p.gamma, decode_replica=p.decode_replica,
