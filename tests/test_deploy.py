@@ -75,6 +75,12 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
             time.sleep(0.2)
         url = f"http://{gw}"
         wait_healthy(url)
+        from tests.conftest import run_cli
+
+        r = run_cli("--status", seed, "--json", timeout=60)  # the gateway is one of the node's roles
+        st = json.loads(r.stdout)
+        assert "gateway" in st["roles"] and st["load"]["gateway"] == {"listen": gw, "in_flight": 0,
+                                                                     "max_concurrent": 2}, st
         body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0}
         code, res = complete(url, body)
         assert code == 200, res

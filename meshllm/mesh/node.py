@@ -63,7 +63,7 @@ class Node:
         if keys is not None:
             self.transport.every(AUTH_RELOAD_S, self._reload_keys)
         self.host = RoleHost(self.transport, cfg, self.members)
-        self.mesh = MeshAgent(self.transport, self.members, self.me, self.host.figures.status)
+        self.mesh = MeshAgent(self.transport, self.members, self.me, self._serving)
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
         self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None
         self.coordinator = Coordinator(self.transport, self.members, self.me, cfg, lambda: self.host.max_seen,
@@ -110,6 +110,16 @@ class Node:
         if self.mdns is not None:
             self.mdns.close()
         self.stopped.set()
+
+    def _serving(self) -> dict[str, Any]:
+        """What heartbeats and `--status` say of this node's roles and load: its part in the plan,
+        and its gateway if it runs one (the API's address, requests in flight, its limit)."""
+        st = self.host.figures.status()
+        if getattr(self, "gateway", None) is None:  # none, or not built yet
+            return st
+        gw = {"listen": self.cfg.gateway, "in_flight": self.gateway.in_flight(),
+              "max_concurrent": self.cfg.max_concurrent}
+        return {**st, "roles": [*st["roles"], "gateway"], "load": {**st["load"], "gateway": gw}}
 
     def _pin_seeds(self) -> None:
         for address, seed_id in self.cfg.seed_ids:  # CURVE: a seed's key is its id's in the authorized keys
