@@ -63,6 +63,7 @@ class Node:
         if keys is not None:
             self.transport.every(AUTH_RELOAD_S, self._reload_keys)
         self.host = RoleHost(self.transport, cfg, self.members)
+        self.gateway = self.api = None  # built below, after the mesh agent, if the node file has `gateway:`
         self.mesh = MeshAgent(self.transport, self.members, self.me, self._serving)
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
         self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None
@@ -71,7 +72,6 @@ class Node:
         self.host.coordinator_of = self.coordinator.current
         if cfg.fault_injection:  # emulation only: the emulator cuts links between zones on request
             self.transport.on(MsgType.FAULT, self._on_fault)
-        self.gateway = self.api = None
         if cfg.gateway:
             from meshllm.roles.gateway import Gateway  # lazy: aiohttp, the tokenizer
             from meshllm.roles.http_api import ApiServer
@@ -115,7 +115,7 @@ class Node:
         """What heartbeats and `--status` say of this node's roles and load: its part in the plan,
         and its gateway if it runs one (the API's address, requests in flight, its limit)."""
         st = self.host.figures.status()
-        if getattr(self, "gateway", None) is None:  # none, or not built yet
+        if self.gateway is None:
             return st
         gw = {"listen": self.cfg.gateway, "in_flight": self.gateway.in_flight(),
               "max_concurrent": self.cfg.max_concurrent}

@@ -89,8 +89,8 @@ async def _generate(request: web.Request, gw: Gateway, chat: bool) -> web.Stream
         return ApiError(400, "the request body is not valid JSON", None, "invalid_json").response()
     try:
         p = parse_params(body, gw, chat)
-        if gw.in_flight() >= gw.cfg.max_concurrent:  # no await before submit registers it: no race
-            resp = ApiError(429, f"this gateway has {gw.in_flight()} requests in flight, its limit "
+        if (n := gw.in_flight()) >= gw.cfg.max_concurrent:  # no await before submit registers it: no race
+            resp = ApiError(429, f"this gateway has {n} requests in flight, its limit "
                                  "(gateway.max_concurrent); retry later, or at another gateway", None,
                             "overloaded").response()
             resp.headers["Retry-After"] = "1"
