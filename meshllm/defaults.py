@@ -47,8 +47,10 @@ DEFAULT_WEIGHT_DTYPE = "fp16"
 HEARTBEAT_INTERVAL_S = 0.5
 FAILURE_TIMEOUT_S = 2.5  # a peer silent this long is dead (<= 3 s by default)
 # A gateway node told to stop (SIGINT / SIGTERM) takes no new request and lets those in flight
-# finish for up to this long, its node still in the mesh meanwhile; then it leaves.
+# finish for up to this long (node file `gateway: {drain_s: S}`), its node still in the mesh
+# meanwhile; then it ends those left (an error event: code "shutting_down") and leaves.
 GATEWAY_DRAIN_S = 30.0
+MAX_DRAIN_S = 3600.0
 # Requests a gateway takes at once (node file `gateway: {max_concurrent: N}`); beyond, a 429 with
 # Retry-After (as TGI's --max-concurrent-requests): an overload is refused, not queued without end.
 GATEWAY_MAX_CONCURRENT = 1024

@@ -36,9 +36,11 @@ from meshllm.defaults import (
     DEFAULT_MODEL,
     DEFAULT_WEIGHT_DTYPE,
     FAILURE_TIMEOUT_S,
+    GATEWAY_DRAIN_S,
     GATEWAY_MAX_CONCURRENT,
     HEARTBEAT_INTERVAL_S,
     MAX_BUSY_POLL_MS,
+    MAX_DRAIN_S,
     WEIGHT_DTYPES,
     Role,
 )
@@ -72,6 +74,7 @@ class NodeConfig:
     gateway: str | None = None  # HOST:PORT of this node's OpenAI-compatible HTTP API, if it runs one
     api_token: str | None = field(default=None, repr=False)  # bearer token that API requires, if any
     max_concurrent: int = GATEWAY_MAX_CONCURRENT  # requests that API takes at once (then 429)
+    drain_s: float = GATEWAY_DRAIN_S  # stopped, the API lets its requests finish this long, then ends them
     fetch_weights: bool = True  # without the model file: fetch this node's layer range from a peer that has it
     weights_cache: str | None = None  # where fetched tensors are kept (default $MESHLLM_WEIGHTS_CACHE or ~/.cache)
     # what the coordinator plans for (the cluster file's settings; see the README's node file schema)
@@ -155,13 +158,16 @@ def _weights_keys(d: dict, src: str) -> dict[str, Any]:
 
 
 def _gateway(v: Any, src: str) -> dict[str, Any]:
-    """gateway: {listen: HOST:PORT, api_token: FILE, max_concurrent: N} -> the gateway, api_token
-    and max_concurrent fields."""
+    """gateway: {listen: HOST:PORT, api_token: FILE, max_concurrent: N, drain_s: S} -> the gateway,
+    api_token, max_concurrent and drain_s fields."""
     if v is None:
         return {"gateway": None, "api_token": None}
-    _check_keys(v, {"listen", "api_token", "max_concurrent"}, {"listen"}, src, "gateway.")
+    _check_keys(v, {"listen", "api_token", "max_concurrent", "drain_s"}, {"listen"}, src, "gateway.")
     limit = int(_num(v.get("max_concurrent", GATEWAY_MAX_CONCURRENT), src, "gateway.max_concurrent", lo=1,
                      integer=True))
+    drain = float(_num(v.get("drain_s", GATEWAY_DRAIN_S), src, "gateway.drain_s"))
+    if drain > MAX_DRAIN_S:  # also .inf: a stop must end
+        raise ConfigError(src, "gateway.drain_s", f"must be at most {MAX_DRAIN_S:g} s, got {drain:g}")
     split_hostport(v["listen"], src, "gateway.listen")
     path, token = v.get("api_token"), None
     if path is not None:
@@ -172,7 +178,7 @@ def _gateway(v: Any, src: str) -> dict[str, Any]:
         if len(token) < 16 or any(c.isspace() for c in token):
             raise ConfigError(src, "gateway.api_token", f"{path}: the token must be one word of at least 16 "
                                                         "characters")
-    return {"gateway": v["listen"], "api_token": token, "max_concurrent": limit}
+    return {"gateway": v["listen"], "api_token": token, "max_concurrent": limit, "drain_s": drain}
 
 
 def _node_security(d: dict, src: str) -> dict[str, Any]:

@@ -6,9 +6,10 @@ bounded by the number of requests; every request has a timeout. The metrics foll
 bench serve`: TTFT from send to the first token; ITL the gaps between successive tokens
 (tokens that arrive together have a gap of 0); output tokens/s over the whole run.
 
-Given several gateways, a request whose gateway goes away (connection refused, reset, or a
-stream cut before its end) is sent again, whole, to the next one: a gateway holds its requests'
-progress, so the output starts over there (greedy and seeded sampling give the same tokens),
+Given several gateways, a request whose gateway goes away (connection refused, reset, a
+stream cut before its end, or ended by a stopping gateway's "shutting_down" error) is sent
+again, whole, to the next one: a gateway holds its requests' progress, so the output starts
+over there (greedy and seeded sampling give the same tokens),
 and the pause, from the last token before until the next gateway passes the point the request
 had reached, counts as a recovery gap. With one gateway such a request fails (a cut stream is
 never taken for a whole one). A 429 (the gateway at its `max_concurrent`) is no failure: the
@@ -121,6 +122,8 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
                 continue
             ev = json.loads(line[6:])
             if "error" in ev:
+                if ev["error"].get("code") == "shutting_down":  # its drain is over: another gateway can
+                    raise GatewayGone(ev["error"].get("message", "the gateway is shutting down"))
                 out.error = ev["error"].get("message", "error")
                 return
             now = time.monotonic()

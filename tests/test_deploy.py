@@ -1,7 +1,8 @@
 """A real deployment on loopback: nodes started one by one with `--node-config` (seeds), one of
 them running the gateway (`gateway: {listen: ..., max_concurrent: 2}`: a third request at once is
 a 429); the coordinator plans after membership settles. Then a node is killed mid-generation: the mesh re-plans, the requests in flight finish
-(resumed where needed) with the reference's tokens, and the next one is served."""
+(resumed where needed) with the reference's tokens, and the next one is served. Last, the gateway
+node is stopped mid-stream (`drain_s: 1`): the stream ends with a "shutting_down" error."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
     gw = f"127.0.0.1:{free_port_pair()}"
     procs = {}
     try:
-        procs["n1"], seed = start(tmp_path, "n1", [], gateway={"listen": gw, "max_concurrent": 2})
+        procs["n1"], seed = start(tmp_path, "n1", [], gateway={"listen": gw, "max_concurrent": 2,
+                                                                            "drain_s": 1})
         procs["n2"], _ = start(tmp_path, "n2", [seed])
         procs["n3"], _ = start(tmp_path, "n3", [seed])
         log = tmp_path / "n1.log"
@@ -122,6 +124,22 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             rejected = re.search(r'meshllm_requests_total\{status="rejected"\} (\d+)', r.read().decode())
         assert rejected and int(rejected.group(1)) >= 1, "the 429s are counted"
+
+        # stopped mid-stream, the gateway drains for its drain_s (1 s), then ends what is left with a
+        # "shutting_down" error event and [DONE] (the client can go to another gateway), no cut stream
+        from tests.serving_util import streaming
+
+        with streaming(url, {**body, "prompt": long_prompt, "max_tokens": 2000, "stream": True}) as sock:
+            t0 = time.monotonic()
+            procs["n1"].send_signal(signal.SIGTERM)
+            raw = b""
+            while b"data: [DONE]" not in raw and (chunk := sock.recv(65536)):
+                raw += chunk
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+        assert events and events[-1].get("error", {}).get("code") == "shutting_down", raw[-500:]
+        assert b"data: [DONE]" in raw and time.monotonic() - t0 < 20, "ended at the drain's deadline"
+        assert procs["n1"].wait(timeout=30) == 0
+        assert "still in flight after the 1 s drain; ending them" in log.read_text()
     finally:
         stop_processes(procs.values())
     assert procs["n1"].returncode == 0 and procs["n2"].returncode == 0

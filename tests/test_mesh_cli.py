@@ -225,6 +225,15 @@ def test_status_of_nothing_is_a_runtime_error() -> None:
     assert r.returncode == 1 and "no status reply" in r.stderr
 
 
+def test_the_status_table_writes_a_stage_s_layers_half_open() -> None:
+    """The plan's ranges are half-open; the table wrote `layers [0, 30]` for the 30 layers 0..29."""
+    from meshllm.mesh.node import format_status
+
+    st = {"node": "a", "plan_version": 3, "roles": ["mixed", "gateway"], "peers": [],
+          "load": {"stage": {"replica": 1, "index": 0, "layers": [0, 30]}}}
+    assert format_status(st).splitlines()[0] == "node a  plan v3  roles mixed,gateway  replica 1 stage 0 layers [0, 30)"
+
+
 def test_a_timeout_that_is_no_wait_or_has_nothing_to_wait_for_exits_2() -> None:
     """--timeout -1 was taken as a wait (no reply "within -1 s": a runtime error, exit 1) and
     --plan ignored it; both are bad input."""

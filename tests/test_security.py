@@ -427,6 +427,8 @@ def test_key_files_and_node_file_keys_are_checked(ring: Keyring, tmp_path: Path)
                        ({"seeds": ["x@127.0.0.1:7800"]}, "seeds"), ({"node_key": None}, "node_key"),
                        ({"rate_limit": {"messages_per_s": 0}}, "rate_limit"),
                        ({"gateway": {"listen": "127.0.0.1:8000", "max_concurrent": 0}}, "gateway.max_concurrent"),
+                       ({"gateway": {"listen": "127.0.0.1:8000", "drain_s": -1}}, "gateway.drain_s"),
+                       ({"gateway": {"listen": "127.0.0.1:8000", "drain_s": float("inf")}}, "gateway.drain_s"),
                        ({"gateway": {"listen": "127.0.0.1:8000", "api_token": str(short)}}, "gateway.api_token")]:
         p.write_text(yaml.safe_dump({k: v for k, v in {**base, **bad}.items() if v is not None}))
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

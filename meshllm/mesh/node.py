@@ -79,7 +79,7 @@ class Node:
             self.gateway = Gateway(self.transport, self.members, self.me, cfg)
             self.gateway.local_load = self.mesh.load
             self.host.listeners.append(self.gateway.on_plan)
-            self.api = ApiServer(self.gateway, cfg.gateway, cfg.api_token)
+            self.api = ApiServer(self.gateway, cfg.gateway, cfg.api_token, cfg.drain_s)
 
     def start(self) -> Node:
         preload_compute(self.cfg)  # before the I/O thread heartbeats: importing torch stalls it
@@ -231,7 +231,10 @@ def send_control(target: str, msg, timeout_s: float = 3.0, keys: NodeKeys | None
 def format_status(st: dict[str, Any]) -> str:
     """A human-readable table of a `--status` reply."""
     stage = st.get("load", {}).get("stage")
-    where = f"  replica {stage['replica']} stage {stage['index']} layers {stage['layers']}" if stage else ""
+    where = ""
+    if stage:  # layer ranges are half-open, as the plan's
+        start, end = stage["layers"]
+        where = f"  replica {stage['replica']} stage {stage['index']} layers [{start}, {end})"
     lines = [f"node {st['node']}  plan v{st['plan_version']}  roles {','.join(st['roles']) or '-'}{where}",
              f"{'PEER':<16}{'STATE':<9}{'ADDRESS':<22}{'ZONE':<10}DEVICE"]
     for p in st["peers"]:

@@ -54,7 +54,12 @@ ROUTERS_KEPT = 64  # routers (one per set of ready replicas) a RouterView keeps 
 
 
 class RequestError(Exception):
-    """A request the mesh cannot serve now (no replica ready, mesh re-planned, stalled)."""
+    """A request the mesh cannot serve now (no replica ready, mesh re-planned, stalled); `code`:
+    the API error's code ("shutting_down": this gateway is stopping, another one can take it)."""
+
+    def __init__(self, message: str, code: str = "unavailable"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -207,6 +212,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.local_load = lambda: {}  # this node's own load (the Node wires its RoleHost in)
         self._streams: dict[int, Stream] = {}
+        self.closing: str | None = None  # why every request left ends now (the drain's deadline: `shut`)
         self._lock = threading.Lock()
         self._seq_prefix = random.SystemRandom().getrandbits(30) << 32
         self._seq_counter = itertools.count(1)
@@ -325,6 +331,9 @@ class Gateway:
         t0 = time.monotonic()
         deadline = t0 + RESUME_WAIT_S * self.time_scale
         while True:
+            if self.closing:
+                self.metrics.finished("error")
+                raise RequestError(self.closing, "shutting_down")
             try:
                 await self._dispatch(s)
                 log.info("request resumed as seq %d on replicas %d -> %d after %.2f s", s.seq, s.prefill_rid,
@@ -359,6 +368,8 @@ class Gateway:
                 await self._resume(s, f"no token for {self.stall_s:g} s")
                 continue
             toks, finished, reason, error = item
+            if error and self.closing:
+                raise RequestError(self.closing, "shutting_down")
             if error:
                 await self._resume(s, error)
                 continue
@@ -436,6 +447,15 @@ class Gateway:
     def in_flight(self) -> int:
         with self._lock:
             return len(self._streams)
+
+    def shut(self, why: str) -> None:
+        """End every request in flight now (a stopping gateway's drain is over): each one's reader
+        gets a RequestError with code "shutting_down", and its sequence is released where it runs."""
+        self.closing = why
+        with self._lock:
+            streams = list(self._streams.values())
+        for s in streams:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", why))
 
     def close(self) -> None:
         self.model.close()

@@ -312,4 +312,5 @@ def describe(ctx: PlanContext, me: str) -> str:
     if mine is None:
         return "drafter" if me in ctx.plan.drafters else "no stage"
     r, i = mine
-    return f"{r.role} replica {r.id}, stage {i + 1}/{len(r.stages)}, layers {list(r.stages[i].layers)}"
+    start, end = r.stages[i].layers
+    return f"{r.role} replica {r.id}, stage {i + 1}/{len(r.stages)}, layers [{start}, {end})"

@@ -102,7 +102,7 @@ async def _generate(request: web.Request, gw: Gateway, chat: bool) -> web.Stream
     except ApiError as e:
         return e.response()
     except RequestError as e:
-        return ApiError(503, str(e), None, "unavailable").response()
+        return ApiError(503, str(e), None, e.code).response()
     kind, rid = ("chat", f"chatcmpl-{uuid.uuid4().hex}") if chat else ("text", f"cmpl-{uuid.uuid4().hex}")
     run = Run(gw, s, p, kind, rid)
     return await (run.stream(request) if p.stream else run.whole())
@@ -162,7 +162,7 @@ class Run:
                 finish = f or finish
             status = "ok"
         except RequestError as e:
-            return ApiError(503, str(e), None, "unavailable").response()
+            return ApiError(503, str(e), None, e.code).response()
         finally:
             self._end(status)
         text = "".join(parts)
@@ -198,7 +198,7 @@ class Run:
             status = "ok"
         except RequestError as e:
             status = "error"
-            await resp.write(_sse({"error": {"message": str(e), "type": "server_error", "code": "unavailable"}}))
+            await resp.write(_sse({"error": {"message": str(e), "type": "server_error", "code": e.code}}))
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("request %s: the client went away; releasing its sequence", self.rid)
             raise
@@ -303,8 +303,8 @@ def build_app(gw: Gateway, token: str | None = None) -> web.Application:
 class ApiServer:
     """Runs the app on HOST:PORT in a daemon thread with its own event loop."""
 
-    def __init__(self, gw: Gateway, listen: str, token: str | None = None):
-        self.gw, self.listen, self.token = gw, listen, token
+    def __init__(self, gw: Gateway, listen: str, token: str | None = None, drain_s: float = GATEWAY_DRAIN_S):
+        self.gw, self.listen, self.token, self.drain_s = gw, listen, token, drain_s
         self.loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._started = threading.Event()
@@ -321,7 +321,7 @@ class ApiServer:
         host, _, port = self.listen.rpartition(":")
         try:
             self._runner = web.AppRunner(build_app(self.gw, self.token), handler_cancellation=True, access_log=None,
-                                         shutdown_timeout=GATEWAY_DRAIN_S)
+                                         shutdown_timeout=self.drain_s + 5)  # our deadline comes first
             self.loop.run_until_complete(self._runner.setup())
             self.loop.run_until_complete(web.TCPSite(self._runner, host.strip("[]"), int(port)).start())
         except OSError as e:
@@ -332,17 +332,33 @@ class ApiServer:
         self.loop.run_forever()
 
     def close(self) -> None:
-        """Stop listening, let the requests in flight finish (up to GATEWAY_DRAIN_S: aiohttp's
-        graceful shutdown), then stop. New connections are refused meanwhile (a client goes to
+        """Stop listening, let the requests in flight finish (up to the node file's
+        gateway.drain_s), end those left with a "shutting_down" error (their sequences released
+        where they run), then stop. New connections are refused meanwhile (a client goes to
         another gateway)."""
         if self._runner is not None and self.loop.is_running():
+            drain = self.drain_s
             if self.gw.in_flight():
-                log.info("gateway: draining %d request(s) in flight (up to %g s)", self.gw.in_flight(),
-                         GATEWAY_DRAIN_S)
-            fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop)
+                log.info("gateway: draining %d request(s) in flight (up to %g s)", self.gw.in_flight(), drain)
+            fut = asyncio.run_coroutine_threadsafe(self._drain(drain), self.loop)
             try:
-                fut.result(timeout=GATEWAY_DRAIN_S + 5)
+                fut.result(timeout=drain + 10)
             except Exception as e:  # shutting down: report, never hang
-                log.warning("gateway: HTTP shutdown: %s", e)
+                log.warning("gateway: HTTP shutdown: %s %s", type(e).__name__, e)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+
+    async def _drain(self, drain_s: float) -> None:
+        """aiohttp's graceful shutdown (stop listening, wait for the handlers), with the drain's
+        deadline: then the requests still in flight end with an error, not a cut connection."""
+        deadline = self.loop.call_later(drain_s, self._end_in_flight, drain_s)
+        try:
+            await self._runner.cleanup()
+        finally:
+            deadline.cancel()
+
+    def _end_in_flight(self, drain_s: float) -> None:
+        if n := self.gw.in_flight():
+            log.warning("gateway: %d request(s) still in flight after the %g s drain; ending them", n, drain_s)
+            self.gw.shut(f"this gateway is shutting down (its {drain_s:g} s drain is over); send the request "
+                         "again, to another gateway")
