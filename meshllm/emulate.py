@@ -10,7 +10,9 @@ gateway serves, and tears everything down.
 No orphans: each node runs in its own process group (killed as a group: SIGTERM,
 then SIGKILL after TEARDOWN_GRACE_S), teardown runs from `finally`, atexit and a
 SIGTERM handler, and on Linux each child also gets PR_SET_PDEATHSIG so it dies
-with the emulator even if the emulator is killed with -9.
+with the emulator even if the emulator is killed with -9. Nothing in flight is cut by a
+plain stop: a gateway with requests in flight is stopped first and drains them while the
+rest of the mesh still serves (a second Ctrl-C stops at once).
 
 Security (`security:` in the cluster file): with `curve: true` the emulator makes a key pair
 per node (and one for itself, id `emulator`, to ask for status) and an authorized-keys file
@@ -43,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from meshllm.config import ClusterConfig, NodeSpec
-from meshllm.defaults import EMULATED_BUSY_POLL_MS, STAGE_ROLES, Role
+from meshllm.defaults import EMULATED_BUSY_POLL_MS, GATEWAY_DRAIN_S, STAGE_ROLES, Role
 from meshllm.mesh.keys import NodeKeys, generate_key
 from meshllm.mesh.node import query_status
 from meshllm.mesh.sockets import free_port_pair
@@ -292,7 +294,10 @@ class EmulatedCluster:
         _signal_group(self.procs[node_id], signal.SIGKILL)
 
     def close(self) -> None:
-        """SIGTERM every node's process group, then SIGKILL what is left; reap all."""
+        """SIGTERM every node's process group, then SIGKILL what is left; reap all. A gateway with
+        requests in flight is stopped first, the rest of the mesh still up: it drains them (its
+        GATEWAY_DRAIN_S) before it leaves; Ctrl-C again stops at once."""
+        self._drain_gateways()
         live = {nid: p for nid, p in self.procs.items() if p.poll() is None}
         for p in live.values():
             _signal_group(p, signal.SIGTERM)
@@ -303,6 +308,29 @@ class EmulatedCluster:
         for p in self.procs.values():
             _signal_group(p, signal.SIGKILL)  # also any grandchild left in the group
             p.wait()
+
+
+    def _drain_gateways(self) -> None:
+        """Stop the gateway nodes whose API has requests in flight and wait for them to leave."""
+        busy = {}
+        for nid, address in self.gateways.items():
+            if self.procs.get(nid) is not None and self.procs[nid].poll() is None:
+                n = http_json(f"http://{address}/health", timeout_s=1.0, headers=self.api_headers)[1].get("in_flight")
+                if n:
+                    busy[nid] = n
+        if not busy:
+            return
+        log.info("draining %d request(s) on %s (up to %g s; Ctrl-C again to stop now)", sum(busy.values()),
+                 ", ".join(busy), GATEWAY_DRAIN_S)
+        for nid in busy:
+            _signal_group(self.procs[nid], signal.SIGTERM)
+        deadline = time.monotonic() + GATEWAY_DRAIN_S + TEARDOWN_GRACE_S
+        try:
+            for nid in busy:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.procs[nid].wait(timeout=max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            log.warning("stopping now: the requests in flight are cut")
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:

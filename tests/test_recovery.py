@@ -90,7 +90,8 @@ def test_gateways_a_stopped_one_drains_a_killed_one_s_sequences_are_released(tmp
     streams through it: it takes no new request, lets that one finish (it was cut after 5 s),
     then leaves. gw-a is killed (SIGKILL) while a long request streams through it: the replica,
     unchanged by the re-plan, kept decoding that sequence for nobody up to max_tokens; now it
-    releases it. The stage node's gateway then serves the reference's tokens."""
+    releases it. The stage node's gateway then serves the reference's tokens. Last, the emulator is
+    stopped while a request streams: the request finishes before the mesh is torn down."""
     import os
     import re
     import signal
@@ -148,5 +149,16 @@ def test_gateways_a_stopped_one_drains_a_killed_one_s_sequences_are_released(tmp
         ok, why = same_up_to_tie(out["choices"][0]["token_ids"],
                                  reference(smollm2, smollm2_tokenizer, "The sky is", 12))
         assert ok, why
+
+        # the emulator stopped (Ctrl-C) while a request streams: its gateway is stopped first and
+        # drains it, the rest of the mesh still up (all nodes were stopped at once: it was cut)
+        with streaming(served.url, {**count, "max_tokens": 60}) as sock:
+            served.proc.send_signal(signal.SIGINT)
+            raw = b""
+            while b"data: [DONE]" not in raw and (chunk := sock.recv(65536)):
+                raw += chunk
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+        assert events and events[-1]["choices"][0]["finish_reason"] == "length", raw[-500:]
+        assert "draining 1 request(s) on s1" in served.log.read_text()
     finally:
         assert served.stop() == 0, served.log.read_text()[-2000:]
