@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
@@ -358,6 +359,8 @@ def main() -> int:
     ap.add_argument("--splits", default="bench-six-7b", help="clusters for the splits table ('' for none)")
     a = ap.parse_args()
     names = [n for n in a.clusters.split(",") if n]
+    # the judge's own pool (meshllm/sim/pool.py) in each of these processes: the CPUs shared out
+    os.environ.setdefault("MESHLLM_SIM_JOBS", str(max(1, (os.cpu_count() or 1) // max(1, a.jobs))))
     jobs = [(name, device, a.requests, a.seed) for name in names
             for device in sorted({n.device.name for n in load_cluster(REPO / "clusters" / f"{name}.yaml").nodes})]
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as pool:

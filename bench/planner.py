@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -307,6 +308,8 @@ def run_clusters(chosen: list[str], seed: int, names: tuple[str, ...], sweep_n: 
     work = [(name, seed, names, sweep_n, n_req, name not in SMALL, seeds)
             for name in sorted(chosen, key=lambda n: -size[n])]
     done = {}
+    # the judge's own pool (meshllm/sim/pool.py) in each of these processes: the CPUs shared out
+    os.environ.setdefault("MESHLLM_SIM_JOBS", str(max(1, (os.cpu_count() or 1) // max(1, jobs))))
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         for fut in as_completed([pool.submit(bench_job, job) for job in work]):
             res = fut.result()

@@ -467,6 +467,69 @@ def test_replicas_of_one_shape_share_their_step_times_and_others_do_not(demo):
     assert SimReplica(0, "mixed", a.members, a.counts, replace(inp, rate_per_s=1.0)).cache is not a.cache
 
 
+def one_at_a_time(saturation):
+    """A stand-in for trials.saturations from one for trials.saturation (a test's own figures)."""
+    return lambda inp, runs: [saturation(inp, *run) for run in runs]
+
+
+def test_the_judge_s_trials_run_in_processes_with_the_same_figures(monkeypatch):
+    """sim/pool.py: the judge's independent saturation sweeps run in a pool of processes; each
+    figure is the one the same sweep gives in this process, and the cache answers a repeat."""
+    from meshllm.sim import pool, trials
+
+    inp = plan_inputs(load_cluster(REPO / "clusters" / "mesh-six.yaml"))
+    runs = [(None, b(inp).replicas, 200, trials.JUDGE_SEED + k) for b in (mixed_dp, splitwise) for k in range(2)]
+    monkeypatch.setattr(trials, "_SATURATION", {})
+    monkeypatch.setenv("MESHLLM_SIM_JOBS", "2")
+    try:
+        apart = trials.saturations(inp, runs)
+        assert pool._pool is not None, "several runs and two workers: a pool"
+    finally:
+        pool.close()
+    here = [trials._saturation((inp, *run[1:])) for run in runs]
+    assert apart == here and len(set(here)) > 1
+    monkeypatch.setenv("MESHLLM_SIM_JOBS", "1")
+    assert trials.saturations(inp, runs[::-1]) == here[::-1] and pool._pool is None  # from the cache
+
+
+def test_the_simulation_pool_leaves_no_process_when_its_parent_is_killed(tmp_path):
+    """sim/pool.py's workers wait on their queue; with the process that made them killed (-9) they
+    would wait for ever. Each watches its parent and leaves."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "plans.py"
+    script.write_text("import sys, time\n"
+                      f"sys.path.insert(0, {str(REPO)!r})\n"
+                      "from meshllm.sim import pool\n"
+                      "def slow(x):\n    time.sleep(60)\n    return x\n"
+                      "if __name__ == '__main__':\n    print('started', flush=True)\n    pool.pmap(slow, [1, 2])\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "MESHLLM_SIM_JOBS": "2"})
+
+    def workers() -> list[str]:  # the pool's processes: children running multiprocessing's spawn_main
+        out = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "spawn_main"], capture_output=True, text=True)
+        return out.stdout.split()
+
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 60
+        while len(workers()) < 2:
+            assert time.monotonic() < deadline, "no pool workers started"
+            time.sleep(0.2)
+        pids = workers()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 15
+    while any(os.path.exists(f"/proc/{p}") for p in pids):
+        assert time.monotonic() < deadline, f"pool workers {pids} outlived their parent"
+        time.sleep(0.2)
+
+
 def test_judge_offers_the_baselines_own_groupings():
     """The judge's candidates include mixed-dp's and tuned Splitwise's replicas exactly as the
     baselines build them, so the plan can always be what the best of those operators runs."""
@@ -518,13 +581,13 @@ def test_judge_confirms_a_plan_of_its_own_on_runs_as_long_as_the_reported_sweep(
     from meshllm.sim import judge, sweep, trials
 
     calls = []
-    real = trials.saturation
+    real = trials.saturations
 
-    def recorded(inp, g, reps, requests=trials.JUDGE_SWEEP_REQUESTS, seed=trials.JUDGE_SEED):
-        calls.append((requests, seed))
-        return real(inp, g, reps, requests, seed)
+    def recorded(inp, runs):
+        calls.extend((requests, seed) for _, _, requests, seed in runs)
+        return real(inp, runs)
 
-    monkeypatch.setattr(trials, "saturation", recorded)
+    monkeypatch.setattr(trials, "saturations", recorded)
     plan_cluster(plan_inputs(load_cluster(REPO / "clusters" / "demo.yaml")), seed=0, log=False,
                  judge=judge.simulated_judge)
     confirming = {(n, seed) for n, seed in calls if seed in trials.CAPACITY_SEEDS}
@@ -549,11 +612,11 @@ def test_for_capacity_the_judge_confirms_up_to_three_of_its_own_before_a_baselin
                  2: [17.631, 18.12, 18.61, 18.61], 3: [18.0, 19.0, 19.0, 19.0], 4: theirs, 5: theirs}
     tried = []
 
-    def saturation(inp, g, reps, requests=trials.JUDGE_SWEEP_REQUESTS, seed=trials.JUDGE_SEED):
-        tried.append(g)
-        return long_runs[g][trials.CAPACITY_SEEDS.index(seed)]
+    def saturations(inp, runs):
+        tried.extend(g for g, _, _, _ in runs)
+        return [long_runs[g][trials.CAPACITY_SEEDS.index(seed)] for g, _, _, seed in runs]
 
-    monkeypatch.setattr(trials, "saturation", saturation)
+    monkeypatch.setattr(trials, "saturations", saturations)
     short = [16.814, 16.515, 15.345, 15.0, 13.377, 8.998]  # candidates 4 and 5: the baselines' groupings
     ops = range(4, 6)
 
@@ -591,13 +654,13 @@ def test_at_a_rate_the_baselines_groupings_are_eligible_by_runs_as_long_as_their
     from meshllm.sim import judge, sweep, trials
 
     calls = []
-    real = trials.saturation
+    real = trials.saturations
 
-    def recorded(inp, g, reps, requests=trials.JUDGE_SWEEP_REQUESTS, seed=trials.JUDGE_SEED):
-        calls.append((requests, seed, g.groups, g.roles))
-        return real(inp, g, reps, requests, seed)
+    def recorded(inp, runs):
+        calls.extend((requests, seed, g.groups, g.roles) for g, _, requests, seed in runs)
+        return real(inp, runs)
 
-    monkeypatch.setattr(trials, "saturation", recorded)
+    monkeypatch.setattr(trials, "saturations", recorded)
     inp = plan_inputs(load_cluster(REPO / "clusters" / "multi-tenant.yaml"))
     ops = judge.operator_groupings(inp, planner_evaluator(inp))
     assert ops and inp.rate_per_s > 0
@@ -1041,7 +1104,7 @@ def test_for_capacity_the_judge_turns_a_kind_of_decode_replica_mixed_on_the_evid
         assert requests >= trials.sweep.SWEEP_REQUESTS  # runs as long as the reported sweep's
         return runs[g.roles][trials.CAPACITY_SEEDS.index(seed)]
 
-    monkeypatch.setattr(trials, "saturation", saturation)
+    monkeypatch.setattr(trials, "saturations", one_at_a_time(saturation))
     got = turns.turned_for_capacity(inp, ev, pick, 0.0)
     assert got.roles == (p, p, m, m, d)
     assert got.fitness == pytest.approx(turns.capacity(turns.role_rates(got.evals), got.roles)[0])
@@ -1141,7 +1204,7 @@ def test_for_capacity_a_re_split_that_gains_alone_is_taken_only_on_the_plans_evi
             return alone.get(counts, 0.0)
         return long_runs[counts][trials.CAPACITY_SEEDS.index(seed)]
 
-    monkeypatch.setattr(trials, "saturation", saturation)
+    monkeypatch.setattr(trials, "saturations", one_at_a_time(saturation))
     assert [i for _, i, _ in turns.kv_room_gainers(inp, g, trials.JUDGE_SWEEP_REQUESTS)] == [0]
     assert turns.kv_room_for_capacity(inp, ev, g, 0.0) is g
     long_runs[roomy] = [4.4, 4.6, 4.5, 4.7]  # leads on every trace

@@ -61,7 +61,7 @@ from dataclasses import replace
 from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.plan import Plan, plan_cluster, planner_evaluator
-from meshllm.sim import baselines, sweep, trials, turns
+from meshllm.sim import baselines, pool, sweep, trials, turns
 from meshllm.sim.metrics import metrics
 from meshllm.sim.replica import from_grouping, from_plan
 from meshllm.sim.trials import (
@@ -149,17 +149,20 @@ def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float
     op_idx = range(len(candidates), len(cands))
     floor_from = list(op_idx) if ops else list(floor_from)  # the baselines' groupings, when there are any
     reps = [from_grouping(inp, g) for g in cands]
-    sat, t0 = [], time.perf_counter()
-    for k, (g, r) in enumerate(zip(cands, reps)):
-        sat.append(trials.saturation(inp, g, r, sweep_requests))
-        if log:
-            print(f"judge: candidate {k + 1}/{len(cands)} ({describe(g, k in op_idx)}) sustains {sat[-1]:.3f} req/s "
-                  f"in the simulator, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    t0 = time.perf_counter()
+    if log:
+        print(f"judge: {len(cands)} candidates to run in the simulator ({pool.workers()} at once)", file=sys.stderr)
+    sat = trials.saturations(inp, [(g, r, sweep_requests, JUDGE_SEED) for g, r in zip(cands, reps)])
+    if log:
+        for k, g in enumerate(cands):
+            print(f"judge: candidate {k + 1}/{len(cands)} ({describe(g, k in op_idx)}) sustains {sat[k]:.3f} req/s "
+                  f"in the simulator", file=sys.stderr)
+        print(f"judge: {len(cands)} candidates run in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     at_rate = inp.rate_per_s > 0 and rate > 0  # planning for a workload's rate, not for capacity
     longer = round(sweep_requests * CONFIRM_SCALE)
     if at_rate:  # step 3: a baseline's grouping is eligible by a run as long as its sweep's
-        for k in op_idx:
-            sat[k] = trials.saturation(inp, cands[k], reps[k], longer)
+        for k, got in zip(op_idx, trials.saturations(inp, [(cands[k], reps[k], longer, JUDGE_SEED) for k in op_idx])):
+            sat[k] = got
             if log:
                 print(f"judge: candidate {k + 1}/{len(cands)} ({describe(cands[k], True)}) sustains {sat[k]:.3f} req/s "
                       f"on {longer} requests, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -221,14 +224,15 @@ def pick(inp: PlanInputs, cands: Sequence[Grouping], reps, sat: Sequence[float],
         within OP_SHORTLIST of the best on the short runs)."""
         if not theirs:
             top = max(sat[j] for j in op_idx)
-            theirs.update({j: [trials.saturation(inp, cands[j], reps[j], longer, s) for s in CAPACITY_SEEDS]
-                           for j in op_idx if sat[j] >= OP_SHORTLIST * top})
+            short = [j for j in op_idx if sat[j] >= OP_SHORTLIST * top]
+            got = iter(trials.saturations(inp, [(cands[j], reps[j], longer, s) for j in short for s in CAPACITY_SEEDS]))
+            theirs.update({j: [next(got) for _ in CAPACITY_SEEDS] for j in short})
         return max(theirs, key=lambda j: (sum(theirs[j]), -j))
 
     for i in order[:CONFIRM_TOP]:
         if i in op_idx:
             return best_op(), order
-        mine = [trials.saturation(inp, cands[i], reps[i], longer, s) for s in CAPACITY_SEEDS]
+        mine = trials.saturations(inp, [(cands[i], reps[i], longer, s) for s in CAPACITY_SEEDS])
         if trials.wins_on_evidence(mine, theirs[best_op()]):
             return i, order
     return best_op(), order

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from meshllm.partition.grouping import Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
-from meshllm.sim import sweep
+from meshllm.sim import pool, sweep
 from meshllm.sim.metrics import nearest_rank
 
 JUDGE_REQUESTS = 1200  # 400 ranked plans by noise: on bench-fog-40-8b it put first one that lost on 4 of 4 longer traces
@@ -72,13 +72,24 @@ def replicas_key(reps) -> tuple:
 
 def saturation(inp: PlanInputs, g: Grouping, reps, requests: int = JUDGE_SWEEP_REQUESTS,
                seed: int = JUDGE_SEED) -> float:
-    key = (*inputs_key(inp), replicas_key(reps), requests, seed)
-    got = _SATURATION.get(key)
-    if got is None:
-        most = max(requests, JUDGE_MAX_REQUESTS * requests // JUDGE_SWEEP_REQUESTS)
-        s = sweep.Sweep(reps, inp, seed, requests, JUDGE_WINDOW, most, confirm=False)
-        got = _SATURATION[key] = s.saturation(JUDGE_BISECT_STEPS)
-    return got
+    return saturations(inp, [(g, reps, requests, seed)])[0]
+
+
+def saturations(inp: PlanInputs, runs: Sequence[tuple]) -> list[float]:
+    """The saturation of each (grouping, its replicas, requests, trace seed) in `runs`, cached;
+    those not in the cache run in parallel processes (sim/pool.py: the same figures, sooner)."""
+    keys = [(*inputs_key(inp), replicas_key(reps), requests, seed) for _, reps, requests, seed in runs]
+    todo = {k: (inp, *run[1:]) for k, run in zip(keys, runs) if k not in _SATURATION}
+    for k, got in zip(todo, pool.pmap(_saturation, list(todo.values()))):
+        _SATURATION[k] = got
+    return [_SATURATION[k] for k in keys]
+
+
+def _saturation(job: tuple) -> float:
+    """One saturation sweep (module-level: it runs in a pool process too)."""
+    inp, reps, requests, seed = job
+    most = max(requests, JUDGE_MAX_REQUESTS * requests // JUDGE_SWEEP_REQUESTS)
+    return sweep.Sweep(reps, inp, seed, requests, JUDGE_WINDOW, most, confirm=False).saturation(JUDGE_BISECT_STEPS)
 
 
 def wins_on_evidence(mine: Sequence[float], theirs: Sequence[float]) -> bool:

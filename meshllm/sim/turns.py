@@ -1,5 +1,6 @@
 """The judge's last steps (sim/judge.py, steps 1-4, picks a grouping): the pick's roles (and, for
-capacity, its pipelines' splits) refined in the simulator, one trial at a time (sim/trials.py).
+capacity, its pipelines' splits) refined in the simulator (sim/trials.py; trials that do not depend on
+each other run at once, sim/pool.py).
 
 5. with a rate given, the pick's replicas are turned mixed one at a time, the turn that costs
 least first, while each lowers the cost at the rate on the judge's trace (`refine_roles`, at
@@ -189,17 +190,16 @@ def turned_for_capacity(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float
     if not decode_kinds(inp, ev, g):
         return g  # nothing to turn: no runs
 
-    def runs(x: Grouping) -> list[float]:
-        return capacity_runs(inp, x, sweep_requests)
-
-    best, t0 = g, time.perf_counter()
-    now = runs(g)
+    best, t0, now = g, time.perf_counter(), None
     for _ in range(CAPACITY_TURNS):
         tried = []
-        for idx in decode_kinds(inp, ev, best)[:TURN_KINDS]:
-            roles = tuple("mixed" if i in idx else r for i, r in enumerate(best.roles))
-            cand = with_roles(ev, best, roles, rate)
-            got = runs(cand)
+        kinds = decode_kinds(inp, ev, best)[:TURN_KINDS]
+        cands = [with_roles(ev, best, tuple("mixed" if i in idx else r for i, r in enumerate(best.roles)), rate)
+                 for idx in kinds]
+        runs = capacity_runs_of(inp, ([g] if now is None else []) + cands, sweep_requests)  # all at once
+        if now is None:
+            now, runs = runs[0], runs[1:]
+        for idx, cand, got in zip(kinds, cands, runs):
             if trials.wins_on_evidence(got, now) and sum(got) > (1 + TURN_GAIN) * sum(now):
                 tried.append((sum(got), -idx[0], got, cand))
             if log:
@@ -217,22 +217,32 @@ def turned_for_capacity(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: float
 def capacity_runs(inp: PlanInputs, g: Grouping, sweep_requests: int) -> list[float]:
     """`g`'s saturation on each of the CAPACITY_SEEDS traces, by runs as long as the reported
     sweep's (steps 6 and 7: the evidence a turn is judged on)."""
-    longer = round(sweep_requests * trials.CONFIRM_SCALE)
-    return [trials.saturation(inp, g, from_grouping(inp, g), longer, seed) for seed in trials.CAPACITY_SEEDS]
+    return capacity_runs_of(inp, [g], sweep_requests)[0]
+
+
+def capacity_runs_of(inp: PlanInputs, gs: Sequence[Grouping], sweep_requests: int) -> list[list[float]]:
+    """`capacity_runs` of each of `gs`, all run at once (sim/pool.py)."""
+    longer, seeds = round(sweep_requests * trials.CONFIRM_SCALE), trials.CAPACITY_SEEDS
+    got = iter(trials.saturations(inp, [(g, from_grouping(inp, g), longer, s) for g in gs for s in seeds]))
+    return [[next(got) for _ in seeds] for _ in gs]
 
 
 def kv_room_gainers(inp: PlanInputs, g: Grouping, sweep_requests: int) -> list[tuple[float, int, ReplicaEval]]:
     """`g`'s mixed and decode pipelines whose re-split for KV room (the best of KV_ROOMS) sustains
     KV_ROOM_GAIN more alone, as mixed, on the judge's trace: (gain, replica, re-split evaluation),
     the largest gain first."""
-    out = []
+    pipes = []  # (replica, its evaluation, its re-splits)
     for i, (canon, role, e) in enumerate(zip(g.groups, g.roles, g.evals, strict=True)):
         if role == "prefill" or len(canon) < 2 or e.mixed is None:
             continue
         alts = [a for a in (with_kv_room(inp.mc, e, inp.net, inp.mix, r) for r in KV_ROOMS) if a is not None]
-        if not alts:
-            continue
-        alone = [trials.saturation(inp, g, [sim_replica(inp, 0, canon, "mixed", x)], sweep_requests) for x in [e, *alts]]
+        if alts:
+            pipes.append((i, e, alts))
+    got = iter(trials.saturations(inp, [(g, [sim_replica(inp, 0, g.groups[i], "mixed", x)], sweep_requests,
+                                         trials.JUDGE_SEED) for i, e, alts in pipes for x in [e, *alts]]))
+    out = []
+    for i, _, alts in pipes:
+        alone = [next(got) for _ in range(1 + len(alts))]
         k = max(range(1, len(alone)), key=lambda k: (alone[k], -k))
         if alone[k] > (1 + KV_ROOM_GAIN) * alone[0]:
             out.append((alone[k] / max(alone[0], 1e-9), i, alts[k - 1]))
@@ -249,13 +259,16 @@ def kv_room_for_capacity(inp: PlanInputs, ev: Evaluator, g: Grouping, rate: floa
     gainers = kv_room_gainers(inp, g, sweep_requests)
     if not gainers:
         return g
-    now = capacity_runs(inp, g, sweep_requests)
+    now = None
     for group in [gainers] + ([gainers[:1]] if len(gainers) > 1 else []):
         evals = list(g.evals)
         for _, i, e in group:
             evals[i] = e
         cand = with_roles(ev, replace(g, evals=tuple(evals)), g.roles, rate)
-        got = capacity_runs(inp, cand, sweep_requests)
+        if now is None:  # the plan so far and the first candidate, at once
+            now, got = capacity_runs_of(inp, [g, cand], sweep_requests)
+        else:
+            got = capacity_runs(inp, cand, sweep_requests)
         won = trials.wins_on_evidence(got, now) and sum(got) > (1 + TURN_GAIN) * sum(now)
         if log:
             print(f"judge: for capacity, replicas {', '.join(str(i) for _, i, _ in group)} re-split for KV room "
