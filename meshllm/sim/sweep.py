@@ -49,6 +49,7 @@ from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.partition.plan import PlanInfeasible
 from meshllm.partition.replica import decode_fit, mixed_fit, prefill_fit
+from meshllm.sim import pool
 from meshllm.sim.baselines import BASELINES, Policy, random_policy
 from meshllm.sim.metrics import bound_rate_per_s, metrics
 from meshllm.sim.replica import SimReplica, from_plan
@@ -257,9 +258,17 @@ def simulate_policies(inp: PlanInputs, rate: float | None = None, seed: int = 0,
     if capacity is not None:
         progress("meshllm planned for capacity")
     out = {}
-    for name, pol in policies.items():
-        out[name] = report(pol, inp, rate, seed, bound, sweep_requests, capacity if name == "meshllm" else None)
+    jobs = [(pol, inp, rate, seed, bound, sweep_requests, capacity if name == "meshllm" else None)
+            for name, pol in policies.items()]
+    progress(f"simulating the {len(jobs)} policies and their saturation sweeps ({pool.workers()} at once)")
+    for name, got in zip(policies, pool.pmap(_report, jobs)):  # each is deterministic: the same figures
+        out[name] = got
         progress(f"{name}: " + ("no usable replica" if out[name] is None else
                                 f"saturation {out[name]['saturation_rate_per_s']:g} req/s "
                                 f"({out[name]['saturation_of_bound']} of the bound)"))
     return {"policies": out, "rate_per_s": rate, "bound_rate_per_s": round(bound, 4)}
+
+
+def _report(job: tuple) -> dict | None:
+    """`report` of one policy (module-level: it runs in a pool process, sim/pool.py)."""
+    return report(*job)
