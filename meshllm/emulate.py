@@ -309,7 +309,6 @@ class EmulatedCluster:
             _signal_group(p, signal.SIGKILL)  # also any grandchild left in the group
             p.wait()
 
-
     def _drain_gateways(self) -> None:
         """Stop the gateway nodes whose API has requests in flight and wait for them to leave."""
         busy = {}
