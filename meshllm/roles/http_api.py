@@ -38,7 +38,8 @@ from aiohttp import web
 
 from meshllm.defaults import GATEWAY_DRAIN_S
 from meshllm.roles.api_params import ApiError, Params, parse_params
-from meshllm.roles.gateway import Gateway, RequestError, Stream
+from meshllm.roles.gateway import Gateway
+from meshllm.roles.route_view import RequestError, Stream
 
 log = logging.getLogger("meshllm.http")
 
