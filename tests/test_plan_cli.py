@@ -110,6 +110,15 @@ def test_weights_dtype_changes_the_plan():
     assert plan.dtype == "int4" and plan.replicas
 
 
+def test_a_plan_from_the_network_with_an_unknown_dtype_is_a_plan_error():
+    """Found by fuzzing PLAN: a dtype outside WEIGHT_DTYPES reached the stage's KV sizing as a
+    ValueError deep inside the host."""
+    obj = Plan("tiny", 4, "fp32", (), (), (), 0.0, 1.0).to_json()
+    assert Plan.from_json(obj).dtype == "fp32"
+    with pytest.raises(PlanError, match="dtype 'ä:1' is not one of"):
+        Plan.from_json({**obj, "dtype": "ä:1"})
+
+
 def test_check_cover_rejects_gaps():
     with pytest.raises(PlanError):
         check_cover(0, [(0, 3), (4, 8)], 8)

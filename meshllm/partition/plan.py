@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshllm.defaults import REPLICA_ROLES, Role
+from meshllm.defaults import REPLICA_ROLES, WEIGHT_DTYPES, Role
 from meshllm.errors import InputError
 from meshllm.partition.cost import DRAFT_DTYPE, model_costs
 from meshllm.partition.dp import Split, memory_shortfall
@@ -107,6 +107,8 @@ class Plan:
                        {str(k): float(v) for k, v in dict(obj.get("simulated", {})).items()})
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
+        if plan.dtype not in WEIGHT_DTYPES:  # the stages size their KV room by it (roles/host.py)
+            raise PlanError(f"dtype {plan.dtype!r} is not one of {list(WEIGHT_DTYPES)}")
         for r in plan.replicas:
             if r.role not in REPLICA_ROLES:
                 raise PlanError(f"replica {r.id}: role {r.role!r} is not one of {[str(x) for x in REPLICA_ROLES]}")
