@@ -659,7 +659,12 @@ class Fuzzer:
         h = self.m.hosts[r.choice(("pa", "dc"))]
         lead = h.leader
         if r.random() < 0.1 and not lead.in_flight:
-            lead.step()  # a real micro-batch: stage 0 ran it, its ACTIVATIONS are lost (the net is off)
+            # a real micro-batch: stage 0 ran it, its ACTIVATIONS are lost (the net is off); the TOKENS the
+            # leader holds for the gateway stay held (the step would flush them into the dead net, and a
+            # victim would lose tokens no real network loses)
+            held, lead.outbox.items = lead.outbox.items, []
+            lead.step()
+            lead.outbox.items = held + lead.outbox.items
         fl = lead.in_flight.get(max(lead.in_flight)) if lead.in_flight and r.random() < 0.85 else None
         out = []
         for sp in fl.spans if fl is not None else []:

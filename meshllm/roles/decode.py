@@ -120,8 +120,9 @@ class Balancer:
     def publish_capacity(self) -> None:
         lead = self.leader
         active = lead.batch.active()
+        free = 0 if lead.queue else max(0, MAX_ACTIVE_SEQS - active)  # a queue waits for slots or KV room
         self._publish(make(MsgType.CAPACITY, node=lead.stage.ctx.me, replica=lead.rid,
-                           free_slots=max(0, MAX_ACTIVE_SEQS - active), queue=len(lead.queue),
+                           free_slots=free, queue=len(lead.queue),
                            plan_version=lead.ctx.version, active=active))
 
     def on_capacity(self, msg: Message) -> None:
