@@ -4,6 +4,7 @@ and in which order."""
 from __future__ import annotations
 
 from meshllm.defaults import Role
+from meshllm.engine.kvcache import slot_capacity
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.weights import load_transformer
 from meshllm.mesh.protocol import Message, MsgType, SpanKind, make
@@ -16,7 +17,7 @@ from meshllm.roles.stage import Stage
 NODES = {"a": "127.0.0.1:7001", "b": "127.0.0.1:7003", "gw": "127.0.0.1:7005"}
 
 
-def two_stage_leader() -> tuple[Leader, list[tuple[str, Message]]]:
+def two_stage_leader(kv_room: int | None = None) -> tuple[Leader, list[tuple[str, Message]]]:
     plan = Plan("tiny", 4, "fp32", (Replica(0, Role.MIXED, (PlanStage("a", (0, 2)), PlanStage("b", (2, 4))),
                                             1.0, 1.0, 1.0),), (), (), 0.0, 1.0)
     ctx = PlanContext(1, plan, dict(NODES), "a")
@@ -25,11 +26,12 @@ def two_stage_leader() -> tuple[Leader, list[tuple[str, Message]]]:
     def send(address: str, msg: Message) -> None:
         sent.append((address, msg))
 
-    return Leader(Stage(ctx, load_transformer("tiny", 0, 2), send), send, max_context=256), sent
+    return Leader(Stage(ctx, load_transformer("tiny", 0, 2), send), send, max_context=256, kv_room=kv_room), sent
 
 
-def seq(sid: int) -> Seq:
-    return Seq(sid, [5, 6, 7], 3, 4, SamplingParams(), 0, frozenset(), NODES["gw"], 0)
+def seq(sid: int, max_tokens: int = 4, prompt_len: int = 3) -> Seq:
+    prompt = [5, 6, 7] * (prompt_len // 3) + [5] * (prompt_len % 3)
+    return Seq(sid, prompt, prompt_len, max_tokens, SamplingParams(), 0, frozenset(), NODES["gw"], 0)
 
 
 def results(batch: int, out: list) -> Message:
@@ -141,3 +143,69 @@ def test_a_prefill_stage_sends_the_micro_batch_on_before_it_ships_the_kv() -> No
     last.on_activations(sent_a[0][1])
     assert [(a, m.type) for a, m in sent_b] == [(nodes["a"], MsgType.RESULTS), (nodes["c"], MsgType.KV_TRANSFER)]
     assert sent_b[1][1]["layers"] == [2, 4]
+
+
+def test_a_sequence_starts_only_when_its_kv_fits_beside_the_running_ones() -> None:
+    """KV admission: each running sequence reserves the slot its longest context needs (prompt +
+    max_tokens, on the cache's capacity ladder); a queued one waits, first come first served,
+    until a finished one frees room; one larger than the whole room runs alone."""
+    leader, sent = two_stage_leader(kv_room=320)
+    assert slot_capacity(3 + 4) == 64 and slot_capacity(3 + 100) == 128 and slot_capacity(1500) == 1536
+    leader.batch.admit(seq(1, max_tokens=100))  # 128 positions
+    leader.batch.admit(seq(2, max_tokens=100))  # 128: 256 held
+    leader.batch.admit(seq(3, max_tokens=100))  # would make 384 > 320: waits
+    leader.batch.admit(seq(4))  # 64 would fit, but it came after 3
+    assert leader.step()
+    assert leader.queue == [3, 4] and leader.batch.kv_held == 256 and leader.batch.kv_waits == 1
+    assert {sp[0] for sp in sent[-1][1]["spans"]} == {1, 2}
+    leader.abort(1)
+    leader.step()
+    assert leader.queue == [] and leader.batch.kv_held == 128 + 128 + 64 and leader.batch.kv_waits == 1
+    load = leader.load()
+    assert (load["kv_room"], load["kv_held"], load["kv_peak"], load["kv_waits"]) == (320, 320, 320, 1)
+    for sid in (2, 3, 4):
+        leader.abort(sid)
+    leader.batch.admit(seq(5, max_tokens=250))  # alone: 256 of KV for 3 + 250 positions
+    leader.batch.admit(seq(6, max_tokens=250))  # 256 more: 512 > 320, it runs only after 5
+    leader.batch.admit(seq(7, prompt_len=250, max_tokens=1))
+    leader.batch.build(None)  # (two micro-batches are in flight: `step` would not launch)
+    assert leader.queue == [6, 7] and leader.batch.kv_held == 256
+
+
+def test_a_sequence_larger_than_the_room_runs_alone_and_a_prefill_replica_reserves_only_the_prompt() -> None:
+    leader, _ = two_stage_leader(kv_room=150)
+    leader.batch.admit(seq(1, max_tokens=200))  # 256 > 150: alone
+    leader.batch.admit(seq(2))
+    leader.step()
+    assert leader.queue == [2] and leader.batch.kv_held == 256
+    leader.abort(1)
+    handed_off = seq(3, max_tokens=200)
+    handed_off.decode_rid = 9  # another replica decodes it: here only its prompt and first token
+    leader.batch.admit(handed_off)
+    leader.batch.build(None)
+    assert leader.queue == [] and leader.batch.kv_held == 64 + 64
+
+
+def test_without_a_known_room_nothing_waits_for_kv() -> None:
+    leader, _ = two_stage_leader()
+    for sid in range(1, 6):
+        leader.batch.admit(seq(sid, max_tokens=250))
+    leader.step()
+    assert leader.queue == [] and leader.load()["kv_room"] is None and leader.batch.kv_waits == 0
+
+
+def test_a_decode_replica_with_sequences_waiting_offers_no_free_slot() -> None:
+    """The capacity a decode replica publishes for session moves: slots left while nothing waits;
+    none while a sequence waits in its queue (for KV room), so no session is moved there to wait."""
+    from meshllm.roles.decode import Balancer
+
+    leader, _ = two_stage_leader(kv_room=128)
+    published: list[Message] = []
+    balancer = Balancer(leader, lambda a, m: None, published.append)
+    leader.batch.admit(seq(1, max_tokens=100))
+    leader.batch.build(None)
+    balancer.publish_capacity()
+    leader.batch.admit(seq(2, max_tokens=100))  # 128 + 128 > 128: waits
+    leader.batch.build(None)
+    balancer.publish_capacity()
+    assert [(m["free_slots"], m["queue"], m["active"]) for m in published] == [(63, 0, 1), (0, 1, 1)]

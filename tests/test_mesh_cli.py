@@ -232,6 +232,9 @@ def test_the_status_table_writes_a_stage_s_layers_half_open() -> None:
     st = {"node": "a", "plan_version": 3, "roles": ["mixed", "gateway"], "peers": [],
           "load": {"stage": {"replica": 1, "index": 0, "layers": [0, 30]}}}
     assert format_status(st).splitlines()[0] == "node a  plan v3  roles mixed,gateway  replica 1 stage 0 layers [0, 30)"
+    st["load"]["leader"] = {"active": 3, "queued": 2, "kv_room": 7461, "kv_held": 7040, "kv_waits": 5}
+    assert format_status(st).splitlines()[1] == "  leader: 3 running, 2 queued, KV 7040 of 7461 positions, " \
+        "5 waited for KV room"
 
 
 def test_a_timeout_that_is_no_wait_or_has_nothing_to_wait_for_exits_2() -> None:

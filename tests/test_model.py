@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshllm.engine.kvcache import KVCache, slot_capacity
 from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.weights import load_transformer
 from meshllm.shapes import model_args
@@ -157,6 +158,25 @@ def test_cache_grows_past_initial_capacity(tiny_model):
     c.allocate(0, capacity=4)
     step = [m(ids[i:i + 30], [SeqSpan(0, i, 30)], c) for i in range(0, 150, 30)]
     torch.testing.assert_close(torch.cat(step), run_whole(m, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_slot_holds_its_ladder_capacity_whatever_path_it_grew_by():
+    """A slot's capacity is `slot_capacity` of the positions it holds, however it got there (a
+    whole prompt, chunks, one token at a time): the KV the leader charges a sequence for its
+    longest context is what its slot can come to (roles/leader.py kv_charge)."""
+    c = KVCache(0, 2, 2, 4)
+    for seq, chunks in ((0, [1200]), (1, [700, 300, 200]), (2, [1030] + [1] * 170)):
+        c.allocate(seq, capacity=chunks[0])
+        at = 0
+        for n in chunks:
+            for layer in (0, 1):
+                c.write(layer, seq, at, torch.ones(n, 2, 4), torch.ones(n, 2, 4))
+            c.commit([SeqSpan(seq, at, n)])
+            at += n
+        assert c.length(seq) == 1200 and c.export(seq)[0].shape[2] == 1200
+    assert c.nbytes() == 3 * c.slot_bytes(1200) == 3 * 1536 * c.token_bytes()
+    assert [slot_capacity(n) for n in (1, 64, 65, 600, 1024, 1025, 1536, 1537, 8192)] == \
+        [64, 64, 128, 1024, 1024, 1536, 1536, 2048, 8192]
 
 
 def test_registry_and_bad_ranges():

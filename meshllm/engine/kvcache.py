@@ -1,7 +1,10 @@
 """Per-sequence KV slots for one shard (layers [start, end)).
 
 Each sequence id owns one slot: K and V buffers of shape
-(n_local_layers, n_kv_heads, capacity, head_dim) that grow by doubling. A slot
+(n_local_layers, n_kv_heads, capacity, head_dim) whose capacity is `slot_capacity` of the
+positions they must hold: doubling up to LADDER_DOUBLE_UNTIL positions, then in steps of
+LADDER_STEP, so a slot never holds much more than its sequence needs (the leader's KV
+admission, roles/leader.py, charges each sequence that capacity). A slot
 records how many positions are *committed*; a forward pass writes positions
 [start_pos, start_pos + n) and commits them at the end of the pass.
 
@@ -20,6 +23,17 @@ from dataclasses import dataclass
 import torch
 
 _MIN_CAPACITY = 64
+LADDER_DOUBLE_UNTIL = 1024  # positions: slots double up to here,
+LADDER_STEP = 512  # then grow by this many positions at a time
+
+
+def slot_capacity(positions: int) -> int:
+    """The capacity of a slot that must hold `positions` positions (a pure function of it, so a
+    sequence's largest slot is known from its longest context before it runs)."""
+    n = max(positions, 1)
+    if n <= LADDER_DOUBLE_UNTIL:
+        return max(_MIN_CAPACITY, 1 << (n - 1).bit_length())
+    return -(-n // LADDER_STEP) * LADDER_STEP
 
 
 @dataclass
@@ -42,7 +56,7 @@ class KVCache:
         slot for a sequence released while its micro-batch was in flight (its output is discarded)."""
         if seq_id in self._slots:
             raise KeyError(f"sequence {seq_id} already has a KV slot")
-        shape = (self.end - self.start, self.n_kv_heads, max(capacity, length, 1), self.head_dim)
+        shape = (self.end - self.start, self.n_kv_heads, slot_capacity(max(capacity, length)), self.head_dim)
         self._slots[seq_id] = _Slot(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype),
                                     length)
 
@@ -79,9 +93,13 @@ class KVCache:
         return sum(s.k.nbytes + s.v.nbytes for s in self._slots.values())
 
     def slot_bytes(self, capacity: int) -> int:
-        """Bytes of K and V of a slot of `capacity` positions."""
+        """Bytes of K and V of a slot that must hold `capacity` positions (as allocated: `slot_capacity`)."""
+        return slot_capacity(capacity) * self.token_bytes()
+
+    def token_bytes(self) -> int:
+        """Bytes of K and V per position of a slot (all of this shard's layers)."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * (self.end - self.start) * self.n_kv_heads * max(capacity, 1) * self.head_dim * element
+        return 2 * (self.end - self.start) * self.n_kv_heads * self.head_dim * element
 
     # -- used by the forward pass -----------------------------------------------------
     def write(self, layer: int, seq_id: int, start_pos: int, k: torch.Tensor,
@@ -164,9 +182,7 @@ class KVCache:
 
     @staticmethod
     def _grow(slot: _Slot, needed: int) -> None:
-        cap = slot.k.shape[2]
-        while cap < needed:
-            cap *= 2
+        cap = slot_capacity(needed)
         shape = (*slot.k.shape[:2], cap, slot.k.shape[3])
         for name in ("k", "v"):
             old = getattr(slot, name)

@@ -235,8 +235,14 @@ def format_status(st: dict[str, Any]) -> str:
     if stage:  # layer ranges are half-open, as the plan's
         start, end = stage["layers"]
         where = f"  replica {stage['replica']} stage {stage['index']} layers [{start}, {end})"
-    lines = [f"node {st['node']}  plan v{st['plan_version']}  roles {','.join(st['roles']) or '-'}{where}",
-             f"{'PEER':<16}{'STATE':<9}{'ADDRESS':<22}{'ZONE':<10}DEVICE"]
+    lines = [f"node {st['node']}  plan v{st['plan_version']}  roles {','.join(st['roles']) or '-'}{where}"]
+    lead = st.get("load", {}).get("leader")
+    if lead:  # the replica's scheduler: its sequences and their KV against what the stages hold
+        room = lead.get("kv_room")
+        kv = f"KV {lead.get('kv_held', 0)} of {room} positions" if room is not None else "KV not limited"
+        lines.append(f"  leader: {lead.get('active', 0)} running, {lead.get('queued', 0)} queued, {kv}, "
+                     f"{lead.get('kv_waits', 0)} waited for KV room")
+    lines.append(f"{'PEER':<16}{'STATE':<9}{'ADDRESS':<22}{'ZONE':<10}DEVICE")
     for p in st["peers"]:
         dev = p["device"].get("name", "?") if isinstance(p["device"], dict) else p["device"]
         lines.append(f"{p['id']:<16}{p['state']:<9}{p['address']:<22}{p.get('zone', ''):<10}{dev}")

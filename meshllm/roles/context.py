@@ -7,9 +7,13 @@ from the Plan and the node addresses known when the plan was applied. Pure: no s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from meshllm.defaults import Role
+from meshllm.device import DeviceProfile
+from meshllm.partition.cost import ModelCosts
+from meshllm.partition.dp import kv_room_tokens
 from meshllm.partition.plan import Plan, Replica
 
 
@@ -66,6 +70,19 @@ class PlanContext:
         a, b = self.replica(rid), other.replica(rid)
         same_nodes = all(self.addresses.get(s.node) == other.addresses.get(s.node) for s in a.stages)
         return a.role == b.role and a.stages == b.stages and same_nodes
+
+    def kv_room(self, rid: int, devices: Mapping[str, DeviceProfile], token_bytes: Callable[[int], float],
+                mc: ModelCosts) -> tuple[int, str] | None:
+        """(positions, node): the fewest positions of KV a stage of replica `rid` holds beside its
+        weights (partition/dp.py kv_room_tokens), and that stage's node; None when a stage's device
+        is not known. `token_bytes(n)`: the KV bytes of one position over n layers."""
+        rooms = []
+        for s in self.replica(rid).stages:
+            dev = devices.get(s.node)
+            if dev is None:
+                return None
+            rooms.append((kv_room_tokens(mc, dev, s.layers, token_bytes(s.layers[1] - s.layers[0])), s.node))
+        return min(rooms)
 
     def serves(self, rid: int, phase: Role) -> bool:
         """May replica `rid` take requests of this phase (prefill or decode)?"""

@@ -30,7 +30,7 @@ from meshllm.mesh.protocol import (
 )
 from meshllm.mesh.transport import Transport, topic
 from meshllm.node_config import NodeConfig
-from meshllm.partition.cost import DRAFT_DTYPE
+from meshllm.partition.cost import DRAFT_DTYPE, model_costs
 from meshllm.partition.plan import Plan, PlanError
 from meshllm.roles.context import PlanContext
 from meshllm.roles.dispatch import DataPlane
@@ -172,7 +172,8 @@ class RoleHost:
         self.stage = Stage(ctx, model, self.send, pacer)
         if index == 0:
             self.leader = Leader(self.stage, self.send, model.args.max_seq_len,
-                                 lambda now, s, finished: handoff(now, self.send, s, finished))
+                                 lambda now, s, finished: handoff(now, self.send, s, finished),
+                                 self._kv_room(ctx, replica.id))
             self.acks = KvAcks(self.leader)
             if replica.role in (Role.DECODE, Role.MIXED):
                 self.leader.verifier = Verifier(self.leader, self.send, self.alive, self.cfg.time_scale,
@@ -184,6 +185,28 @@ class RoleHost:
                 self.balancer = Balancer(self.leader, self.send, lambda m: self.t.publish(m, topic(CAPACITY_TOPIC)),
                                          self.alive)
                 self.t.subscribe_topic(topic(CAPACITY_TOPIC))
+
+    def _kv_room(self, ctx: PlanContext, rid: int) -> int | None:
+        """KV positions every stage of replica `rid` holds beside its weights, by the stages' device
+        profiles (this node's own, the others' as they announced them); None if one is not known."""
+        from meshllm.device import device_from_mapping
+        from meshllm.errors import ConfigError
+
+        devices = {self.me: self.cfg.device}
+        for st in ctx.replica(rid).stages:
+            p = self.members.get(st.node) if self.members is not None and st.node != self.me else None
+            if p is not None and p.info.device:
+                try:
+                    devices[st.node] = device_from_mapping(st.node, dict(p.info.device), f"peer {st.node}")
+                except ConfigError:
+                    pass
+        per_layer = self.stage.cache.token_bytes() / (self.stage.layers[1] - self.stage.layers[0])
+        room = ctx.kv_room(rid, devices, lambda n: n * per_layer, model_costs(self.stage.model.args, ctx.plan.dtype))
+        if room is None:
+            log.warning("%s: replica %d: a stage's device is not known; its KV is not limited", self.me, rid)
+            return None
+        log.info("%s: replica %d: KV room for %d positions (%s binds)", self.me, rid, *room)
+        return room[0]
 
     def _build_drafter(self) -> None:
         """Hold the draft and serve drafts with it."""

@@ -21,6 +21,14 @@ Speculation (roles/verifier.py): a sequence with a drafter decodes by verifying 
 blocks, one VERIFY span of gamma + 1 rows each; the stages roll their KV back to the committed
 length when the next span starts earlier (rejected drafts).
 
+KV admission: a queued sequence starts only while the replica's stages have room for its KV
+(`kv_charge`: the slot its longest context needs, prompt + max_tokens within the model's
+context; a prefill replica's only its prompt), counted against `kv_room`, the fewest positions
+any stage of the replica holds beside its weights (roles/context.py kv_room, from the devices'
+profiles). The queue is first come, first served; a sequence that needs more than the whole
+room runs alone. Without it a small device decoding many long generations would run out of
+memory (TGI's way: reserve the most a request may take, at admission).
+
 A sequence finishes on a stop token, at max_tokens or at the context limit; it is then freed on
 every stage (RELEASE). A RELEASE from the gateway aborts it the same way.
 """
@@ -37,7 +45,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshllm.config import MAX_GAMMA
 from meshllm.defaults import Role
+from meshllm.engine.kvcache import slot_capacity
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import AcceptanceStats, extend_hash
 from meshllm.mesh.protocol import Message, MsgType, SpanKind, WireSpan, make
@@ -81,6 +91,8 @@ class Seq:
     waiting_since: float | None = None  # ready, waiting for its drafter's block since
     last_block_at: float | None = None
     block_interval_s: float | None = None
+    kv_charge: int = 0  # KV positions reserved for it on every stage while it runs (Batcher.admit)
+    kv_waited: bool = False  # it waited in the queue for KV room
 
     @property
     def context(self) -> int:
@@ -107,10 +119,17 @@ class Batcher:
     fewest prompt tokens left first with aging. It works on the leader's sequence table and
     queue (the same objects)."""
 
-    def __init__(self, seqs: dict[int, Seq], queue: list[int], n_stages: int):
+    def __init__(self, seqs: dict[int, Seq], queue: list[int], n_stages: int, rid: int = 0,
+                 max_context: int = 1 << 30, kv_room: int | None = None):
         self.seqs, self.queue, self.n_stages = seqs, queue, n_stages
+        self.rid, self.max_context = rid, max_context
+        self.kv_room = kv_room  # KV positions every stage holds (None: not known, no KV limit)
+        self.kv_held = 0  # positions reserved by the running sequences
+        self.kv_waits = 0  # sequences that waited for KV room
+        self.kv_peak = 0  # most positions reserved at once
 
     def admit(self, s: Seq) -> None:
+        s.kv_charge = kv_charge(s, self.rid, self.max_context)
         self.seqs[s.id] = s
         self.queue.append(s.id)
 
@@ -162,18 +181,34 @@ class Batcher:
         return sorted(todo, key=lambda s: prompt_priority(s.prompt_len - s.fed, now - s.arrived))
 
     def _start_queued(self) -> None:
-        """Move queued sequences into the running set while there is room."""
+        """Move queued sequences into the running set, in arrival order, while there is room: a
+        slot of MAX_ACTIVE_SEQS and, when the replica's KV room is known, room for the sequence's
+        KV beside what the running ones reserve (one that needs more than all of it runs alone)."""
         now = time.monotonic()
-        while self.queue and self.active() < MAX_ACTIVE_SEQS:
-            s = self.seqs[self.queue.pop(0)]
+        queued = set(self.queue)
+        running = [s for s in self.seqs.values() if s.id not in queued]
+        n, held = len(running), sum(s.kv_charge for s in running)
+        while self.queue and n < MAX_ACTIVE_SEQS:
+            s = self.seqs[self.queue[0]]
+            if self.kv_room is not None and n and held + s.kv_charge > self.kv_room:
+                if not s.kv_waited:
+                    s.kv_waited = True
+                    self.kv_waits += 1
+                break
+            if self.kv_room is not None and s.kv_charge > self.kv_room:
+                log.warning("replica %d: sequence %d needs %d positions of KV, more than the %d its stages "
+                            "hold beside their weights: it runs alone", self.rid, s.id, s.kv_charge, self.kv_room)
+            self.queue.pop(0)
             s.queued_s += now - s.arrived
+            n, held = n + 1, held + s.kv_charge
+        self.kv_held, self.kv_peak = held, max(self.kv_peak, held)
 
 
 class Leader:
     """Scheduler of one replica, on its stage-0 node's compute thread."""
 
     def __init__(self, stage: Stage, send: Send, max_context: int,
-                 on_prefilled: Callable[[PlanContext, Seq, bool], None] | None = None):
+                 on_prefilled: Callable[[PlanContext, Seq, bool], None] | None = None, kv_room: int | None = None):
         self.stage, self.ctx, self._send = stage, stage.ctx, send
         self.rid, self.role = stage.replica.id, stage.replica.role
         self.n_stages = len(stage.replica.stages)
@@ -182,7 +217,8 @@ class Leader:
         self.on_prefilled = on_prefilled
         self.seqs: dict[int, Seq] = {}
         self.queue: list[int] = []  # sequences not yet started, in arrival order
-        self.batch = Batcher(self.seqs, self.queue, self.n_stages)  # what goes into the next micro-batch
+        # what goes into the next micro-batch; `kv_room`: KV positions each stage holds (KV admission)
+        self.batch = Batcher(self.seqs, self.queue, self.n_stages, self.rid, max_context, kv_room)
         self.in_flight: dict[int, InFlight] = {}
         self._batch_ids = itertools.count(1)
         self.stats = {"micro_batches": 0, "rows": 0, "finished": 0, "aborted": 0}
@@ -356,6 +392,8 @@ class Leader:
         """What the gateway's router and `--status` see of this replica."""
         return {"replica": self.rid, "role": str(self.role), "queued": len(self.queue), "active": self.batch.active(),
                 "in_flight": len(self.in_flight), "max_active": MAX_ACTIVE_SEQS, **self.stats,
+                "kv_room": self.batch.kv_room, "kv_held": self.batch.kv_held, "kv_peak": self.batch.kv_peak,
+                "kv_waits": self.batch.kv_waits,
                 "handoffs": list(self.handoffs), **({"spec": self.verifier.load()} if self.verifier else {})}
 
 
@@ -434,6 +472,15 @@ def result_tokens(sp: WireSpan, entry: list | None, block: Block | None, vocab: 
     if sp.kind is SpanKind.VERIFY and (block is None or len(toks) > sp.n or toks[:-1] != block.tokens[:len(toks) - 1]):
         return None
     return list(toks)
+
+
+def kv_charge(s: Seq, rid: int, max_context: int) -> int:
+    """KV positions `s` may hold on replica `rid`, as the stages' slots allocate them: its prompt
+    and first token where another replica decodes it; else its longest context, prompt +
+    max_tokens within the model's (+ a block of drafts a verify span writes past it)."""
+    if s.decode_rid != rid:
+        return slot_capacity(s.prompt_len + 1)
+    return slot_capacity(min(s.prompt_len + s.max_tokens + (MAX_GAMMA + 1 if s.drafter else 0), max_context))
 
 
 def is_phase(role: Role, phase: Role) -> bool:
