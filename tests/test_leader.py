@@ -208,4 +208,43 @@ def test_a_decode_replica_with_sequences_waiting_offers_no_free_slot() -> None:
     leader.batch.admit(seq(2, max_tokens=100))  # 128 + 128 > 128: waits
     leader.batch.build(None)
     balancer.publish_capacity()
-    assert [(m["free_slots"], m["queue"], m["active"]) for m in published] == [(63, 0, 1), (0, 1, 1)]
+    assert [(m["free_slots"], m["queue"], m["active"], m["kv_free"]) for m in published] == \
+        [(63, 0, 1, 0), (0, 1, 1, 0)]
+    leader.abort(1)
+    leader.batch.build(None)
+    balancer.publish_capacity()
+    assert published[-1]["kv_free"] == 0 and published[-1]["active"] == 1  # 2 runs now
+
+
+def test_a_session_moves_only_to_a_decode_replica_whose_kv_room_has_space_for_it() -> None:
+    """Session moves between decode replicas (roles/decode.py Balancer): the busier replica moves a
+    session to the idlest one with free slots only when the session's KV charge fits in the KV that
+    replica's room has left (its CAPACITY's kv_free); a replica that did not say is not limited."""
+    from meshllm.roles.decode import Balancer
+
+    reps = tuple(Replica(rid, Role.DECODE, (PlanStage(n, (0, 4)),), 1.0, 1.0, 1.0) for rid, n in ((0, "a"), (1, "b")))
+    ctx = PlanContext(1, Plan("tiny", 4, "fp32", reps, (), (), 0.0, 1.0), dict(NODES), "a")
+    sent: list[tuple[str, Message]] = []
+    leader = Leader(Stage(ctx, load_transformer("tiny", 0, 4), lambda a, m: sent.append((a, m))),
+                    lambda a, m: sent.append((a, m)), max_context=256)
+    balancer = Balancer(leader, lambda a, m: sent.append((a, m)), lambda m: None)
+    for sid in (1, 2, 3):  # 128 positions each (3 + 100 tokens)
+        s = seq(sid, max_tokens=100)
+        s.out, s.fed = [9], 3
+        leader.batch.admit(s)
+    leader.batch.build(None)
+    for s in leader.seqs.values():
+        s.busy = False
+
+    def capacity(**kv) -> None:
+        msg = make(MsgType.CAPACITY, node="b", replica=1, free_slots=60, queue=0, plan_version=1, active=0, **kv)
+        msg.src = "b"
+        balancer.on_capacity(msg)
+        balancer._checked = 0.0
+        balancer.rebalance()
+
+    capacity(kv_free=100)  # less than a session's 128: none moves
+    assert balancer.moved_out == 0 and len(leader.seqs) == 3
+    capacity(kv_free=128)
+    assert balancer.moved_out == 1 and len(leader.seqs) == 2
+    assert [m["seq"] for a, m in sent if m.type is MsgType.HANDOFF and a == NODES["b"]] == [1]

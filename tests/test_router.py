@@ -240,3 +240,18 @@ def test_the_gateway_keeps_one_router_per_set_of_ready_replicas_until_the_next_p
     assert view.route({0, 1}, 2000, 32) == (0, 1) and view.router_for(reps[:2]) is not router
     view.replan({r.id: r for r in reps}, inp, set())
     assert view.router_for(reps) is not router and view.router_for(reps).ports is view.ports
+
+
+def test_a_request_goes_to_a_replica_whose_kv_room_holds_it_while_one_can() -> None:
+    """KV admission at the gateway: a decode or mixed replica whose KV room (its leader's figure)
+    cannot hold the request's longest context is left out while another can; prefill replicas
+    and replicas whose room is not known stay; when none can hold it, all stay (it runs alone)."""
+    from meshllm.roles.route_view import kv_fit
+
+    roles = {0: "decode", 1: "prefill", 2: "decode", 3: "mixed"}
+    rooms = {0: 600_000, 2: 7461, 3: 4000}
+    assert kv_fit({0, 1, 2, 3}, roles, rooms, 8192) == {0, 1}
+    assert kv_fit({0, 1, 2, 3}, roles, rooms, 4096) == {0, 1, 2}
+    assert kv_fit({0, 1, 2, 3}, roles, rooms, 512) == {0, 1, 2, 3}
+    assert kv_fit({1, 2, 3}, roles, rooms, 8192) == {1, 2, 3}  # none holds it: unchanged
+    assert kv_fit({1, 2, 3}, roles, {2: 7461}, 8192) == {1, 3}  # 3's room is not known

@@ -366,3 +366,47 @@ def test_a_prefill_replica_feeds_a_mixed_replica(tmp_path, smollm2, smollm2_toke
         assert loads["m1"]["stage"]["kv_bytes_sent"] == 0  # a mixed replica never ships KV
     finally:
         assert s.stop() == 0
+
+
+def test_a_long_request_goes_to_the_decode_replica_whose_kv_room_holds_it(tmp_path, smollm2, smollm2_tokenizer):
+    """Two decode replicas: one node with 8 GB, and a 2-stage pipeline of faster 0.34 GB nodes
+    whose stages hold a few hundred positions of KV beside their weights (the router would
+    rather send requests there). A chat without
+    max_tokens may run to the whole 8192-token context: the gateway sends such requests only to
+    the replica whose KV room holds that (its leader's figure, from the heartbeats); the other
+    would run them one at a time."""
+    big, small = small_device("box", 8.0), small_device("half", 0.34, gbps=120.0)  # faster decode
+    nodes = [{"id": "p1", "device": big, "zone": "fog", "roles": ["prefill"]},
+             {"id": "d1", "device": big, "zone": "fog", "roles": ["decode"]},
+             {"id": "h1", "device": small, "zone": "edge", "roles": ["decode"]},
+             {"id": "h2", "device": small, "zone": "edge", "roles": ["decode"]}]
+    links = [{"zones": [a, b], "rtt_ms": rtt, "bandwidth_mbps": 1000}  # a zone apart: not one pipeline of three
+             for a, b, rtt in (("fog", "fog", 1), ("edge", "edge", 1), ("fog", "edge", 5))]
+    s = Served(write_cluster(tmp_path / "fit.yaml", nodes, links=links), tmp_path / "serve.log")
+    try:
+        plan = plan_of(s)
+        decode = {len(r["stages"]): r["stages"][0]["node"] for r in plan["replicas"] if r["role"] == "decode"}
+        assert set(decode) == {1, 2}, plan
+        rooms = mesh_loads(s, lambda ls: all("leader" in ls.get(n, {}) for n in decode.values()))
+        roomy, tight = rooms[decode[1]]["leader"], rooms[decode[2]]["leader"]
+        assert roomy["kv_room"] > 1024 > tight["kv_room"], (roomy, tight)
+        prompts = ["What is the capital of France?", "Say hello.", "What is 2+2?", "Name a color."]
+        client = openai_client(s)
+
+        def chat(p: str) -> list[int]:
+            res = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": p}],
+                                                 temperature=0, max_tokens=1000)
+            assert res.choices[0].finish_reason == "stop"
+            return res.choices[0].model_extra["token_ids"]
+
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(chat, prompts, timeout=300))
+        for p, ids in zip(prompts, got):
+            ok, why = same_up_to_tie(ids, reference(smollm2, smollm2_tokenizer, p, 200, chat=True))
+            assert ok, f"{p!r}: {why}"
+        loads = mesh_loads(s, lambda ls: ls[decode[1]]["leader"]["finished"] >= len(prompts))
+        roomy, tight = loads[decode[1]]["leader"], loads[decode[2]]["leader"]
+        assert roomy["finished"] == len(prompts) and tight["finished"] == 0 and tight["kv_waits"] == 0, (roomy, tight)
+        assert roomy["kv_peak"] >= 1024
+    finally:
+        assert s.stop() == 0

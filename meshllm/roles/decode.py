@@ -103,8 +103,9 @@ CAPACITY_TTL_S = 5.0  # a replica that stopped publishing its capacity is not a 
 
 
 class Balancer:
-    """A decode replica's leader publishes its capacity (CAPACITY on the `cap` topic) and, when it
-    carries clearly more sessions than another decode replica with free slots, moves one there:
+    """A decode replica's leader publishes its capacity (CAPACITY on the `cap` topic: free slots,
+    and the KV positions its room has left when known) and, when it carries clearly more sessions
+    than another decode replica with free slots, moves one whose KV fits there:
     each of its stages ships the session's KV (the committed positions only) to the stages of the
     other replica holding those layers, and the leader hands the session over (HANDOFF with its
     whole output). The other replica tells the session's drafter, which publishes on the new
@@ -121,16 +122,20 @@ class Balancer:
         lead = self.leader
         active = lead.batch.active()
         free = 0 if lead.queue else max(0, MAX_ACTIVE_SEQS - active)  # a queue waits for slots or KV room
+        room = lead.batch.kv_room  # KV positions not reserved (roles/leader.py), when the room is known
+        kv = {} if room is None else {"kv_free": max(0, room - lead.batch.kv_held)}
         self._publish(make(MsgType.CAPACITY, node=lead.stage.ctx.me, replica=lead.rid,
                            free_slots=free, queue=len(lead.queue),
-                           plan_version=lead.ctx.version, active=active))
+                           plan_version=lead.ctx.version, active=active, **kv))
 
     def on_capacity(self, msg: Message) -> None:
         rid, ctx = msg["replica"], self.leader.ctx
         if rid != self.leader.rid and ctx.has_replica(rid) and ctx.replica(rid).role == Role.DECODE \
                 and msg["node"] == msg.src == ctx.replica(rid).stages[0].node:  # from that replica's leader
-            active = msg.fields.get("active")
-            self.peers[rid] = (time.monotonic(), max(0, active) if isinstance(active, int) else 0, msg["free_slots"])
+            active, kv = msg.fields.get("active"), msg.fields.get("kv_free")
+            kv = kv if isinstance(kv, int) and not isinstance(kv, bool) else None
+            self.peers[rid] = (time.monotonic(), max(0, active) if isinstance(active, int) else 0,
+                               msg["free_slots"], kv)
 
     def rebalance(self) -> None:
         now = time.monotonic()
@@ -138,17 +143,18 @@ class Balancer:
             return
         self._checked = now
         ctx = self.leader.ctx
-        live = [(active, rid, free) for rid, (at, active, free) in self.peers.items()
+        live = [(active, rid, free, kv) for rid, (at, active, free, kv) in self.peers.items()
                 if now - at < CAPACITY_TTL_S and free > 0 and ctx.has_replica(rid)
                 and all(self.alive(st.node) for st in ctx.replica(rid).stages)]
         if not live:
             return
-        active, rid, _ = min(live)
+        active, rid, free, kv = min(live, key=lambda x: x[:2])
         movable = [s for s in self.leader.seqs.values() if s.id not in self.leader.queue and not s.busy
-                   and not s.missing_kv and s.out]
+                   and not s.missing_kv and s.out and (kv is None or s.kv_charge <= kv)]  # its KV fits there
         if self.leader.batch.active() - active >= MIGRATE_GAP and movable:
             self.migrate(movable[0], rid)
-            self.peers[rid] = (self.peers[rid][0], active + 1, self.peers[rid][2] - 1)
+            self.peers[rid] = (self.peers[rid][0], active + 1, free - 1,
+                               None if kv is None else kv - movable[0].kv_charge)
 
     def migrate(self, s: Seq, rid: int) -> None:
         lead, ctx = self.leader, self.leader.ctx

@@ -33,9 +33,10 @@ from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig
 from meshllm.roles.context import PlanContext
 from meshllm.roles.coordinator import live_plan_inputs
+from meshllm.roles.leader import decode_charge
 from meshllm.roles.metrics import GatewayMetrics
 from meshllm.roles.model_info import ModelInfo
-from meshllm.roles.route_view import RequestError, RouterView, Stream
+from meshllm.roles.route_view import RequestError, RouterView, Stream, kv_fit
 from meshllm.sim.replica import from_plan
 
 log = logging.getLogger("meshllm.gateway")
@@ -104,6 +105,20 @@ class Gateway:
             return []
         return [r.id for r in ctx.plan.replicas if all(self.node_version(s.node) == ctx.version for s in r.stages)]
 
+    def kv_rooms(self) -> dict[int, int]:
+        """Each replica's KV room in positions, as its leader last said (its node's heartbeat, or
+        this node's own load); a replica whose leader has not said is left out."""
+        ctx, out = self.ctx, {}
+        for r in ctx.plan.replicas if ctx is not None else ():
+            node = r.stages[0].node
+            peer = self.members.get(node) if node != self.me else None
+            load = self.local_load() if node == self.me else peer.load if peer is not None else {}
+            lead = load.get("leader") if isinstance(load, dict) else None
+            room = lead.get("kv_room") if isinstance(lead, dict) and lead.get("replica") == r.id else None
+            if isinstance(room, int) and not isinstance(room, bool):
+                out[r.id] = room
+        return out
+
     def ready(self) -> bool:
         """Serving: every replica of the current plan is loaded, and so is every drafter when
         speculation is on (requests are routed to what is ready before that)."""
@@ -142,9 +157,13 @@ class Gateway:
         prefill leader. A resumed attempt's prompt is the request's prompt plus its output so
         far, and its token indices continue from there."""
         ids, left = s.prompt + s.emitted, s.n_out - len(s.emitted)
-        pre, dec = self.view.route(set(self.ready_replicas()), len(ids), left, s.settings["pin"])
         ctx, st = self.ctx, s.settings
         drafter = self.pick_drafter() if st["mode"] != "off" else ""
+        ready = set(self.ready_replicas())
+        if st["pin"] is None:  # not to a replica whose KV room cannot hold the request (roles/leader.py)
+            ready = kv_fit(ready, {r.id: str(r.role) for r in ctx.plan.replicas}, self.kv_rooms(),
+                           decode_charge(len(ids), left, bool(drafter), self.model.max_context))
+        pre, dec = self.view.route(ready, len(ids), left, st["pin"])
         seq = self._seq_prefix | next(self._seq_counter)
         s.seq, s.prefill_rid, s.decode_rid, s.drafter = seq, pre, dec, drafter
         s.offset_at_dispatch, s.pending = len(s.emitted), {}

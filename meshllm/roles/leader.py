@@ -476,11 +476,17 @@ def result_tokens(sp: WireSpan, entry: list | None, block: Block | None, vocab: 
 
 def kv_charge(s: Seq, rid: int, max_context: int) -> int:
     """KV positions `s` may hold on replica `rid`, as the stages' slots allocate them: its prompt
-    and first token where another replica decodes it; else its longest context, prompt +
-    max_tokens within the model's (+ a block of drafts a verify span writes past it)."""
+    and first token where another replica decodes it; else `decode_charge`."""
     if s.decode_rid != rid:
         return slot_capacity(s.prompt_len + 1)
-    return slot_capacity(min(s.prompt_len + s.max_tokens + (MAX_GAMMA + 1 if s.drafter else 0), max_context))
+    return decode_charge(s.prompt_len, s.max_tokens, bool(s.drafter), max_context)
+
+
+def decode_charge(prompt_len: int, max_tokens: int, drafted: bool, max_context: int) -> int:
+    """KV positions a sequence decoded on a replica may come to, as its slots allocate them: its
+    longest context, prompt + max_tokens within the model's (+ a block of drafts that a verify
+    span writes past it)."""
+    return slot_capacity(min(prompt_len + max_tokens + (MAX_GAMMA + 1 if drafted else 0), max_context))
 
 
 def is_phase(role: Role, phase: Role) -> bool:

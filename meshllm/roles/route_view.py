@@ -58,6 +58,14 @@ class Stream:
     drafter: str = ""
 
 
+def kv_fit(ready: set[int], roles: dict[int, str], rooms: dict[int, int], positions: int) -> set[int]:
+    """The ready replicas to route a request among whose decode needs `positions` KV positions: a
+    decode or mixed replica whose KV room (as its leader said) cannot hold that is left out while
+    another decode or mixed replica can (there it would wait for the whole room, then run alone)."""
+    fits = {rid for rid in ready if roles.get(rid) not in DECODE_TARGETS or rooms.get(rid, positions) >= positions}
+    return fits if any(roles.get(rid) in DECODE_TARGETS for rid in fits) else ready
+
+
 class RouterView:
     """What the gateway's router knows of the plan's replicas: their timing (`reps`), what this
     gateway has in flight on each (`loads`, kept by `book`), and the KV it has shipped between
