@@ -25,7 +25,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from meshllm.defaults import served_name
+from meshllm.defaults import DECODE_TARGETS, served_name
 from meshllm.mesh.fields import check_int_list, check_seq, sampling_map
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
@@ -119,6 +119,29 @@ class Gateway:
                 out[r.id] = room
         return out
 
+    def kv_left(self) -> dict[int, int]:
+        """Each replica's KV room less what this gateway's requests decoding there may come to (a
+        replica holding none of them: its whole room)."""
+        with self._lock:
+            held = Counter()
+            for st in self._streams.values():
+                held[st.decode_rid] += st.kv_charge
+        return {rid: room - held[rid] for rid, room in self.kv_rooms().items()}
+
+    def kv_room_for(self, s: Stream) -> bool:
+        """May `s` be dispatched now: some ready decode (or mixed) replica has KV room left for it, or
+        holds none of this gateway's requests (one larger than a whole room runs there alone), or
+        none says its room (no limit known)."""
+        ctx = self.ctx
+        if ctx is None or s.settings["pin"] is not None:
+            return True
+        left, rooms, ready = self.kv_left(), self.kv_rooms(), set(self.ready_replicas())
+        charge = decode_charge(len(s.prompt) + len(s.emitted), s.n_out - len(s.emitted), False,
+                               self.model.max_context)
+        targets = [r.id for r in ctx.plan.replicas if r.id in ready and str(r.role) in DECODE_TARGETS]
+        return not targets or any(rid not in left or left[rid] >= charge or left[rid] == rooms[rid]
+                                  for rid in targets)
+
     def ready(self) -> bool:
         """Serving: every replica of the current plan is loaded, and so is every drafter when
         speculation is on (requests are routed to what is ready before that)."""
@@ -141,6 +164,11 @@ class Gateway:
         s = Stream(0, asyncio.get_running_loop(), asyncio.Queue(), set(), -1, -1, len(ids), max_tokens,
                    prompt=list(ids), settings=settings)
         self.metrics.started(len(ids))
+        while not self.kv_room_for(s):  # back-pressure: every decode replica's KV room is taken by this
+            if self.closing:            # gateway's requests; it waits here, not on a replica's stages
+                self.metrics.finished("error")
+                raise RequestError(self.closing, "shutting_down")
+            await asyncio.sleep(RESUME_POLL_S)
         deadline = time.monotonic() + READY_WAIT_S * self.time_scale
         while True:  # a mesh that is re-planning (a node died) gets a moment before a 503
             try:
@@ -160,9 +188,9 @@ class Gateway:
         ctx, st = self.ctx, s.settings
         drafter = self.pick_drafter() if st["mode"] != "off" else ""
         ready = set(self.ready_replicas())
-        if st["pin"] is None:  # not to a replica whose KV room cannot hold the request (roles/leader.py)
-            ready = kv_fit(ready, {r.id: str(r.role) for r in ctx.plan.replicas}, self.kv_rooms(),
-                           decode_charge(len(ids), left, bool(drafter), self.model.max_context))
+        s.kv_charge = decode_charge(len(ids), left, bool(drafter), self.model.max_context)
+        if st["pin"] is None:  # not to a replica whose KV room left cannot hold the request (roles/leader.py)
+            ready = kv_fit(ready, {r.id: str(r.role) for r in ctx.plan.replicas}, self.kv_left(), s.kv_charge)
         pre, dec = self.view.route(ready, len(ids), left, st["pin"])
         seq = self._seq_prefix | next(self._seq_counter)
         s.seq, s.prefill_rid, s.decode_rid, s.drafter = seq, pre, dec, drafter

@@ -56,6 +56,7 @@ class Stream:
     queue_ms: float = 0.0
     spec: dict | None = None  # the session's acceptance figures (speculative decoding)
     drafter: str = ""
+    kv_charge: int = 0  # KV positions its attempt may come to on its decode replica (roles/leader.py)
 
 
 def kv_fit(ready: set[int], roles: dict[int, str], rooms: dict[int, int], positions: int) -> set[int]:
