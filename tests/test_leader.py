@@ -10,8 +10,9 @@ from meshllm.engine.weights import load_transformer
 from meshllm.mesh.protocol import Message, MsgType, SpanKind, make
 from meshllm.partition.plan import Plan, Replica
 from meshllm.partition.plan import Stage as PlanStage
+from meshllm.roles.batcher import TOKEN_BUDGET, Seq
 from meshllm.roles.context import PlanContext
-from meshllm.roles.leader import TOKEN_BUDGET, Leader, Seq
+from meshllm.roles.leader import Leader
 from meshllm.roles.stage import Stage
 
 NODES = {"a": "127.0.0.1:7001", "b": "127.0.0.1:7003", "gw": "127.0.0.1:7005"}

@@ -163,7 +163,7 @@ def test_cache_grows_past_initial_capacity(tiny_model):
 def test_a_slot_holds_its_ladder_capacity_whatever_path_it_grew_by():
     """A slot's capacity is `slot_capacity` of the positions it holds, however it got there (a
     whole prompt, chunks, one token at a time): the KV the leader charges a sequence for its
-    longest context is what its slot can come to (roles/leader.py kv_charge)."""
+    longest context is what its slot can come to (roles/batcher.py kv_charge)."""
     c = KVCache(0, 2, 2, 4)
     for seq, chunks in ((0, [1200]), (1, [700, 300, 200]), (2, [1030] + [1] * 170)):
         c.allocate(seq, capacity=chunks[0])

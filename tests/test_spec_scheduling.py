@@ -11,9 +11,10 @@ import torch
 from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import AcceptanceStats
+from meshllm.roles.batcher import Seq
 from meshllm.roles.branches import Branch
 from meshllm.roles.drafter import Drafter, OutBlock, Session
-from meshllm.roles.leader import Seq, block_counts, kept
+from meshllm.roles.leader import block_counts, kept
 from meshllm.roles.pacer import Pacer
 from meshllm.roles.verifier import Block, Verifier
 from meshllm.shapes import ModelArgs

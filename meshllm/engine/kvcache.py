@@ -4,7 +4,7 @@ Each sequence id owns one slot: K and V buffers of shape
 (n_local_layers, n_kv_heads, capacity, head_dim) whose capacity is `slot_capacity` of the
 positions they must hold: doubling up to LADDER_DOUBLE_UNTIL positions, then in steps of
 LADDER_STEP, so a slot never holds much more than its sequence needs (the leader's KV
-admission, roles/leader.py, charges each sequence that capacity). A slot
+admission, roles/batcher.py, charges each sequence that capacity). A slot
 records how many positions are *committed*; a forward pass writes positions
 [start_pos, start_pos + n) and commits them at the end of the pass.
 

@@ -123,7 +123,7 @@ def memory_cap_layers(mc: ModelCosts, dev: DeviceProfile, first: bool, last: boo
 def kv_room_tokens(mc: ModelCosts, dev: DeviceProfile, layers: tuple[int, int], token_bytes: float) -> int:
     """Positions of KV a stage holding layers [a, b) on `dev` keeps beside its weights, by the memory
     model the plan was made with; `token_bytes`: the KV of one position over those layers as the
-    stage's cache holds it (the live leader's KV admission, roles/leader.py)."""
+    stage's cache holds it (the live leader's KV admission, roles/batcher.py)."""
     a, b = layers
     free = dev.memory_bytes - mc.stage_weight_bytes(b - a, a == 0, b == mc.n_layers)
     return max(0, int(free // token_bytes))

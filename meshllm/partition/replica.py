@@ -33,7 +33,7 @@ from meshllm.partition.dp import Infeasible, Member, Net, Split, Splitter, Workp
 from meshllm.partition.steps import decode_step_s, free_chunk_tokens, pipe_arrays, prefill_stage_s
 
 # sequences a replica decodes concurrently at most, where their KV fits (vLLM's default max_num_seqs), in
-# the planner and the simulator; the live leader admits MAX_ACTIVE_SEQS (roles/leader.py: its CPU
+# the planner and the simulator; the live leader admits MAX_ACTIVE_SEQS (roles/batcher.py: its CPU
 # micro-batches hold TOKEN_BUDGET rows) and the live router counts the smaller of the two
 MAX_DECODE_BATCH = 256
 DECODE_REF_BATCH = 16  # batch the DP's decode split is optimised for

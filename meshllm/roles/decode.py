@@ -14,7 +14,8 @@ from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import extend_hash
 from meshllm.mesh.fields import check_address, check_int_list, check_sampling, check_seq, sampling_map
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
-from meshllm.roles.leader import MAX_ACTIVE_SEQS, Leader, Seq
+from meshllm.roles.batcher import MAX_ACTIVE_SEQS, Seq
+from meshllm.roles.leader import Leader
 
 log = logging.getLogger("meshllm.decode")
 
@@ -122,7 +123,7 @@ class Balancer:
         lead = self.leader
         active = lead.batch.active()
         free = 0 if lead.queue else max(0, MAX_ACTIVE_SEQS - active)  # a queue waits for slots or KV room
-        room = lead.batch.kv_room  # KV positions not reserved (roles/leader.py), when the room is known
+        room = lead.batch.kv_room  # KV positions not reserved (roles/batcher.py), when the room is known
         kv = {} if room is None else {"kv_free": max(0, room - lead.batch.kv_held)}
         self._publish(make(MsgType.CAPACITY, node=lead.stage.ctx.me, replica=lead.rid,
                            free_slots=free, queue=len(lead.queue),

@@ -31,9 +31,9 @@ from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig
+from meshllm.roles.batcher import decode_charge
 from meshllm.roles.context import PlanContext
 from meshllm.roles.coordinator import live_plan_inputs
-from meshllm.roles.leader import decode_charge
 from meshllm.roles.metrics import GatewayMetrics
 from meshllm.roles.model_info import ModelInfo
 from meshllm.roles.route_view import RequestError, RouterView, Stream, kv_fit
@@ -189,7 +189,7 @@ class Gateway:
         drafter = self.pick_drafter() if st["mode"] != "off" else ""
         ready = set(self.ready_replicas())
         s.kv_charge = decode_charge(len(ids), left, bool(drafter), self.model.max_context)
-        if st["pin"] is None:  # not to a replica whose KV room left cannot hold the request (roles/leader.py)
+        if st["pin"] is None:  # not to a replica whose KV room left cannot hold the request (roles/batcher.py)
             ready = kv_fit(ready, {r.id: str(r.role) for r in ctx.plan.replicas}, self.kv_left(), s.kv_charge)
         pre, dec = self.view.route(ready, len(ids), left, st["pin"])
         seq = self._seq_prefix | next(self._seq_counter)

@@ -15,8 +15,8 @@ from meshllm.defaults import DECODE_TARGETS
 from meshllm.engine.sampling import SamplingParams
 from meshllm.mesh.fields import check_address, check_int_list, check_sampling, check_seq, sampling_map
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
+from meshllm.roles.batcher import Seq
 from meshllm.roles.context import PlanContext
-from meshllm.roles.leader import Seq
 from meshllm.roles.stage import Send
 
 MAX_PROMPT_IDS = 1 << 20  # a prompt longer than any context is refused before it is stored

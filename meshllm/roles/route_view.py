@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshllm.defaults import DECODE_TARGETS
-from meshllm.roles.leader import MAX_ACTIVE_SEQS
+from meshllm.roles.batcher import MAX_ACTIVE_SEQS
 from meshllm.sim.ports import PortBook
 from meshllm.sim.replica import SimReplica
 from meshllm.sim.router import ReplicaLoad, Router
@@ -56,7 +56,7 @@ class Stream:
     queue_ms: float = 0.0
     spec: dict | None = None  # the session's acceptance figures (speculative decoding)
     drafter: str = ""
-    kv_charge: int = 0  # KV positions its attempt may come to on its decode replica (roles/leader.py)
+    kv_charge: int = 0  # KV positions its attempt may come to on its decode replica (roles/batcher.py)
 
 
 def kv_fit(ready: set[int], roles: dict[int, str], rooms: dict[int, int], positions: int) -> set[int]:

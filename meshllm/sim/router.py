@@ -54,7 +54,7 @@ PROMPT_AGING_TOKENS_PER_S = 1000.0  # see prompt_priority
 
 
 def prompt_priority(tokens_left: int, waited_s: float) -> float:
-    """The order in which a replica takes its queued prompts (the simulator and roles/leader.py):
+    """The order in which a replica takes its queued prompts (the simulator and roles/batcher.py):
     lowest first. Fewest prompt tokens left first, so a short prompt does not queue behind a long
     one (shortest-first minimises the mean wait), with aging: every second a prompt has waited
     counts as PROMPT_AGING_TOKENS_PER_S tokens fewer, so a long prompt is never starved. On

@@ -6,7 +6,7 @@
   request for a prefill replica gets its decode replica on arrival too, and counts in that
   replica's load from then on (so that requests routed meanwhile do not all pick it).
 - A replica takes its queued prompts fewest tokens first, with aging (router.prompt_priority,
-  the order roles/leader.py gives its prompt chunks).
+  the order roles/batcher.py gives its prompt chunks).
 - Prefill replicas are pipelines: a prompt may enter every `occupancy` seconds (the slowest
   stage or link); it then runs stage by stage, and its activations cross each link as a real
   transfer on the ports (ports.py: full duplex, shared zone links), so they queue behind KV

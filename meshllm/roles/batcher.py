@@ -1,0 +1,198 @@
+"""What goes into a replica's next micro-batch, and which queued sequences start (roles/leader.py
+launches it): the sequences (`Seq`), the micro-batches in flight (`InFlight`) and the `Batcher`.
+
+Every sequence ready to decode gets one row (a drafted one, its block to verify), then prompt
+chunks fill the token budget (chunked prefill, so a long prompt never stalls running decodes),
+fewest prompt tokens left first with aging (sim/router.prompt_priority, as the simulator orders
+them).
+
+KV admission: a queued sequence starts only while the replica's stages have room for its KV
+(`kv_charge`: the slot its longest context needs, prompt + max_tokens within the model's
+context; a prefill replica's only its prompt), counted against `kv_room`, the fewest positions
+any stage of the replica holds beside its weights (roles/context.py kv_room, from the devices'
+profiles). The queue is first come, first served; a sequence that needs more than the whole
+room runs alone. Without it a small device decoding many long generations would run out of
+memory (TGI's way: reserve the most a request may take, at admission).
+The gateway applies the same charge before it sends a request (roles/gateway.py kv_room_for),
+since a decode replica receives a prompt's KV before the sequence starts here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from meshllm.config import MAX_GAMMA
+from meshllm.engine.kvcache import slot_capacity
+from meshllm.engine.sampling import SamplingParams
+from meshllm.engine.speculative import AcceptanceStats
+from meshllm.mesh.protocol import SpanKind, WireSpan
+from meshllm.roles.verifier import WAIT, Block, Verifier
+from meshllm.sim.router import prompt_priority
+
+log = logging.getLogger("meshllm.leader")
+
+TOKEN_BUDGET = 256  # rows per micro-batch, decodes first, then prompt chunks (chunked prefill)
+MAX_ACTIVE_SEQS = 64  # sequences a replica decodes at once; more wait in its queue
+
+
+@dataclass
+class Seq:
+    id: int
+    prompt: list[int]  # tokens still to prefill here ([] for a handed-off sequence)
+    prompt_len: int
+    max_tokens: int
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    gateway: str  # address of the gateway that streams its tokens
+    decode_rid: int  # replica that decodes it (this one when mixed)
+    out: list[int] = field(default_factory=list)  # output tokens so far (of this attempt)
+    offset: int = 0  # output tokens before this attempt (a request resumed after a failure)
+    fed: int = 0  # positions sent into the pipeline
+    busy: bool = False  # a span whose logits we need is in flight
+    missing_kv: set[str] = field(default_factory=set)  # decode: stages that have not acknowledged KV
+    arrived: float = field(default_factory=time.monotonic)
+    queued_s: float = 0.0  # time waiting to be scheduled, reported to the gateway
+    launched: float | None = None  # monotonic time its first prompt chunk entered the pipeline
+    prefill_s: float = 0.0  # prompt in -> first token out (prefill replicas), for the handoff figures
+    prefilled_at: float | None = None  # decode replicas: when the prefill replica had the first token
+    drafter: str = ""  # node drafting for it ("" without speculation)
+    hash: int = 0  # hash of `out` (engine/speculative.py): which drafts were drafted after it
+    spec: AcceptanceStats = field(default_factory=AcceptanceStats)
+    waiting_since: float | None = None  # ready, waiting for its drafter's block since
+    last_block_at: float | None = None
+    block_interval_s: float | None = None
+    kv_charge: int = 0  # KV positions reserved for it on every stage while it runs (Batcher.admit)
+    kv_waited: bool = False  # it waited in the queue for KV room
+
+    @property
+    def context(self) -> int:
+        return self.prompt_len + len(self.out)
+
+    def ready_to_decode(self) -> bool:
+        return not self.busy and not self.missing_kv and self.out and self.fed == self.context - 1
+
+    def next_chunk(self, budget: int) -> list[int]:
+        return self.prompt[self.fed:self.fed + budget] if self.fed < self.prompt_len else []
+
+
+@dataclass
+class InFlight:
+    spans: list[WireSpan]
+    sent: float
+    blocks: dict[int, Block] = field(default_factory=dict)  # VERIFY spans: seq -> its block
+
+
+class Batcher:
+    """The leader's scheduling policy: what goes into its replica's next micro-batch. Every
+    sequence ready to decode gets one row (a drafted one, its block to verify), spread over as
+    many micro-batches as the pipeline has stages; then prompt chunks fill the TOKEN_BUDGET,
+    fewest prompt tokens left first with aging. It works on the leader's sequence table and
+    queue (the same objects)."""
+
+    def __init__(self, seqs: dict[int, Seq], queue: list[int], n_stages: int, rid: int = 0,
+                 max_context: int = 1 << 30, kv_room: int | None = None):
+        self.seqs, self.queue, self.n_stages = seqs, queue, n_stages
+        self.rid, self.max_context = rid, max_context
+        self.kv_room = kv_room  # KV positions every stage holds (None: not known, no KV limit)
+        self.kv_held = 0  # positions reserved by the running sequences
+        self.kv_waits = 0  # sequences that waited for KV room
+        self.kv_peak = 0  # most positions reserved at once
+
+    def admit(self, s: Seq) -> None:
+        s.kv_charge = kv_charge(s, self.rid, self.max_context)
+        self.seqs[s.id] = s
+        self.queue.append(s.id)
+
+    def active(self) -> int:
+        return sum(1 for s in self.seqs.values() if s.id not in self.queue)
+
+    def build(self, verifier: Verifier | None) -> tuple[InFlight, list[int]]:
+        """The next micro-batch's spans and token ids (empty when nothing is ready); `verifier`:
+        the replica's, if it verifies drafts."""
+        fl, ids = InFlight([], time.monotonic()), []
+        self._start_queued()
+        ready = [s for s in self.seqs.values() if s.id not in self.queue and s.ready_to_decode()]
+        if verifier is not None:  # oldest draft blocks first; plain steps (key 0) before them
+            ready.sort(key=lambda s: verifier.oldest(s) if s.drafter else 0.0)
+        per_batch = max(1, math.ceil(len(ready) / self.n_stages))  # spread over the pipeline
+        for s in ready:
+            if len(fl.spans) >= per_batch or len(ids) >= TOKEN_BUDGET:
+                break
+            block = verifier.take(s, fl.sent, len(fl.blocks)) if s.drafter and verifier else None
+            if block is WAIT:
+                continue
+            tokens = [s.out[-1]] + (block.tokens if block else [])
+            fl.spans.append(span_of(s, len(tokens), SpanKind.VERIFY if block else SpanKind.DECODE))
+            if block:
+                fl.blocks[s.id] = block
+            ids.extend(tokens)
+            s.busy, s.fed = True, s.fed + len(tokens)
+        budget = TOKEN_BUDGET - len(ids)
+        for s in self._prompts(fl.sent):
+            chunk = s.next_chunk(budget)
+            if not chunk:
+                continue
+            if s.launched is None:
+                s.launched = time.monotonic()
+            last = s.fed + len(chunk) == s.prompt_len
+            fl.spans.append(span_of(s, len(chunk), SpanKind.PREFILL_LAST if last else SpanKind.PREFILL))
+            ids.extend(chunk)
+            s.fed += len(chunk)
+            s.busy = last
+            budget -= len(chunk)
+            if budget <= 0:
+                break
+        return fl, ids
+
+    def _prompts(self, now: float) -> list[Seq]:
+        """Running sequences with prompt tokens left, in the order they get the step's prompt budget
+        (the simulator's order: sim/router.prompt_priority)."""
+        todo = [s for s in self.seqs.values() if s.fed < s.prompt_len and not s.busy and s.id not in self.queue]
+        return sorted(todo, key=lambda s: prompt_priority(s.prompt_len - s.fed, now - s.arrived))
+
+    def _start_queued(self) -> None:
+        """Move queued sequences into the running set, in arrival order, while there is room: a
+        slot of MAX_ACTIVE_SEQS and, when the replica's KV room is known, room for the sequence's
+        KV beside what the running ones reserve (one that needs more than all of it runs alone)."""
+        now = time.monotonic()
+        queued = set(self.queue)
+        running = [s for s in self.seqs.values() if s.id not in queued]
+        n, held = len(running), sum(s.kv_charge for s in running)
+        while self.queue and n < MAX_ACTIVE_SEQS:
+            s = self.seqs[self.queue[0]]
+            if self.kv_room is not None and n and held + s.kv_charge > self.kv_room:
+                if not s.kv_waited:
+                    s.kv_waited = True
+                    self.kv_waits += 1
+                break
+            if self.kv_room is not None and s.kv_charge > self.kv_room:
+                log.warning("replica %d: sequence %d needs %d positions of KV, more than the %d its stages "
+                            "hold beside their weights: it runs alone", self.rid, s.id, s.kv_charge, self.kv_room)
+            self.queue.pop(0)
+            s.queued_s += now - s.arrived
+            n, held = n + 1, held + s.kv_charge
+        self.kv_held, self.kv_peak = held, max(self.kv_peak, held)
+
+
+def span_of(s: Seq, n: int, kind: SpanKind) -> WireSpan:
+    p = s.params
+    return WireSpan(s.id, s.fed, n, kind, s.offset + len(s.out), p.temperature, p.top_k, p.top_p, s.seed)
+
+
+def kv_charge(s: Seq, rid: int, max_context: int) -> int:
+    """KV positions `s` may hold on replica `rid`, as the stages' slots allocate them: its prompt
+    and first token where another replica decodes it; else `decode_charge`."""
+    if s.decode_rid != rid:
+        return slot_capacity(s.prompt_len + 1)
+    return decode_charge(s.prompt_len, s.max_tokens, bool(s.drafter), max_context)
+
+
+def decode_charge(prompt_len: int, max_tokens: int, drafted: bool, max_context: int) -> int:
+    """KV positions a sequence decoded on a replica may come to, as its slots allocate them: its
+    longest context, prompt + max_tokens within the model's (+ a block of drafts that a verify
+    span writes past it)."""
+    return slot_capacity(min(prompt_len + max_tokens + (MAX_GAMMA + 1 if drafted else 0), max_context))
