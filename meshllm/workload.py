@@ -295,6 +295,11 @@ def serving_figures(nodes: dict, plan: dict, outs: list) -> dict[str, Any]:
             "decode_prompt_tokens_computed": recomputed}
 
 
+def half_open(layers: Any) -> str:
+    """A stage's layer range as the plan means it, `[a, b)`; `-` for a node without layers."""
+    return f"[{layers[0]}, {layers[1]})" if isinstance(layers, (list, tuple)) and len(layers) == 2 else "-"
+
+
 def format_report(r: dict[str, Any]) -> str:
     """Readable `--cluster` output: each prompt's text, then a small metrics table."""
     lines = []
@@ -310,7 +315,7 @@ def format_report(r: dict[str, Any]) -> str:
             ("queue wait mean (ms)", f"{m['queue_wait_ms_mean']}")]
     if m.get("acceptance_rate") is not None:
         rows.append(("acceptance rate / mean length", f"{m['acceptance_rate']} / {m['mean_acceptance_length']}"))
-    rows += [(f"node {k} {','.join(v['roles']) or '-'} layers {v['layers'] or '-'}", f"{v['rss_mb']} MB")
+    rows += [(f"node {k} {','.join(v['roles']) or '-'} layers {half_open(v['layers'])}", f"{v['rss_mb']} MB")
              for k, v in m.get("nodes", {}).items()]
     rows += fault_rows(r.get("faults") or [], m)
     width = max(len(a) for a, _ in rows)

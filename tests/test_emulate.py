@@ -280,6 +280,11 @@ def test_the_readable_report_names_the_faults_and_what_clients_saw() -> None:
     assert any(ln.startswith("resumed requests / recovery gap max") and ln.endswith("5 / 3720.5") for ln in lines)
     plain = format_report({"results": [], "metrics": m}).splitlines()
     assert not any("fault" in ln or "resumed" in ln for ln in plain)  # a run without faults: no such rows
+    m["nodes"] = {"fog-3": {"roles": ["decode"], "layers": [0, 19], "rss_mb": 742.5},
+                  "edge-1": {"roles": ["drafter"], "layers": None, "rss_mb": 524.3}}
+    rows = format_report({"results": [], "metrics": m}).splitlines()  # half-open, as the plan and --status
+    assert any(ln.startswith("node fog-3 decode layers [0, 19)") for ln in rows), rows
+    assert any(ln.startswith("node edge-1 drafter layers -") for ln in rows), rows
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
