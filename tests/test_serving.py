@@ -210,6 +210,12 @@ def test_continuous_batching_short_request_overtakes_a_long_one(disagg):
     ({"model": "smollm2-135m", "prompt": "hi", "logprobs": 3}, 400, "unsupported_parameter"),
     ({"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}],
       "response_format": {"type": "json_object"}}, 400, "unsupported_parameter"),
+    ({"model": "smollm2-135m", "prompt": "hi", "min_tokens": 8}, 400, "unsupported_parameter"),
+    # and fields it does not know at all (a typo, another server's extension) are named, not dropped
+    ({"model": "smollm2-135m", "prompt": "hi", "max_token": 4}, 400, "unknown_parameter"),
+    ({"model": "smollm2-135m", "prompt": "hi", "stop_token_ids": [13]}, 400, "unknown_parameter"),
+    ({"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}, 400,
+     "unknown_parameter"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 4, "max_completion_tokens": 5}, 400, "invalid_value"),
     ({"model": "smollm2-135m", "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "invalid_value"),
 ])
@@ -225,6 +231,29 @@ def test_bad_input_is_a_4xx_and_the_mesh_keeps_serving(disagg, body, status, cod
     assert same_up_to_tie(ok["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, "The sky is", 12))[0]
 
 
+def test_an_unknown_field_is_named_in_the_400():
+    """vLLM's `stop_token_ids` or a typo such as `max_token` were dropped silently: the request ran
+    as if they were not there. The 400 names them, and a chat body with `prompt` says why."""
+    from types import SimpleNamespace
+
+    from meshllm.roles.api_params import ApiError, parse_params
+
+    gw = SimpleNamespace(model_name="m", model=SimpleNamespace(tokenizer=None, error="no tokenizer in this test"))
+    for body, chat, msg in [({"model": "m", "prompt": "hi", "max_token": 4, "stop_token_ids": [2]}, False,
+                             "unrecognized request arguments: 'max_token', 'stop_token_ids'"),
+                            ({"model": "m", "messages": [], "prompt": "hi"}, True,
+                             "unrecognized request argument: 'prompt' (chat takes 'messages')"),
+                            ({"model": "m", "messages": []}, False,
+                             "unrecognized request argument: 'messages' (/v1/completions takes 'prompt')")]:
+        with pytest.raises(ApiError) as e:
+            parse_params(body, gw, chat=chat)
+        assert (e.value.status, e.value.code, str(e.value)) == (400, "unknown_parameter", msg)
+    with pytest.raises(ApiError) as e:  # what it may carry goes past that check (to the tokenizer's 503 here)
+        parse_params({"model": "m", "prompt": "hi", "user": "u", "metadata": {}, "store": False,
+                      "service_tier": "auto", "min_tokens": 0}, gw, chat=False)
+    assert e.value.status == 503
+
+
 def test_openai_fields_at_their_no_op_values_max_completion_tokens_and_the_usage_chunk(disagg):
     """What current OpenAI clients send, through the official client: max_completion_tokens
     (chat's name for max_tokens: ignored, a chat ran to the end of the context), the developer
@@ -236,7 +265,9 @@ def test_openai_fields_at_their_no_op_values_max_completion_tokens_and_the_usage
     res = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0,
                                          max_completion_tokens=5, presence_penalty=0, frequency_penalty=0.0,
                                          response_format={"type": "text"}, user="tenant-1",
-                                         extra_body={"n": None, "stop": None, "logprobs": False})
+                                         metadata={"app": "t"}, store=False, parallel_tool_calls=True,
+                                         extra_body={"n": None, "stop": None, "logprobs": False, "min_tokens": 0,
+                                                     "repetition_penalty": 1.0})
     assert res.usage.completion_tokens <= 5, res
     chunks = list(client.completions.create(model="smollm2-135m", prompt="The sky is", max_tokens=6, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))

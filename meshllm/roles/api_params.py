@@ -23,7 +23,18 @@ NO_OP = {
     "echo": lambda v: v in (None, False), "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
     "tools": lambda v: not v, "functions": lambda v: not v, "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"), "response_format": lambda v: v in (None, {"type": "text"}),
+    "parallel_tool_calls": lambda v: True, "modalities": lambda v: v in (None, ["text"]), "audio": lambda v: v is None,
+    "prediction": lambda v: v is None, "reasoning_effort": lambda v: v is None, "verbosity": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    # vLLM's sampling extensions, at their defaults
+    "min_tokens": lambda v: v in (None, 0), "ignore_eos": lambda v: v in (None, False),
+    "repetition_penalty": lambda v: v in (None, 1), "min_p": lambda v: v in (None, 0),
 }
+# what a request may carry that asks nothing of the output (OpenAI's bookkeeping), taken and dropped
+BOOKKEEPING = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+# the fields read here, besides the prompt ("prompt" for /v1/completions, "messages" for chat)
+READ = {"model", "max_tokens", "max_completion_tokens", "n", "stop", "stream", "stream_options", "temperature",
+        "top_p", "top_k", "seed", "meshllm"}
 
 
 class ApiError(Exception):
@@ -74,6 +85,12 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
     if model != gw.model_name:
         raise ApiError(404, f"model {model!r} is not served here; this mesh serves {gw.model_name!r}", "model",
                        "model_not_found")
+    unknown = sorted(set(body) - READ - BOOKKEEPING - set(NO_OP) - {"messages" if chat else "prompt"}, key=str)
+    if unknown:  # a typo, or another server's extension: ignoring it would not give what was asked
+        hint = (" (chat takes 'messages')" if "prompt" in unknown else
+                " (/v1/completions takes 'prompt')" if "messages" in unknown else "")
+        raise ApiError(400, f"unrecognized request argument{'s' * (len(unknown) > 1)}: "
+                            f"{', '.join(repr(k) for k in unknown[:8])}{hint}", unknown[0], "unknown_parameter")
     if gw.model.tokenizer is None:  # a gateway without the model file, its header not fetched yet
         raise ApiError(503, f"this gateway has no tokenizer yet: {gw.model.error}", None, "unavailable")
     ids = _chat_ids(body, gw) if chat else _prompt_ids(body, gw)
