@@ -48,11 +48,14 @@ def disagg(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipes(tmp_path_factory):
-    """A 2-stage prefill replica and a 3-stage decode replica with different layer splits."""
+    """A 2-stage prefill replica and a 3-stage decode replica with different layer splits; two
+    gateways (a1's, the one the tests use, and b1's)."""
     d = tmp_path_factory.mktemp("pipes")
     pre, dec = small_device("half", 0.34), small_device("third", 0.26)
-    nodes = [{"id": f"a{i}", "device": pre, "zone": "fog", "roles": ["prefill"]} for i in (1, 2)]
-    nodes += [{"id": f"b{i}", "device": dec, "zone": "fog", "roles": ["decode"]} for i in (1, 2, 3)]
+    nodes = [{"id": f"a{i}", "device": pre, "zone": "fog", "roles": ["prefill"] + ["gateway"] * (i == 1)}
+             for i in (1, 2)]
+    nodes += [{"id": f"b{i}", "device": dec, "zone": "fog", "roles": ["decode"] + ["gateway"] * (i == 1)}
+              for i in (1, 2, 3)]
     s = Served(write_cluster(d / "pipes.yaml", nodes), d / "serve.log")
     yield s
     assert s.stop() == 0, s.log.read_text()[-2000:]
@@ -107,6 +110,62 @@ def test_eight_concurrent_openai_requests_equal_the_reference(mesh, request, smo
         lead = mesh_loads(served)[decode["stages"][0]["node"]]["leader"]
         assert 0 < lead["kv_room"] < 512 and lead["kv_waits"] == 0, lead
         assert lead["kv_peak"] <= 512, lead  # a long one's slot, alone
+
+
+def test_two_gateways_count_each_other_s_kv_claims(pipes, smollm2, smollm2_tokenizer):
+    """Each gateway held requests back only against its own requests' KV charges, so two gateways
+    could together send a decode replica more than its room (the prompts' KV then waits on its
+    stages). A long request through a1's gateway takes the whole room of the 3-stage decode
+    replica (a 512-position slot; the room is ~336): once b1's gateway has heard a1's claim (a1's
+    heartbeats), b1 holds a short request back until the long one ends, and no sequence waits at
+    the decode leader."""
+    import copy
+    import re
+
+    other = copy.copy(pipes)
+    other.url = re.search(r"meshllm: another gateway on (http://\S+)", pipes.log.read_text()).group(1)
+    decode = next(r for r in plan_of(pipes)["replicas"] if r["role"] == "decode")
+    lead_node = decode["stages"][0]["node"]
+    before = mesh_loads(pipes)[lead_node]["leader"]
+    long_req = {"model": "smollm2-135m", "prompt": "Count from one to two hundred: 1, 2, 3, 4,", "max_tokens": 260,
+                "temperature": 0}
+    with cf.ThreadPoolExecutor(1) as pool:
+        long_fut = pool.submit(pipes.post, "/v1/completions", long_req, 300)
+        a1 = mesh_loads(other, lambda ls: (ls["a1"].get("gateway") or {}).get("kv_claims"), timeout_s=30)["a1"]
+        assert a1["gateway"]["kv_claims"] == [[decode["id"], 512]], a1["gateway"]
+        code, short = other.post("/v1/completions", {"model": "smollm2-135m", "prompt": "The sky is", "max_tokens": 8,
+                                                     "temperature": 0}, 300)
+        assert code == 200 and long_fut.done(), short  # it waited for the long one's room
+        code, long_out = long_fut.result(timeout=300)
+    assert code == 200
+    for prompt, n, out in ((long_req["prompt"], 260, long_out), ("The sky is", 8, short)):
+        ok, why = same_up_to_tie(out["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, prompt, n))
+        assert ok, f"{prompt!r}: {why}"
+    after = mesh_loads(pipes, lambda ls: ls[lead_node]["leader"]["finished"] >= before["finished"] + 2)[lead_node]
+    after = after["leader"]
+    assert after["finished"] >= before["finished"] + 2 and after["kv_waits"] == before["kv_waits"], (before, after)
+
+
+def test_a_peer_gateway_s_claims_count_only_when_well_formed_live_and_of_this_plan():
+    """Heartbeat loads come from the network: a claim that is not [replica, positions] with small
+    whole numbers, names no replica of the plan, is of another plan version, or comes from a
+    peer not alive, counts for nothing."""
+    from types import SimpleNamespace
+
+    from meshllm.roles.gateway import MAX_CLAIM, Gateway
+
+    def peer(state: str, gw) -> SimpleNamespace:
+        return SimpleNamespace(state=SimpleNamespace(value=state), load={"gateway": gw})
+
+    good = {"plan_version": 3, "kv_claims": [[1, 500], [2, 7]]}
+    peers = [peer("alive", good), peer("suspect", good), peer("alive", {**good, "plan_version": 2}),
+             peer("alive", {"plan_version": 3, "kv_claims": [[1, -5], [1, True], [9, 5], [1, 2.5], [1, MAX_CLAIM + 1],
+                                                             "x", [1], [1, 40, 2], [1, 40]]}),
+             peer("alive", {"plan_version": 3, "kv_claims": {"1": 5}}), peer("alive", "junk")]
+    gw = SimpleNamespace(ctx=SimpleNamespace(version=3, plan=SimpleNamespace(replicas=[SimpleNamespace(id=1),
+                                                                                      SimpleNamespace(id=2)])),
+                         members=SimpleNamespace(peers=lambda: peers))
+    assert Gateway.others_claims(gw) == {1: 540, 2: 7}
 
 
 def test_sampling_is_the_references(pipes, smollm2, smollm2_tokenizer):

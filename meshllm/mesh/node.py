@@ -117,8 +117,12 @@ class Node:
         st = self.host.figures.status()
         if self.gateway is None:
             return st
+        ctx = self.gateway.ctx
         gw = {"listen": self.cfg.gateway, "in_flight": self.gateway.in_flight(),
-              "max_concurrent": self.cfg.max_concurrent}
+              "max_concurrent": self.cfg.max_concurrent,
+              # its requests' KV claims on decode replicas, which the other gateways count (roles/gateway.py)
+              "plan_version": ctx.version if ctx is not None else -1,
+              "kv_claims": sorted([rid, n] for rid, n in self.gateway.kv_claims().items())}
         return {**st, "roles": [*st["roles"], "gateway"], "load": {**st["load"], "gateway": gw}}
 
     def _pin_seeds(self) -> None:

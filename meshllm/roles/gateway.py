@@ -45,6 +45,7 @@ STALL_TIMEOUT_S = 60.0  # no token for this long (x time_scale): the attempt is 
 MAX_ATTEMPTS = 5  # a request is resumed at most 4 times (a partition may cost two re-plans)
 RESUME_WAIT_S = 60.0  # x time_scale: how long a resumed request waits for a ready replica
 RESUME_POLL_S = 0.2
+MAX_CLAIM = 1 << 40  # KV positions: a peer gateway's claim on a replica above this is malformed
 READY_WAIT_S = 15.0  # x time_scale: a new request waits this long for a ready replica, then 503
 SEND_POOL_THREADS = 1
 MAX_PENDING = 4096  # TOKENS held out of order per request (and token ids per TOKENS message)
@@ -119,13 +120,39 @@ class Gateway:
                 out[r.id] = room
         return out
 
-    def kv_left(self) -> dict[int, int]:
-        """Each replica's KV room less what this gateway's requests decoding there may come to (a
-        replica holding none of them: its whole room)."""
+    def kv_claims(self) -> dict[int, int]:
+        """What this gateway's requests may come to on each decode replica, in KV positions (its
+        heartbeats carry it, so that the other gateways count it too)."""
         with self._lock:
-            held = Counter()
+            held: Counter[int] = Counter()
             for st in self._streams.values():
-                held[st.decode_rid] += st.kv_charge
+                if st.kv_charge:
+                    held[st.decode_rid] += st.kv_charge
+        return dict(held)
+
+    def others_claims(self) -> Counter[int]:
+        """What the other live gateways' requests may come to on each decode replica of this plan,
+        as their last heartbeats said (a stale or malformed claim counts for nothing)."""
+        ctx, out = self.ctx, Counter()
+        if ctx is None:
+            return out
+        rids = {r.id for r in ctx.plan.replicas}
+        for p in self.members.peers():
+            gw = p.load.get("gateway") if p.state.value == "alive" and isinstance(p.load, dict) else None
+            if not isinstance(gw, dict) or gw.get("plan_version") != ctx.version:
+                continue
+            claims = gw.get("kv_claims")
+            for item in claims if isinstance(claims, list) else ():
+                if (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)
+                        and item[0] in rids and 0 <= item[1] <= MAX_CLAIM):
+                    out[item[0]] += item[1]
+        return out
+
+    def kv_left(self) -> dict[int, int]:
+        """Each replica's KV room less what the requests of this gateway and of the others (as their
+        heartbeats say) decoding there may come to (a replica holding none: its whole room)."""
+        held = self.others_claims()
+        held.update(self.kv_claims())
         return {rid: room - held[rid] for rid, room in self.kv_rooms().items()}
 
     def kv_room_for(self, s: Stream) -> bool:
