@@ -152,7 +152,7 @@ def test_a_peer_gateway_s_claims_count_only_when_well_formed_live_and_of_this_pl
     peer not alive, counts for nothing."""
     from types import SimpleNamespace
 
-    from meshllm.roles.gateway import MAX_CLAIM, Gateway
+    from meshllm.roles.kv_book import MAX_CLAIM, KvBook
 
     def peer(state: str, gw) -> SimpleNamespace:
         return SimpleNamespace(state=SimpleNamespace(value=state), load={"gateway": gw})
@@ -165,7 +165,7 @@ def test_a_peer_gateway_s_claims_count_only_when_well_formed_live_and_of_this_pl
     gw = SimpleNamespace(ctx=SimpleNamespace(version=3, plan=SimpleNamespace(replicas=[SimpleNamespace(id=1),
                                                                                       SimpleNamespace(id=2)])),
                          members=SimpleNamespace(peers=lambda: peers))
-    assert Gateway.others_claims(gw) == {1: 540, 2: 7}
+    assert KvBook(gw).others() == {1: 540, 2: 7}
 
 
 def test_sampling_is_the_references(pipes, smollm2, smollm2_tokenizer):

@@ -122,7 +122,7 @@ class Node:
               "max_concurrent": self.cfg.max_concurrent,
               # its requests' KV claims on decode replicas, which the other gateways count (roles/gateway.py)
               "plan_version": ctx.version if ctx is not None else -1,
-              "kv_claims": sorted([rid, n] for rid, n in self.gateway.kv_claims().items())}
+              "kv_claims": sorted([rid, n] for rid, n in self.gateway.kv.claims().items())}
         return {**st, "roles": [*st["roles"], "gateway"], "load": {**st["load"], "gateway": gw}}
 
     def _pin_seeds(self) -> None:

@@ -121,7 +121,15 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
                              or not isinstance(opts.get("include_usage", False), bool)):
         raise ApiError(400, "'stream_options' is {include_usage: bool}, with stream: true", "stream_options",
                        "invalid_value")
-    ext = body.get("meshllm") or {}
+    mode, gamma, pin, adaptive = _extension(body.get("meshllm") or {})
+    return Params(ids, min(max_tokens, gw.model.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),
+                  _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
+                  _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
+                  bool((opts or {}).get("include_usage")), mode, gamma, pin, adaptive)
+
+
+def _extension(ext: Any) -> tuple[str | None, int | None, int | None, bool | None]:
+    """The `meshllm` field: (speculation mode, gamma, decode replica, adaptive), None where not given."""
     if not isinstance(ext, dict) or set(ext) - {"speculation", "gamma", "adaptive", "decode_replica"}:
         raise ApiError(400, "'meshllm' takes speculation, gamma, adaptive and decode_replica", "meshllm",
                        "invalid_value")
@@ -133,10 +141,7 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
         raise ApiError(400, "meshllm.speculation must be async, sync or off", "meshllm.speculation", "invalid_value")
     gamma = None if ext.get("gamma") is None else _number(ext, "gamma", 4, 1, 16, integer=True)
     pin = None if ext.get("decode_replica") is None else _number(ext, "decode_replica", 0, 0, 1 << 20, integer=True)
-    return Params(ids, min(max_tokens, gw.model.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),
-                  _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
-                  _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
-                  bool((opts or {}).get("include_usage")), mode, gamma, pin, adaptive)
+    return mode, gamma, pin, adaptive
 
 
 def _prompt_ids(body: dict, gw: Gateway) -> list[int]:

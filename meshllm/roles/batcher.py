@@ -13,9 +13,9 @@ any stage of the replica holds beside its weights (roles/context.py kv_room, fro
 profiles). The queue is first come, first served; a sequence that needs more than the whole
 room runs alone. Without it a small device decoding many long generations would run out of
 memory (TGI's way: reserve the most a request may take, at admission).
-The gateway applies the same charge before it sends a request (roles/gateway.py kv_room_for),
+The gateway applies the same charge before it sends a request (roles/kv_book.py KvBook.room_for),
 since a decode replica receives a prompt's KV before the sequence starts here; the gateways
-count each other's requests by the claims their heartbeats carry (Gateway.others_claims).
+count each other's requests by the claims their heartbeats carry (KvBook.others).
 """
 
 from __future__ import annotations

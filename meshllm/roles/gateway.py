@@ -25,7 +25,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from meshllm.defaults import DECODE_TARGETS, served_name
+from meshllm.defaults import served_name
 from meshllm.mesh.fields import check_int_list, check_seq, sampling_map
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
@@ -34,6 +34,7 @@ from meshllm.node_config import NodeConfig
 from meshllm.roles.batcher import decode_charge
 from meshllm.roles.context import PlanContext
 from meshllm.roles.coordinator import live_plan_inputs
+from meshllm.roles.kv_book import KvBook
 from meshllm.roles.metrics import GatewayMetrics
 from meshllm.roles.model_info import ModelInfo
 from meshllm.roles.route_view import RequestError, RouterView, Stream, kv_fit
@@ -45,7 +46,6 @@ STALL_TIMEOUT_S = 60.0  # no token for this long (x time_scale): the attempt is 
 MAX_ATTEMPTS = 5  # a request is resumed at most 4 times (a partition may cost two re-plans)
 RESUME_WAIT_S = 60.0  # x time_scale: how long a resumed request waits for a ready replica
 RESUME_POLL_S = 0.2
-MAX_CLAIM = 1 << 40  # KV positions: a peer gateway's claim on a replica above this is malformed
 READY_WAIT_S = 15.0  # x time_scale: a new request waits this long for a ready replica, then 503
 SEND_POOL_THREADS = 1
 MAX_PENDING = 4096  # TOKENS held out of order per request (and token ids per TOKENS message)
@@ -59,6 +59,7 @@ class Gateway:
         self.time_scale = cfg.time_scale
         self.stall_s = STALL_TIMEOUT_S * cfg.time_scale
         self.view = RouterView(cfg.time_scale)  # what the router knows of the replicas
+        self.kv = KvBook(self)  # KV admission: the decode replicas' rooms, the requests' claims
         self.ctx: PlanContext | None = None
         self.local_version = 0  # plan version this node itself has loaded
         self.model = ModelInfo(self.me, self.model_name)  # tokenizer, context, shape (Node.start loads it)
@@ -106,69 +107,6 @@ class Gateway:
             return []
         return [r.id for r in ctx.plan.replicas if all(self.node_version(s.node) == ctx.version for s in r.stages)]
 
-    def kv_rooms(self) -> dict[int, int]:
-        """Each replica's KV room in positions, as its leader last said (its node's heartbeat, or
-        this node's own load); a replica whose leader has not said is left out."""
-        ctx, out = self.ctx, {}
-        for r in ctx.plan.replicas if ctx is not None else ():
-            node = r.stages[0].node
-            peer = self.members.get(node) if node != self.me else None
-            load = self.local_load() if node == self.me else peer.load if peer is not None else {}
-            lead = load.get("leader") if isinstance(load, dict) else None
-            room = lead.get("kv_room") if isinstance(lead, dict) and lead.get("replica") == r.id else None
-            if isinstance(room, int) and not isinstance(room, bool):
-                out[r.id] = room
-        return out
-
-    def kv_claims(self) -> dict[int, int]:
-        """What this gateway's requests may come to on each decode replica, in KV positions (its
-        heartbeats carry it, so that the other gateways count it too)."""
-        with self._lock:
-            held: Counter[int] = Counter()
-            for st in self._streams.values():
-                if st.kv_charge:
-                    held[st.decode_rid] += st.kv_charge
-        return dict(held)
-
-    def others_claims(self) -> Counter[int]:
-        """What the other live gateways' requests may come to on each decode replica of this plan,
-        as their last heartbeats said (a stale or malformed claim counts for nothing)."""
-        ctx, out = self.ctx, Counter()
-        if ctx is None:
-            return out
-        rids = {r.id for r in ctx.plan.replicas}
-        for p in self.members.peers():
-            gw = p.load.get("gateway") if p.state.value == "alive" and isinstance(p.load, dict) else None
-            if not isinstance(gw, dict) or gw.get("plan_version") != ctx.version:
-                continue
-            claims = gw.get("kv_claims")
-            for item in claims if isinstance(claims, list) else ():
-                if (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)
-                        and item[0] in rids and 0 <= item[1] <= MAX_CLAIM):
-                    out[item[0]] += item[1]
-        return out
-
-    def kv_left(self) -> dict[int, int]:
-        """Each replica's KV room less what the requests of this gateway and of the others (as their
-        heartbeats say) decoding there may come to (a replica holding none: its whole room)."""
-        held = self.others_claims()
-        held.update(self.kv_claims())
-        return {rid: room - held[rid] for rid, room in self.kv_rooms().items()}
-
-    def kv_room_for(self, s: Stream) -> bool:
-        """May `s` be dispatched now: some ready decode (or mixed) replica has KV room left for it, or
-        holds none of this gateway's requests (one larger than a whole room runs there alone), or
-        none says its room (no limit known)."""
-        ctx = self.ctx
-        if ctx is None or s.settings["pin"] is not None:
-            return True
-        left, rooms, ready = self.kv_left(), self.kv_rooms(), set(self.ready_replicas())
-        charge = decode_charge(len(s.prompt) + len(s.emitted), s.n_out - len(s.emitted), False,
-                               self.model.max_context)
-        targets = [r.id for r in ctx.plan.replicas if r.id in ready and str(r.role) in DECODE_TARGETS]
-        return not targets or any(rid not in left or left[rid] >= charge or left[rid] == rooms[rid]
-                                  for rid in targets)
-
     def ready(self) -> bool:
         """Serving: every replica of the current plan is loaded, and so is every drafter when
         speculation is on (requests are routed to what is ready before that)."""
@@ -191,7 +129,7 @@ class Gateway:
         s = Stream(0, asyncio.get_running_loop(), asyncio.Queue(), set(), -1, -1, len(ids), max_tokens,
                    prompt=list(ids), settings=settings)
         self.metrics.started(len(ids))
-        while not self.kv_room_for(s):  # back-pressure: every decode replica's KV room is taken by this
+        while not self.kv.room_for(s):  # back-pressure: every decode replica's KV room is taken by this
             if self.closing:            # gateway's requests; it waits here, not on a replica's stages
                 self.metrics.finished("error")
                 raise RequestError(self.closing, "shutting_down")
@@ -217,7 +155,7 @@ class Gateway:
         ready = set(self.ready_replicas())
         s.kv_charge = decode_charge(len(ids), left, bool(drafter), self.model.max_context)
         if st["pin"] is None:  # not to a replica whose KV room left cannot hold the request (roles/batcher.py)
-            ready = kv_fit(ready, {r.id: str(r.role) for r in ctx.plan.replicas}, self.kv_left(), s.kv_charge)
+            ready = kv_fit(ready, {r.id: str(r.role) for r in ctx.plan.replicas}, self.kv.left(), s.kv_charge)
         pre, dec = self.view.route(ready, len(ids), left, st["pin"])
         seq = self._seq_prefix | next(self._seq_counter)
         s.seq, s.prefill_rid, s.decode_rid, s.drafter = seq, pre, dec, drafter

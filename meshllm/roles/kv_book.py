@@ -1,0 +1,89 @@
+"""A gateway's KV admission (roles/batcher.py says why): what each decode (or mixed) replica may
+still hold. `KvBook` reads the replicas' KV rooms from their leaders' heartbeats, the claims of
+this gateway's requests (the most KV each may come to on its decode replica: `Stream.kv_charge`)
+and those the other gateways' heartbeats carry, and says whether a request may be sent now.
+roles/gateway.py holds requests back and routes with it; mesh/node.py puts `claims()` in this
+node's heartbeats."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from meshllm.defaults import DECODE_TARGETS
+from meshllm.roles.batcher import decode_charge
+from meshllm.roles.route_view import Stream
+
+if TYPE_CHECKING:
+    from meshllm.roles.gateway import Gateway
+
+MAX_CLAIM = 1 << 40  # KV positions: a peer gateway's claim on a replica above this is malformed
+
+
+class KvBook:
+    def __init__(self, gw: Gateway):
+        self.gw = gw
+
+    def rooms(self) -> dict[int, int]:
+        """Each replica's KV room in positions, as its leader last said (its node's heartbeat, or
+        this node's own load); a replica whose leader has not said is left out."""
+        gw, out = self.gw, {}
+        for r in gw.ctx.plan.replicas if gw.ctx is not None else ():
+            node = r.stages[0].node
+            peer = gw.members.get(node) if node != gw.me else None
+            load = gw.local_load() if node == gw.me else peer.load if peer is not None else {}
+            lead = load.get("leader") if isinstance(load, dict) else None
+            room = lead.get("kv_room") if isinstance(lead, dict) and lead.get("replica") == r.id else None
+            if isinstance(room, int) and not isinstance(room, bool):
+                out[r.id] = room
+        return out
+
+    def claims(self) -> dict[int, int]:
+        """What this gateway's requests may come to on each decode replica, in KV positions (its
+        heartbeats carry it, so that the other gateways count it too)."""
+        held: Counter[int] = Counter()
+        with self.gw._lock:
+            for st in self.gw._streams.values():
+                if st.kv_charge:
+                    held[st.decode_rid] += st.kv_charge
+        return dict(held)
+
+    def others(self) -> Counter[int]:
+        """What the other live gateways' requests may come to on each decode replica of this plan,
+        as their last heartbeats said (a stale or malformed claim counts for nothing)."""
+        ctx, out = self.gw.ctx, Counter()
+        if ctx is None:
+            return out
+        rids = {r.id for r in ctx.plan.replicas}
+        for p in self.gw.members.peers():
+            load = p.load.get("gateway") if p.state.value == "alive" and isinstance(p.load, dict) else None
+            if not isinstance(load, dict) or load.get("plan_version") != ctx.version:
+                continue
+            claims = load.get("kv_claims")
+            for item in claims if isinstance(claims, list) else ():
+                if (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)
+                        and item[0] in rids and 0 <= item[1] <= MAX_CLAIM):
+                    out[item[0]] += item[1]
+        return out
+
+    def left(self, rooms: dict[int, int] | None = None) -> dict[int, int]:
+        """Each replica's KV room less what the requests of this gateway and of the others (as their
+        heartbeats say) decoding there may come to (a replica holding none: its whole room)."""
+        held = self.others()
+        held.update(self.claims())
+        return {rid: room - held[rid] for rid, room in (self.rooms() if rooms is None else rooms).items()}
+
+    def room_for(self, s: Stream) -> bool:
+        """May `s` be sent now: some ready decode (or mixed) replica has KV room left for it, or
+        holds no request of any gateway (one larger than a whole room runs there alone), or none
+        says its room (no limit known)."""
+        gw = self.gw
+        if gw.ctx is None or s.settings["pin"] is not None:
+            return True
+        rooms, ready = self.rooms(), set(gw.ready_replicas())
+        left = self.left(rooms)
+        charge = decode_charge(len(s.prompt) + len(s.emitted), s.n_out - len(s.emitted), False,
+                               gw.model.max_context)
+        targets = [r.id for r in gw.ctx.plan.replicas if r.id in ready and str(r.role) in DECODE_TARGETS]
+        return not targets or any(rid not in left or left[rid] >= charge or left[rid] == rooms[rid]
+                                  for rid in targets)
