@@ -313,6 +313,21 @@ def test_an_unknown_field_is_named_in_the_400():
     assert e.value.status == 503
 
 
+def test_a_bad_integer_field_s_message_gives_its_range_in_whole_numbers():
+    """It said "must be an integer in [1, 2.14748e+09]" and "[-9.22337e+18, 9.22337e+18]"."""
+    from meshllm.roles.api_params import ApiError, _number
+
+    for body, key, msg in [({"max_tokens": 0}, "max_tokens", "'max_tokens' must be an integer in [1, 2147483648], got 0"),
+                           ({"seed": 1.5}, "seed", "'seed' must be an integer in [-9223372036854775808, "
+                                                   "9223372036854775807], got 1.5")]:
+        with pytest.raises(ApiError) as e:
+            _number(body, key, 0, *((1, 1 << 31) if key == "max_tokens" else (-(1 << 63), (1 << 63) - 1)), integer=True)
+        assert str(e.value) == msg
+    with pytest.raises(ApiError) as e:
+        _number({"top_p": 2}, "top_p", 1.0, 1e-9, 1)
+    assert str(e.value) == "'top_p' must be a number in [1e-09, 1], got 2"
+
+
 def test_openai_fields_at_their_no_op_values_max_completion_tokens_and_the_usage_chunk(disagg):
     """What current OpenAI clients send, through the official client: max_completion_tokens
     (chat's name for max_tokens: ignored, a chat ran to the end of the context), the developer

@@ -71,8 +71,8 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, integer:
         v = default
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
     if isinstance(v, bool) or not ok or not lo <= v <= hi:
-        kind = "an integer" if integer else "a number"
-        raise ApiError(400, f"'{key}' must be {kind} in [{lo:g}, {hi:g}], got {v!r}", key, "invalid_value")
+        kind, span = ("an integer", f"[{lo}, {hi}]") if integer else ("a number", f"[{lo:g}, {hi:g}]")
+        raise ApiError(400, f"'{key}' must be {kind} in {span}, got {v!r}", key, "invalid_value")
     return v
 
 
