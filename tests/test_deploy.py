@@ -82,7 +82,8 @@ def test_separately_started_nodes_serve_and_a_replan_fails_in_flight_requests_cl
         r = run_cli("--status", seed, "--json", timeout=60)  # the gateway is one of the node's roles
         st = json.loads(r.stdout)
         assert "gateway" in st["roles"] and st["load"]["gateway"] == {"listen": gw, "in_flight": 0,
-                                                                     "max_concurrent": 2}, st
+                                                                     "max_concurrent": 2, "kv_claims": [],
+                                                                     "plan_version": st["plan_version"]}, st
         body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0}
         code, res = complete(url, body)
         assert code == 200, res

@@ -235,6 +235,14 @@ def test_the_status_table_writes_a_stage_s_layers_half_open() -> None:
     st["load"]["leader"] = {"active": 3, "queued": 2, "kv_room": 7461, "kv_held": 7040, "kv_waits": 5}
     assert format_status(st).splitlines()[1] == "  leader: 3 running, 2 queued, KV 7040 of 7461 positions, " \
         "5 waited for KV room"
+    st["load"]["gateway"] = {"listen": "127.0.0.1:8000", "in_flight": 4, "max_concurrent": 1024, "plan_version": 3,
+                             "kv_claims": [[0, 1024], [2, 8192]]}
+    assert format_status(st).splitlines()[2] == "  gateway: 127.0.0.1:8000, 4 in flight of 1024, KV claims " \
+        "(positions): replica 0 1024, replica 2 8192"
+    st["load"]["gateway"]["kv_claims"] = 5  # a reply from the network: a malformed figure is not a crash
+    assert format_status(st).splitlines()[2].endswith("KV claims (positions): none")
+    st["load"]["gateway"] = st["load"]["leader"] = "junk"
+    assert len(format_status(st).splitlines()) == 2
 
 
 def test_a_timeout_that_is_no_wait_or_has_nothing_to_wait_for_exits_2() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import re
 import time
 
 import pytest
@@ -120,7 +121,6 @@ def test_two_gateways_count_each_other_s_kv_claims(pipes, smollm2, smollm2_token
     heartbeats), b1 holds a short request back until the long one ends, and no sequence waits at
     the decode leader."""
     import copy
-    import re
 
     other = copy.copy(pipes)
     other.url = re.search(r"meshllm: another gateway on (http://\S+)", pipes.log.read_text()).group(1)
@@ -144,6 +144,57 @@ def test_two_gateways_count_each_other_s_kv_claims(pipes, smollm2, smollm2_token
     after = mesh_loads(pipes, lambda ls: ls[lead_node]["leader"]["finished"] >= before["finished"] + 2)[lead_node]
     after = after["leader"]
     assert after["finished"] >= before["finished"] + 2 and after["kv_waits"] == before["kv_waits"], (before, after)
+
+
+def test_requests_waiting_for_kv_room_go_first_come_first_served(pipes, smollm2, smollm2_tokenizer):
+    """The gateway held requests back while no decode replica had KV room for them, but the first
+    to find room went: a request that needs the whole room of the 3-stage decode replica (a
+    512-position slot; the room is ~336) could be passed for ever by short ones. In arrival order
+    now: A runs; B (a whole room) waits, then two short ones behind it; B runs before them. A
+    client that leaves while its request waits frees its place, and the gauges come back to 0."""
+    import socket
+    from urllib.parse import urlparse
+
+    def done_at(body: dict) -> tuple[float, dict]:
+        code, out = pipes.post("/v1/completions", {"model": "smollm2-135m", "temperature": 0, **body}, 300)
+        assert code == 200, out
+        return time.monotonic(), out
+
+    def in_flight() -> int:
+        return json.loads(pipes.get("/health")[1])["in_flight"]
+
+    a = {"prompt": LONG, "max_tokens": 200}  # ~10 s of decoding here: the others arrive meanwhile
+    b = {"prompt": LONG.replace("northern", "southern"), "max_tokens": 8}
+    cs = [{"prompt": p, "max_tokens": 4} for p in ("The sky is", "One, two,")]
+    with cf.ThreadPoolExecutor(4) as pool:
+        fa = pool.submit(done_at, a)
+        deadline = time.monotonic() + 60
+        while in_flight() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fb = pool.submit(done_at, b)
+        time.sleep(0.5)
+        host = urlparse(pipes.url)
+        gone = socket.create_connection((host.hostname, host.port), timeout=30)  # waits behind B, then leaves
+        body = json.dumps({"model": "smollm2-135m", "prompt": "Bye", "max_tokens": 4}).encode()
+        gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.5)
+        assert not fa.done() and in_flight() == 3  # the waiting ones count (max_concurrent bounds them too)
+        gone.close()
+        fcs = [pool.submit(done_at, c) for c in cs]
+        got = [f.result(timeout=300) for f in (fa, fb, *fcs)]
+    assert got[0][0] < got[1][0] < min(t for t, _ in got[2:]), [t for t, _ in got]
+    for body, (_, out) in zip([a, b, *cs], got):
+        ok, why = same_up_to_tie(out["choices"][0]["token_ids"],
+                                 reference(smollm2, smollm2_tokenizer, body["prompt"], body["max_tokens"]))
+        assert ok, f"{body['prompt'][:30]!r}: {why}"
+    deadline = time.monotonic() + 10
+    while in_flight() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    metrics = pipes.get("/metrics")[1].decode()
+    for gauge in ("meshllm_requests_running", "meshllm_requests_waiting_first_token"):
+        assert re.search(rf"^{gauge} 0\.0$", metrics, re.M), (gauge, [ln for ln in metrics.splitlines() if gauge in ln])
+    assert in_flight() == 0
 
 
 def test_a_peer_gateway_s_claims_count_only_when_well_formed_live_and_of_this_plan():

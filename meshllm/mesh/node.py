@@ -241,11 +241,18 @@ def format_status(st: dict[str, Any]) -> str:
         where = f"  replica {stage['replica']} stage {stage['index']} layers [{start}, {end})"
     lines = [f"node {st['node']}  plan v{st['plan_version']}  roles {','.join(st['roles']) or '-'}{where}"]
     lead = st.get("load", {}).get("leader")
-    if lead:  # the replica's scheduler: its sequences and their KV against what the stages hold
+    if isinstance(lead, dict):  # the replica's scheduler: its sequences and their KV against what the stages hold
         room = lead.get("kv_room")
         kv = f"KV {lead.get('kv_held', 0)} of {room} positions" if room is not None else "KV not limited"
         lines.append(f"  leader: {lead.get('active', 0)} running, {lead.get('queued', 0)} queued, {kv}, "
                      f"{lead.get('kv_waits', 0)} waited for KV room")
+    gw = st.get("load", {}).get("gateway")
+    if isinstance(gw, dict):  # requests in flight (those waiting for KV room too), their KV claims per replica
+        got = gw.get("kv_claims")
+        claims = ", ".join(f"replica {c[0]} {c[1]}" for c in (got if isinstance(got, list) else [])
+                           if isinstance(c, list) and len(c) == 2) or "none"
+        lines.append(f"  gateway: {gw.get('listen')}, {gw.get('in_flight', 0)} in flight of "
+                     f"{gw.get('max_concurrent')}, KV claims (positions): {claims}")
     lines.append(f"{'PEER':<16}{'STATE':<9}{'ADDRESS':<22}{'ZONE':<10}DEVICE")
     for p in st["peers"]:
         dev = p["device"].get("name", "?") if isinstance(p["device"], dict) else p["device"]

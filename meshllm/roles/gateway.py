@@ -21,7 +21,7 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -66,6 +66,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.local_load = lambda: {}  # this node's own load (the Node wires its RoleHost in)
         self._streams: dict[int, Stream] = {}
+        self._waiting: deque[Stream] = deque()  # requests held back for KV room, in arrival order
         self.closing: str | None = None  # why every request left ends now (the drain's deadline: `shut`)
         self._lock = threading.Lock()
         self._seq_prefix = random.SystemRandom().getrandbits(30) << 32
@@ -129,21 +130,41 @@ class Gateway:
         s = Stream(0, asyncio.get_running_loop(), asyncio.Queue(), set(), -1, -1, len(ids), max_tokens,
                    prompt=list(ids), settings=settings)
         self.metrics.started(len(ids))
-        while not self.kv.room_for(s):  # back-pressure: every decode replica's KV room is taken by this
-            if self.closing:            # gateway's requests; it waits here, not on a replica's stages
-                self.metrics.finished("error")
-                raise RequestError(self.closing, "shutting_down")
-            await asyncio.sleep(RESUME_POLL_S)
-        deadline = time.monotonic() + READY_WAIT_S * self.time_scale
-        while True:  # a mesh that is re-planning (a node died) gets a moment before a 503
-            try:
-                await self._dispatch(s)
-                return s
-            except RequestError:
-                if time.monotonic() > deadline or self.ctx is None:
-                    self.metrics.finished("error")
-                    raise
+        status = "abandoned"  # the client went away (the handler cancelled) before it was sent
+        try:
+            await self._wait_for_room(s)
+            deadline = time.monotonic() + READY_WAIT_S * self.time_scale
+            while True:  # a mesh that is re-planning (a node died) gets a moment before a 503
+                try:
+                    await self._dispatch(s)
+                    status = "sent"
+                    return s
+                except RequestError:
+                    if time.monotonic() > deadline or self.ctx is None:
+                        status = "error"
+                        raise
+                    await asyncio.sleep(RESUME_POLL_S)
+        except RequestError:
+            status = "error"
+            raise
+        finally:
+            if status != "sent":
+                self.metrics.not_sent(status)
+
+    async def _wait_for_room(self, s: Stream) -> None:
+        """Back-pressure (roles/kv_book.py): wait here, not on a replica's stages, while no decode
+        replica has KV room left for `s`, first come first served (a request that needs a whole
+        replica is not passed for ever by smaller ones). A request pinned to a replica does not wait."""
+        if s.settings["pin"] is not None:
+            return
+        self._waiting.append(s)
+        try:
+            while not (self._waiting[0] is s and self.kv.room_for(s)):
+                if self.closing:
+                    raise RequestError(self.closing, "shutting_down")
                 await asyncio.sleep(RESUME_POLL_S)
+        finally:
+            self._waiting.remove(s)
 
     async def _dispatch(self, s: Stream) -> None:
         """Start an attempt: route, then SESSION to a drafter (if any) and GENERATE_REQ to the
@@ -308,8 +329,9 @@ class Gateway:
         return {"node": self.me, "plan_version": self.ctx.version if self.ctx else 0, "nodes": nodes}
 
     def in_flight(self) -> int:
+        """Requests this gateway holds: in the mesh, or waiting for KV room (max_concurrent bounds both)."""
         with self._lock:
-            return len(self._streams)
+            return len(self._streams) + len(self._waiting)
 
     def shut(self, why: str) -> None:
         """End every request in flight now (a stopping gateway's drain is over): each one's reader

@@ -44,6 +44,12 @@ class GatewayMetrics:
         self.running.inc()
         self.waiting.inc()
 
+    def not_sent(self, status: str) -> None:
+        """A request that ended before it entered the mesh (no replica ready, the gateway stopping,
+        the client gone while it waited for KV room)."""
+        self.waiting.dec()
+        self.finished(status)
+
     def first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
         self.waiting.dec()
