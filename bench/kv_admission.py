@@ -2,7 +2,7 @@
 memory its profile leaves beside its weights.
 
 Run:  python bench/kv_admission.py [--requests 8] [--max-tokens 160] [--prefill-gb 0.40] [--decode-gb 0.34]
-                                  [--compare OTHER_CHECKOUT] [--out bench/results/kv_admission.txt]
+                                  [--gateways 1] [--gap 0] [--compare OTHER_CHECKOUT] [--out FILE]
 
 The mesh of the serving tests' `pipes` fixture (`--cluster ... --serve`), with a little more memory
 and planned for the burst's lengths (its workload: the prompts' length in, max_tokens out): a
@@ -16,7 +16,9 @@ their ratio (above 1: the device, were it real, would have run out of memory); t
 wall time and whether every output equals the single-process reference. `--compare` runs the
 same burst on another checkout (e.g. a worktree of the commit before KV admission) in the same
 sitting. The heartbeats are ~0.5 s apart, so a peak between two of them can be missed: the ratios
-are lower bounds.
+are lower bounds. `--gateways 2` serves the API on two nodes (a1's and b1's) and sends the
+requests to them in turn, `--gap S` S seconds apart (0: all at once): two gateways that each count
+only their own requests let more KV onto the decode stages than one.
 """
 
 from __future__ import annotations
@@ -52,11 +54,14 @@ def device(name: str, gb: float) -> dict:
             "network_mbps": 1000, "source": "bench profile: the serving tests' pipes fixture"}
 
 
-def cluster(path: Path, gb: dict[str, float], n_in: int, n_out: int) -> Path:
-    """The mesh, planned for this burst's lengths (the planner keeps KV room for a few such requests)."""
-    nodes = [{"id": f"a{i}", "device": device("half", gb["a"]), "zone": "fog", "roles": ["prefill"]} for i in (1, 2)]
-    nodes += [{"id": f"b{i}", "device": device("third", gb["b"]), "zone": "fog", "roles": ["decode"]}
-              for i in (1, 2, 3)]
+def cluster(path: Path, gb: dict[str, float], n_in: int, n_out: int, gateways: int = 1) -> Path:
+    """The mesh, planned for this burst's lengths (the planner keeps KV room for a few such requests);
+    with 2 gateways, on a1 and b1 (with 1, the emulator's default: a1)."""
+    gw = {"a1", "b1"} if gateways == 2 else set()
+    nodes = [{"id": f"a{i}", "device": device("half", gb["a"]), "zone": "fog",
+              "roles": ["prefill"] + ["gateway"] * (f"a{i}" in gw)} for i in (1, 2)]
+    nodes += [{"id": f"b{i}", "device": device("third", gb["b"]), "zone": "fog",
+               "roles": ["decode"] + ["gateway"] * (f"b{i}" in gw)} for i in (1, 2, 3)]
     doc = {"model": "smollm2-135m", "weights_dtype": "fp32", "speculation": {"mode": "off"}, "nodes": nodes,
            "links": [{"zones": ["fog", "fog"], "rtt_ms": 1, "bandwidth_mbps": 1000}],
            "workload": {"prompts": ["x"], "max_tokens": 16, "temperature": 0,
@@ -78,12 +83,13 @@ def mesh(url: str) -> dict:
         return {k: v["load"] for k, v in json.loads(r.read())["nodes"].items()}
 
 
-def burst(repo: Path, prompts: list[str], n_in: int, max_tokens: int, work: Path, gb: dict[str, float]) -> dict:
+def burst(repo: Path, prompts: list[str], n_in: int, max_tokens: int, work: Path, gb: dict[str, float],
+          gateways: int = 1, gap_s: float = 0.0) -> dict:
     """Serve the mesh from `repo`, send the burst, and return the peaks and outputs."""
     log = work / f"serve-{repo.name}.log"
-    proc = subprocess.Popen([sys.executable, str(repo / "launch.py"), "--cluster", str(cluster(work / "pipes.yaml", gb, n_in, max_tokens)),
-                             "--serve"], cwd=repo, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
-                            start_new_session=True)
+    path = cluster(work / "pipes.yaml", gb, n_in, max_tokens, gateways)
+    proc = subprocess.Popen([sys.executable, str(repo / "launch.py"), "--cluster", str(path), "--serve"], cwd=repo,
+                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
     try:
         deadline, url = time.monotonic() + 300, None
         while url is None and time.monotonic() < deadline:
@@ -94,13 +100,23 @@ def burst(repo: Path, prompts: list[str], n_in: int, max_tokens: int, work: Path
             time.sleep(0.3)
         if url is None:
             raise RuntimeError("no serving line in 300 s")
+        urls = [url] + re.findall(r"meshllm: another gateway on (http://\S+)", log.read_text(errors="replace"))
+        if len(urls) != gateways:
+            raise RuntimeError(f"{len(urls)} gateways, not {gateways}: {urls}")
         loads = mesh(url)
         weights = {n: ld["stage"]["weights_mb"] * 1e6 for n, ld in loads.items() if "stage" in ld}
         peak = dict.fromkeys(weights, 0)
         t0 = time.monotonic()
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
-            futs = [pool.submit(post, url, {"model": "smollm2-135m", "prompt": p, "max_tokens": max_tokens,
-                                            "temperature": 0}) for p in prompts]
+            futs = []
+            for i, p in enumerate(prompts):
+                futs.append(pool.submit(post, urls[i % len(urls)], {"model": "smollm2-135m", "prompt": p,
+                                                                    "max_tokens": max_tokens, "temperature": 0}))
+                if gap_s and i + 1 < len(prompts):
+                    time.sleep(gap_s)
+                    for n, ld in mesh(url).items():
+                        if n in peak:
+                            peak[n] = max(peak[n], ld["stage"]["kv_cache_bytes"])
             while not all(f.done() for f in futs) and time.monotonic() - t0 < 900:
                 for n, ld in mesh(url).items():
                     if n in peak:
@@ -141,25 +157,29 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--prefill-gb", type=float, default=0.40, help="memory of the two prefill nodes")
     ap.add_argument("--decode-gb", type=float, default=0.34, help="memory of the three decode nodes")
+    ap.add_argument("--gateways", type=int, default=1, choices=(1, 2), help="gateways the requests go to in turn")
+    ap.add_argument("--gap", type=float, default=0.0, help="seconds between two requests (0: all at once)")
     ap.add_argument("--compare", type=Path, help="another checkout to run the same burst on")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     if not 1 <= a.requests <= 32 or not 1 <= a.max_tokens <= 1000 or not 0 < a.prefill_gb <= 64 \
-            or not 0 < a.decode_gb <= 64:
-        ap.error("--requests must be in [1, 32], --max-tokens in [1, 1000], the memories in (0, 64] GB")
+            or not 0 < a.decode_gb <= 64 or not 0 <= a.gap <= 60:
+        ap.error("--requests must be in [1, 32], --max-tokens in [1, 1000], the memories in (0, 64] GB, "
+                 "--gap in [0, 60] s")
     gb = {"a": a.prefill_gb, "b": a.decode_gb}
     prompts = [STORY.replace("river", f"river number {i}") + "Summarize this history:" for i in range(a.requests)]
     model, tok = load_transformer(resolve_model("smollm2-135m")), load_tokenizer(resolve_model("smollm2-135m"))
     refs = [generate(model, tok.encode(p), GenerationOptions(a.max_tokens, 0.0), tok.eos_ids).token_ids
             for p in prompts]
     lines = [f"# python bench/kv_admission.py --requests {a.requests} --max-tokens {a.max_tokens} "
-             f"--prefill-gb {a.prefill_gb} --decode-gb {a.decode_gb}"
+             f"--prefill-gb {a.prefill_gb} --decode-gb {a.decode_gb} --gateways {a.gateways} --gap {a.gap:g}"
              + (f" --compare {a.compare}" if a.compare else ""),
              f"prompts of {min(len(tok.encode(p)) for p in prompts)}-{max(len(tok.encode(p)) for p in prompts)} tokens"]
     with tempfile.TemporaryDirectory() as tmp:
         for repo in [ROOT] + ([a.compare.resolve()] if a.compare else []):
             n_in = len(tok.encode(prompts[0]))
-            lines += report(str(repo), burst(repo, prompts, n_in, a.max_tokens, Path(tmp), gb), refs, gb)
+            lines += report(str(repo), burst(repo, prompts, n_in, a.max_tokens, Path(tmp), gb, a.gateways, a.gap),
+                            refs, gb)
             print("\n".join(lines[-12:]), flush=True)
     if a.out:
         a.out.write_text("\n".join(lines) + "\n")
