@@ -141,7 +141,6 @@ class Gateway:
                     return s
                 except RequestError:
                     if time.monotonic() > deadline or self.ctx is None:
-                        status = "error"
                         raise
                     await asyncio.sleep(RESUME_POLL_S)
         except RequestError:
@@ -149,6 +148,7 @@ class Gateway:
             raise
         finally:
             if status != "sent":
+                self.close_stream(s, status, release=True, count=False)  # a _dispatch cut short had sent it
                 self.metrics.not_sent(status)
 
     async def _wait_for_room(self, s: Stream) -> None:
