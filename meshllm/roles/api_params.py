@@ -23,7 +23,7 @@ NO_OP = {
     "echo": lambda v: v in (None, False), "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
     "tools": lambda v: not v, "functions": lambda v: not v, "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"), "response_format": lambda v: v in (None, {"type": "text"}),
-    "parallel_tool_calls": lambda v: True, "modalities": lambda v: v in (None, ["text"]), "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]), "audio": lambda v: v is None,
     "prediction": lambda v: v is None, "reasoning_effort": lambda v: v is None, "verbosity": lambda v: v is None,
     "web_search_options": lambda v: v is None,
     # vLLM's sampling extensions, at their defaults
@@ -31,7 +31,8 @@ NO_OP = {
     "repetition_penalty": lambda v: v in (None, 1), "min_p": lambda v: v in (None, 0),
 }
 # what a request may carry that asks nothing of the output (OpenAI's bookkeeping), taken and dropped
-BOOKKEEPING = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+BOOKKEEPING = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+               "parallel_tool_calls"}  # (no tools are taken: how to call them does not matter)
 # the fields read here, besides the prompt ("prompt" for /v1/completions, "messages" for chat)
 READ = {"model", "max_tokens", "max_completion_tokens", "n", "stop", "stream", "stream_options", "temperature",
         "top_p", "top_k", "seed", "meshllm"}
