@@ -7,6 +7,8 @@
   (`RouterView`, roles/route_view.py: the replicas, their loads, the KV shipped on a model of their ports);
 - it sends GENERATE_REQ to the replica's leader and collects TOKENS (from the prefill leader,
   then from the decode leader) in order, for the HTTP stream of that request;
+- it holds requests back, first come first served, while no decode replica has KV room left
+  for them (roles/kv_book.py: the leaders' rooms, this gateway's and the other gateways' claims);
 - a request that ends early (client gone, stop string, error) is released on its replicas;
 - a replica is used only once every node of it reports the current plan loaded;
 - it keeps the Prometheus metrics of `/metrics` (TTFT, ITL, end-to-end latency, queue depth).
