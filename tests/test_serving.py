@@ -127,8 +127,7 @@ def test_two_gateways_count_each_other_s_kv_claims(pipes, smollm2, smollm2_token
     decode = next(r for r in plan_of(pipes)["replicas"] if r["role"] == "decode")
     lead_node = decode["stages"][0]["node"]
     before = mesh_loads(pipes)[lead_node]["leader"]
-    long_req = {"model": "smollm2-135m", "prompt": "Count from one to two hundred: 1, 2, 3, 4,", "max_tokens": 260,
-                "temperature": 0}
+    long_req = {"model": "smollm2-135m", "prompt": LONG, "max_tokens": 100, "temperature": 0}  # a 512 slot
     with cf.ThreadPoolExecutor(1) as pool:
         long_fut = pool.submit(pipes.post, "/v1/completions", long_req, 300)
         a1 = mesh_loads(other, lambda ls: (ls["a1"].get("gateway") or {}).get("kv_claims"), timeout_s=30)["a1"]
@@ -138,7 +137,7 @@ def test_two_gateways_count_each_other_s_kv_claims(pipes, smollm2, smollm2_token
         assert code == 200 and long_fut.done(), short  # it waited for the long one's room
         code, long_out = long_fut.result(timeout=300)
     assert code == 200
-    for prompt, n, out in ((long_req["prompt"], 260, long_out), ("The sky is", 8, short)):
+    for prompt, n, out in ((LONG, 100, long_out), ("The sky is", 8, short)):
         ok, why = same_up_to_tie(out["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, prompt, n))
         assert ok, f"{prompt!r}: {why}"
     after = mesh_loads(pipes, lambda ls: ls[lead_node]["leader"]["finished"] >= before["finished"] + 2)[lead_node]
@@ -163,7 +162,7 @@ def test_requests_waiting_for_kv_room_go_first_come_first_served(pipes, smollm2,
     def in_flight() -> int:
         return json.loads(pipes.get("/health")[1])["in_flight"]
 
-    a = {"prompt": LONG, "max_tokens": 200}  # ~10 s of decoding here: the others arrive meanwhile
+    a = {"prompt": LONG, "max_tokens": 100}  # ~5 s of decoding here: the others arrive meanwhile
     b = {"prompt": LONG.replace("northern", "southern"), "max_tokens": 8}
     cs = [{"prompt": p, "max_tokens": 4} for p in ("The sky is", "One, two,")]
     with cf.ThreadPoolExecutor(4) as pool:
