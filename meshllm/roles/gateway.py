@@ -23,7 +23,7 @@ import logging
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -68,7 +68,6 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.local_load = lambda: {}  # this node's own load (the Node wires its RoleHost in)
         self._streams: dict[int, Stream] = {}
-        self._waiting: deque[Stream] = deque()  # requests held back for KV room, in arrival order
         self.closing: str | None = None  # why every request left ends now (the drain's deadline: `shut`)
         self._lock = threading.Lock()
         self._seq_prefix = random.SystemRandom().getrandbits(30) << 32
@@ -134,7 +133,7 @@ class Gateway:
         self.metrics.started(len(ids))
         status = "abandoned"  # the client went away (the handler cancelled) before it was sent
         try:
-            await self._wait_for_room(s)
+            await self.kv.wait_for_room(s)
             deadline = time.monotonic() + READY_WAIT_S * self.time_scale
             while True:  # a mesh that is re-planning (a node died) gets a moment before a 503
                 try:
@@ -152,21 +151,6 @@ class Gateway:
             if status != "sent":
                 self.close_stream(s, status, release=True, count=False)  # a _dispatch cut short had sent it
                 self.metrics.not_sent(status)
-
-    async def _wait_for_room(self, s: Stream) -> None:
-        """Back-pressure (roles/kv_book.py): wait here, not on a replica's stages, while no decode
-        replica has KV room left for `s`, first come first served (a request that needs a whole
-        replica is not passed for ever by smaller ones). A request pinned to a replica does not wait."""
-        if s.settings["pin"] is not None:
-            return
-        self._waiting.append(s)
-        try:
-            while not (self._waiting[0] is s and self.kv.room_for(s)):
-                if self.closing:
-                    raise RequestError(self.closing, "shutting_down")
-                await asyncio.sleep(RESUME_POLL_S)
-        finally:
-            self._waiting.remove(s)
 
     async def _dispatch(self, s: Stream) -> None:
         """Start an attempt: route, then SESSION to a drafter (if any) and GENERATE_REQ to the
@@ -333,7 +317,7 @@ class Gateway:
     def in_flight(self) -> int:
         """Requests this gateway holds: in the mesh, or waiting for KV room (max_concurrent bounds both)."""
         with self._lock:
-            return len(self._streams) + len(self._waiting)
+            return len(self._streams) + len(self.kv.waiting)
 
     def shut(self, why: str) -> None:
         """End every request in flight now (a stopping gateway's drain is over): each one's reader

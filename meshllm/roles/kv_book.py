@@ -1,28 +1,46 @@
 """A gateway's KV admission (roles/batcher.py says why): what each decode (or mixed) replica may
 still hold. `KvBook` reads the replicas' KV rooms from their leaders' heartbeats, the claims of
 this gateway's requests (the most KV each may come to on its decode replica: `Stream.kv_charge`)
-and those the other gateways' heartbeats carry, and says whether a request may be sent now.
-roles/gateway.py holds requests back and routes with it; mesh/node.py puts `claims()` in this
-node's heartbeats."""
+and those the other gateways' heartbeats carry, says whether a request may be sent now, and
+holds the others back in arrival order (`wait_for_room`). roles/gateway.py sends and routes
+with it; mesh/node.py puts `claims()` in this node's heartbeats."""
 
 from __future__ import annotations
 
-from collections import Counter
+import asyncio
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from meshllm.defaults import DECODE_TARGETS
 from meshllm.roles.batcher import decode_charge
-from meshllm.roles.route_view import Stream
+from meshllm.roles.route_view import RequestError, Stream
 
 if TYPE_CHECKING:
     from meshllm.roles.gateway import Gateway
 
 MAX_CLAIM = 1 << 40  # KV positions: a peer gateway's claim on a replica above this is malformed
+POLL_S = 0.2  # how often a held request looks for room
 
 
 class KvBook:
     def __init__(self, gw: Gateway):
         self.gw = gw
+        self.waiting: deque[Stream] = deque()  # requests held back for KV room, in arrival order
+
+    async def wait_for_room(self, s: Stream) -> None:
+        """Back-pressure: `s` waits here, not on a replica's stages, while no decode replica has KV
+        room left for it, first come first served (a request that needs a whole replica is not
+        passed for ever by smaller ones). A request pinned to a replica does not wait."""
+        if s.settings["pin"] is not None:
+            return
+        self.waiting.append(s)
+        try:
+            while not (self.waiting[0] is s and self.room_for(s)):
+                if self.gw.closing:
+                    raise RequestError(self.gw.closing, "shutting_down")
+                await asyncio.sleep(POLL_S)
+        finally:
+            self.waiting.remove(s)
 
     def rooms(self) -> dict[int, int]:
         """Each replica's KV room in positions, as its leader last said (its node's heartbeat, or
