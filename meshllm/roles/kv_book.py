@@ -94,9 +94,9 @@ class KvBook:
     def room_for(self, s: Stream) -> bool:
         """May `s` be sent now: some ready decode (or mixed) replica has KV room left for it, or
         holds no request of any gateway (one larger than a whole room runs there alone), or none
-        says its room (no limit known)."""
+        says its room (no limit known). (A pinned request does not ask: `wait_for_room`.)"""
         gw = self.gw
-        if gw.ctx is None or s.settings["pin"] is not None:
+        if gw.ctx is None:
             return True
         rooms, ready = self.rooms(), set(gw.ready_replicas())
         left = self.left(rooms)
