@@ -255,3 +255,18 @@ def test_a_request_goes_to_a_replica_whose_kv_room_holds_it_while_one_can() -> N
     assert kv_fit({0, 1, 2, 3}, roles, rooms, 512) == {0, 1, 2, 3}
     assert kv_fit({1, 2, 3}, roles, rooms, 8192) == {1, 2, 3}  # none holds it: unchanged
     assert kv_fit({1, 2, 3}, roles, {2: 7461}, 8192) == {1, 3}  # 3's room is not known
+
+
+def test_a_request_larger_than_every_room_goes_to_an_empty_replica_not_a_busy_one() -> None:
+    """The gateway lets a request larger than every decode replica's KV room through when one of
+    them holds no request (KvBook.room_for: it runs there alone); routing must then send it to
+    that empty replica, not to a busy one where it would wait at the leader behind the others."""
+    from meshllm.roles.route_view import kv_fit
+
+    roles = {0: "decode", 1: "prefill", 2: "decode", 3: "mixed"}
+    rooms = {0: 6000, 2: 7461, 3: 4000}
+    left = {0: 1000, 2: 7461, 3: 3000}  # 2 holds nothing; 0 and 3 are busy
+    assert kv_fit({0, 1, 2, 3}, roles, left, 8192, rooms) == {1, 2}
+    assert kv_fit({0, 1, 3}, roles, left, 8192, rooms) == {0, 1, 3}  # no empty one ready: unchanged
+    assert kv_fit({0, 1, 2, 3}, roles, left, 2000, rooms) == {1, 2, 3}  # room left for it: as before
+    assert kv_fit({0, 1, 2, 3}, roles, left, 3000, rooms) == {1, 2, 3}  # 3's room left holds it: not only the empty one

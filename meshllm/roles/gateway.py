@@ -162,7 +162,9 @@ class Gateway:
         ready = set(self.ready_replicas())
         s.kv_charge = decode_charge(len(ids), left, bool(drafter), self.model.max_context)
         if st["pin"] is None:  # not to a replica whose KV room left cannot hold the request (roles/batcher.py)
-            ready = kv_fit(ready, {r.id: str(r.role) for r in ctx.plan.replicas}, self.kv.left(), s.kv_charge)
+            rooms = self.kv.rooms()
+            ready = kv_fit(ready, {r.id: str(r.role) for r in ctx.plan.replicas}, self.kv.left(rooms), s.kv_charge,
+                           rooms)
         pre, dec = self.view.route(ready, len(ids), left, st["pin"])
         seq = self._seq_prefix | next(self._seq_counter)
         s.seq, s.prefill_rid, s.decode_rid, s.drafter = seq, pre, dec, drafter

@@ -59,12 +59,19 @@ class Stream:
     kv_charge: int = 0  # KV positions its attempt may come to on its decode replica (roles/batcher.py)
 
 
-def kv_fit(ready: set[int], roles: dict[int, str], rooms: dict[int, int], positions: int) -> set[int]:
+def kv_fit(ready: set[int], roles: dict[int, str], left: dict[int, int], positions: int,
+           rooms: dict[int, int] | None = None) -> set[int]:
     """The ready replicas to route a request among whose decode needs `positions` KV positions: a
-    decode or mixed replica whose KV room (as its leader said) cannot hold that is left out while
-    another decode or mixed replica can (there it would wait for the whole room, then run alone)."""
-    fits = {rid for rid in ready if roles.get(rid) not in DECODE_TARGETS or rooms.get(rid, positions) >= positions}
-    return fits if any(roles.get(rid) in DECODE_TARGETS for rid in fits) else ready
+    decode or mixed replica whose KV room left (`left`: its leader's figure less the requests it
+    holds) cannot hold that is left out while another decode or mixed replica can (there it would
+    wait at the leader for the room). When none can, one holding no request (its room left is its
+    whole room, `rooms`) takes it: a request larger than every room runs there alone, at once."""
+    rooms = rooms or {}
+    for holds in (lambda rid: left.get(rid, positions) >= positions, lambda rid: left.get(rid) == rooms.get(rid)):
+        fits = {rid for rid in ready if roles.get(rid) not in DECODE_TARGETS or holds(rid)}
+        if any(roles.get(rid) in DECODE_TARGETS for rid in fits):
+            return fits
+    return ready
 
 
 class RouterView:
