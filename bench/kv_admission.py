@@ -147,7 +147,8 @@ def report(name: str, r: dict, refs: list[list[int]], gb: dict[str, float]) -> l
     for n, lead in sorted(r["leaders"].items()):
         if "kv_room" in lead:
             lines.append(f"leader {n}: KV room {lead['kv_room']} positions, peak reserved {lead['kv_peak']}, "
-                         f"{lead['kv_waits']} sequences waited for room")
+                         f"{lead['kv_waits']} sequences waited for room"
+                         + (f", {lead['kv_denied']} reservations refused" if "kv_denied" in lead else ""))
     return lines
 
 

@@ -757,6 +757,11 @@ class Fuzzer:
                  gateway=self.address(r), plan_version=self.version(r))
         return f, {}, ()
 
+    def kv_reserve(self, r: random.Random) -> tuple[dict, dict, tuple]:
+        positions = r.randint(1, 600) if r.random() < 0.8 else r.choice((0, -3, 2**41, 2**63 - 1))
+        return dict(seq=self.seq(r), replica=r.choice((1, 3, 2, 0, 7)), positions=positions,
+                    plan_version=self.version(r)), {}, ()
+
     def capacity(self, r: random.Random) -> tuple[dict, dict, tuple]:
         f = dict(node=self.node(r), replica=r.choice((1, 3, 3, 2, 0)), free_slots=r.randint(0, 64), queue=r.randint(0, 9),
                  plan_version=self.version(r))
@@ -827,6 +832,7 @@ class Fuzzer:
                 MsgType.GENERATE_REQ: self.generate_req, MsgType.HANDOFF: self.handoff,
                 MsgType.RELEASE: self.release, MsgType.DRAFT: self.draft, MsgType.VERDICT: self.verdict,
                 MsgType.SESSION: self.session, MsgType.CAPACITY: self.capacity, MsgType.TOKENS: self.tokens_msg,
+                MsgType.KV_RESERVE: self.kv_reserve,
                 MsgType.PLAN: self.plan, MsgType.HEARTBEAT: self.heartbeat, MsgType.LEAVE: self.leave,
                 MsgType.STATUS_REQ: self.empty, MsgType.PING: self.empty, MsgType.HELLO: self.hello,
                 MsgType.PEERS: self.peers, MsgType.ERROR: self.error}.get(mtype, self.generic(mtype))

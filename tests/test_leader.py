@@ -3,6 +3,8 @@ and in which order."""
 
 from __future__ import annotations
 
+import time
+
 from meshllm.defaults import Role
 from meshllm.engine.kvcache import slot_capacity
 from meshllm.engine.sampling import SamplingParams
@@ -171,6 +173,36 @@ def test_a_sequence_starts_only_when_its_kv_fits_beside_the_running_ones() -> No
     leader.batch.admit(seq(7, prompt_len=250, max_tokens=1))
     leader.batch.build(None)  # (two micro-batches are in flight: `step` would not launch)
     assert leader.queue == [6, 7] and leader.batch.kv_held == 256
+
+
+def test_the_leader_grants_kv_room_to_requests_on_their_way_only_while_it_has_it() -> None:
+    """KV_RESERVE (roles/batcher.py KvGrants): a gateway asks the decode leader for a request's
+    room before sending it. Granted while the sequences here and the earlier grants leave it (or
+    when the replica holds and has promised nothing: it runs alone); a granted sequence starts
+    when it comes, an unreserved one waits behind the room promised to others; an abort, the
+    sequence's start or GRANT_TTL_S gives the room back; with no known room nothing is kept."""
+    from meshllm.roles.batcher import GRANT_TTL_S, KvGrants
+
+    leader, _ = two_stage_leader(kv_room=320)
+    g = leader.batch.grants
+    assert g.grant(10, 128) and g.grant(11, 128)  # 256 promised
+    assert not g.grant(12, 128) and g.denied == 1  # 384 > 320
+    assert g.grant(11, 64) and g.grant(12, 128)  # 11 asks again, for less: 320
+    leader.batch.admit(seq(10, max_tokens=100))  # 128, granted
+    leader.batch.admit(seq(1, max_tokens=100))  # 128, not granted: 128 + 64 + 128 promised to others
+    leader.batch.build(None)
+    assert leader.queue == [1] and leader.batch.kv_held == 128 and not g.has(10) and g.committed == 256
+    leader.abort(12)  # the gateway gave up on 12 before it came
+    leader.batch.build(None)
+    assert leader.queue == [] and leader.batch.kv_held == 256 and g.committed == 256
+    assert not g.grant(13, 128)  # 256 held + 64 promised to 11
+    leader.abort(11)
+    assert g.grant(13, 64)
+    alone = KvGrants(300)
+    assert alone.grant(1, 512) and not alone.grant(2, 8)  # nothing held or promised: it runs alone
+    assert alone.grant(2, 8, now=time.monotonic() + GRANT_TTL_S + 1)  # 1 never came: its room lapsed
+    unknown = KvGrants(None)
+    assert unknown.grant(1, 10**9) and unknown.granted == {}
 
 
 def test_a_sequence_larger_than_the_room_runs_alone_and_a_prefill_replica_reserves_only_the_prompt() -> None:

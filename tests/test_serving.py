@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
+import threading
 import time
 
 import pytest
@@ -140,6 +141,37 @@ def test_two_gateways_count_each_other_s_kv_claims(pipes, smollm2, smollm2_token
     for prompt, n, out in ((LONG, 100, long_out), ("The sky is", 8, short)):
         ok, why = same_up_to_tie(out["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, prompt, n))
         assert ok, f"{prompt!r}: {why}"
+    after = mesh_loads(pipes, lambda ls: ls[lead_node]["leader"]["finished"] >= before["finished"] + 2)[lead_node]
+    after = after["leader"]
+    assert after["finished"] >= before["finished"] + 2 and after["kv_waits"] == before["kv_waits"], (before, after)
+
+
+def test_requests_at_two_gateways_at_once_ask_the_decode_leader_for_its_kv_room(pipes, smollm2, smollm2_tokenizer):
+    """The gateways' claims travel in heartbeats: two requests reaching a1's and b1's gateways in
+    the same moment each found the 3-stage decode replica empty, both were sent, and one waited
+    at the decode leader with its prompt's KV on the stages (the room is ~336 positions; each
+    needs a 512 slot). Now each gateway asks the leader for the room first (KV_RESERVE): one
+    gets it, the other is refused and waits at its gateway; nothing waits at the leader."""
+    import copy
+
+    other = copy.copy(pipes)
+    other.url = re.search(r"meshllm: another gateway on (http://\S+)", pipes.log.read_text()).group(1)
+    lead_node = next(r for r in plan_of(pipes)["replicas"] if r["role"] == "decode")["stages"][0]["node"]
+    before = mesh_loads(pipes)[lead_node]["leader"]
+    prompts = (LONG, LONG.replace("northern", "southern"))
+    start = threading.Barrier(2)
+
+    def post(served, prompt: str):
+        start.wait(timeout=30)
+        return served.post("/v1/completions", {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 60,
+                                               "temperature": 0}, 300)
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(post, (pipes, other), prompts, timeout=300))
+    for prompt, (code, out) in zip(prompts, got):
+        assert code == 200, out
+        ok, why = same_up_to_tie(out["choices"][0]["token_ids"], reference(smollm2, smollm2_tokenizer, prompt, 60))
+        assert ok, f"{prompt[-60:]!r}: {why}"
     after = mesh_loads(pipes, lambda ls: ls[lead_node]["leader"]["finished"] >= before["finished"] + 2)[lead_node]
     after = after["leader"]
     assert after["finished"] >= before["finished"] + 2 and after["kv_waits"] == before["kv_waits"], (before, after)

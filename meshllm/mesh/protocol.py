@@ -73,6 +73,8 @@ class MsgType(IntEnum):
     WEIGHTS_INDEX = 25  # its answer: the model's shape and every tensor's GGUF type, shape and size
     WEIGHTS_REQ = 26  # bytes [offset, offset + length) of one tensor, to be sent to `reply_to`
     WEIGHTS_CHUNK = 27  # those raw (still quantized) bytes + the sha256 of the whole tensor
+    KV_RESERVE = 28  # gateway -> a decode (or mixed) replica's leader, before it sends a request: KV room?
+    KV_GRANT = 29  # its answer, at once: the room is promised to that sequence, or not
 
 
 class SpanKind(IntEnum):
@@ -137,6 +139,9 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
                        "sampling": _MAP, "stop_ids": _LIST, "gateway": _STR, "drafter": _STR,
                        "plan_version": _INT}, ()),
     MsgType.RELEASE: ({"seq": _INT, "reason": _STR}, ()),
+    # positions: the most KV the sequence may come to on that replica (roles/batcher.py decode_charge)
+    MsgType.KV_RESERVE: ({"seq": _INT, "replica": _INT, "positions": _INT, "plan_version": _INT}, ()),
+    MsgType.KV_GRANT: ({"seq": _INT, "granted": _BOOL}, ()),
     # addresses: node id -> HOST:PORT of every node the plan names
     MsgType.PLAN: ({"version": _INT, "coordinator": _STR, "plan": _MAP, "addresses": _MAP}, ()),
     # zones: [zone a, zone b]: a node in one drops every message from the other for `seconds`

@@ -15,13 +15,19 @@ room runs alone. Without it a small device decoding many long generations would 
 memory (TGI's way: reserve the most a request may take, at admission).
 The gateway applies the same charge before it sends a request (roles/kv_book.py KvBook.room_for),
 since a decode replica receives a prompt's KV before the sequence starts here; the gateways
-count each other's requests by the claims their heartbeats carry (KvBook.others).
+count each other's requests by the claims their heartbeats carry (KvBook.others). Those claims
+are up to a heartbeat old, so before it sends a request the gateway also asks the decode
+replica's leader for the room (KV_RESERVE, answered at once on the leader's I/O thread:
+`KvGrants`): the leader grants it only while the running and queued sequences and the rooms
+granted before leave it, so requests reaching several gateways at once cannot together send a
+replica more than it holds.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +41,8 @@ from meshllm.sim.router import prompt_priority
 
 log = logging.getLogger("meshllm.leader")
 
+GRANT_TTL_S = 120.0  # a granted room whose sequence has not arrived by then is given back (its gateway died)
+MAX_GRANTS = 4096  # rooms promised at once at most (what the network asks for: bounded memory)
 TOKEN_BUDGET = 256  # rows per micro-batch, decodes first, then prompt chunks (chunked prefill)
 MAX_ACTIVE_SEQS = 64  # sequences a replica decodes at once; more wait in its queue
 
@@ -87,6 +95,65 @@ class InFlight:
     blocks: dict[int, Block] = field(default_factory=dict)  # VERIFY spans: seq -> its block
 
 
+class KvGrants:
+    """The KV room a decode (or mixed) replica's leader has promised to requests still on their
+    way (a gateway's KV_RESERVE before it sends one), beside what its sequences hold. Thread-safe:
+    rooms are granted on the I/O thread, taken and given back on the compute thread."""
+
+    def __init__(self, kv_room: int | None):
+        self.kv_room = kv_room
+        self.committed = 0  # positions of the sequences here (running, or queued without a grant)
+        self.granted: dict[int, tuple[int, float]] = {}  # seq -> (positions, when it lapses)
+        self.denied = 0  # reservations refused
+        self._lock = threading.Lock()
+
+    def grant(self, seq: int, positions: int, now: float | None = None) -> bool:
+        """Promise `seq` room for `positions`: while the sequences here and the earlier grants leave
+        that much, or when the replica holds nothing and has promised nothing (a request larger than
+        the whole room runs alone). A second ask for the same sequence replaces its first."""
+        if self.kv_room is None:
+            return True  # no KV limit known: nothing to promise
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._lapse(now)
+            self.granted.pop(seq, None)
+            out = sum(p for p, _ in self.granted.values())
+            ok = len(self.granted) < MAX_GRANTS and (self.committed + out + positions <= self.kv_room
+                                                     or self.committed + out == 0)
+            if ok:
+                self.granted[seq] = (positions, now + GRANT_TTL_S)
+            else:
+                self.denied += 1
+            return ok
+
+    def others(self, seq: int) -> int:
+        """Positions promised to sequences other than `seq`."""
+        with self._lock:
+            self._lapse(time.monotonic())
+            return sum(p for k, (p, _) in self.granted.items() if k != seq)
+
+    def has(self, seq: int) -> bool:
+        with self._lock:
+            return seq in self.granted
+
+    def take(self, seq: int) -> None:
+        """`seq` arrived and started (its charge now counts in `committed`), or it ended."""
+        with self._lock:
+            self.granted.pop(seq, None)
+
+    def set_committed(self, positions: int) -> None:
+        with self._lock:
+            self.committed = positions
+
+    def clear(self) -> None:
+        with self._lock:
+            self.granted.clear()
+
+    def _lapse(self, now: float) -> None:
+        for k in [k for k, (_, until) in self.granted.items() if until <= now]:
+            del self.granted[k]
+
+
 class Batcher:
     """The leader's scheduling policy: what goes into its replica's next micro-batch. Every
     sequence ready to decode gets one row (a drafted one, its block to verify), spread over as
@@ -102,6 +169,7 @@ class Batcher:
         self.kv_held = 0  # positions reserved by the running sequences
         self.kv_waits = 0  # sequences that waited for KV room
         self.kv_peak = 0  # most positions reserved at once
+        self.grants = KvGrants(kv_room)  # room promised to requests on their way (decode and mixed replicas)
 
     def admit(self, s: Seq) -> None:
         s.kv_charge = kv_charge(s, self.rid, self.max_context)
@@ -158,14 +226,15 @@ class Batcher:
     def _start_queued(self) -> None:
         """Move queued sequences into the running set, in arrival order, while there is room: a
         slot of MAX_ACTIVE_SEQS and, when the replica's KV room is known, room for the sequence's
-        KV beside what the running ones reserve (one that needs more than all of it runs alone)."""
+        KV beside what the running ones reserve and the room granted to others still on their way
+        (one that needs more than all of it runs alone)."""
         now = time.monotonic()
         queued = set(self.queue)
         running = [s for s in self.seqs.values() if s.id not in queued]
         n, held = len(running), sum(s.kv_charge for s in running)
         while self.queue and n < MAX_ACTIVE_SEQS:
             s = self.seqs[self.queue[0]]
-            if self.kv_room is not None and n and held + s.kv_charge > self.kv_room:
+            if self.kv_room is not None and n and held + self.grants.others(s.id) + s.kv_charge > self.kv_room:
                 if not s.kv_waited:
                     s.kv_waited = True
                     self.kv_waits += 1
@@ -174,9 +243,12 @@ class Batcher:
                 log.warning("replica %d: sequence %d needs %d positions of KV, more than the %d its stages "
                             "hold beside their weights: it runs alone", self.rid, s.id, s.kv_charge, self.kv_room)
             self.queue.pop(0)
+            self.grants.take(s.id)
             s.queued_s += now - s.arrived
             n, held = n + 1, held + s.kv_charge
         self.kv_held, self.kv_peak = held, max(self.kv_peak, held)
+        self.grants.set_committed(held + sum(self.seqs[q].kv_charge for q in self.queue
+                                             if not self.grants.has(q)))
 
 
 def span_of(s: Seq, n: int, kind: SpanKind) -> WireSpan:

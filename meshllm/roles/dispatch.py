@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from meshllm.defaults import DECODE_TARGETS
 from meshllm.mesh.fields import check_seq, is_address
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.roles.context import PlanContext
@@ -33,6 +34,7 @@ class DataPlane:
                           (MsgType.VERDICT, self._on_verdict), (MsgType.SESSION, self._on_session),
                           (MsgType.CAPACITY, self._on_capacity)):
             host.t.on(mtype, fn, host.worker)
+        host.t.on(MsgType.KV_RESERVE, self._on_reserve)  # on the I/O thread: answered at once, never behind compute
 
     def _current(self, msg: Message) -> bool:
         """A message of a plan version this node's roles still serve (built at `_epoch`, kept since)."""
@@ -122,6 +124,18 @@ class DataPlane:
         h = self.h
         if h.balancer is not None and self._current(msg):
             h.balancer.on_capacity(msg)
+
+    def _on_reserve(self, msg: Message, reply: Callable) -> None:
+        """A gateway asks for KV room on this node's decode (or mixed) replica before it sends a
+        request there (roles/batcher.py KvGrants)."""
+        h = self.h
+        leader, ctx, seq, positions = h.leader, h.ctx, check_seq(msg["seq"]), msg["positions"]
+        if leader is None or ctx is None or msg["plan_version"] != ctx.version or msg["replica"] != leader.rid:
+            raise ProtocolError(f"KV_RESERVE for replica {msg['replica']!r:.20} of plan v{msg['plan_version']!r:.20}: "
+                                f"this node leads no such replica (plan v{ctx.version if ctx else None})")
+        if str(leader.role) not in DECODE_TARGETS or type(positions) is not int or not 0 < positions <= 1 << 40:
+            raise ProtocolError(f"KV_RESERVE of {positions!r:.20} positions on {leader.role} replica {leader.rid}")
+        reply(make(MsgType.KV_GRANT, seq=seq, granted=leader.batch.grants.grant(seq, positions)))
 
     def _on_release(self, msg: Message, reply: Callable) -> None:
         h = self.h

@@ -8,7 +8,8 @@
 - it sends GENERATE_REQ to the replica's leader and collects TOKENS (from the prefill leader,
   then from the decode leader) in order, for the HTTP stream of that request;
 - it holds requests back, first come first served, while no decode replica has KV room left
-  for them (roles/kv_book.py: the leaders' rooms, this gateway's and the other gateways' claims);
+  for them (roles/kv_book.py: the leaders' rooms, this gateway's and the other gateways' claims),
+  and asks the chosen decode replica's leader for the room before it sends one (KV_RESERVE);
 - a request that ends early (client gone, stop string, error) is released on its replicas;
 - a replica is used only once every node of it reports the current plan loaded;
 - it keeps the Prometheus metrics of `/metrics` (TTFT, ITL, end-to-end latency, queue depth).
@@ -36,7 +37,7 @@ from meshllm.node_config import NodeConfig
 from meshllm.roles.batcher import decode_charge
 from meshllm.roles.context import PlanContext
 from meshllm.roles.coordinator import live_plan_inputs
-from meshllm.roles.kv_book import KvBook
+from meshllm.roles.kv_book import KvBook, KvDenied
 from meshllm.roles.metrics import GatewayMetrics
 from meshllm.roles.model_info import ModelInfo
 from meshllm.roles.route_view import RequestError, RouterView, Stream, kv_fit
@@ -140,6 +141,9 @@ class Gateway:
                     await self._dispatch(s)
                     status = "sent"
                     return s
+                except KvDenied:  # another gateway's requests took the room first: wait for it again
+                    await self.kv.wait_for_room(s, again=True)
+                    deadline = time.monotonic() + READY_WAIT_S * self.time_scale
                 except RequestError:
                     if time.monotonic() > deadline or self.ctx is None:
                         raise
@@ -170,6 +174,8 @@ class Gateway:
         s.seq, s.prefill_rid, s.decode_rid, s.drafter = seq, pre, dec, drafter
         s.offset_at_dispatch, s.pending = len(s.emitted), {}
         s.leaders = {ctx.leader(pre), ctx.leader(dec)} | ({ctx.address(drafter)} if drafter else set())
+        if st["pin"] is None and s.attempts == 1:  # the decode leader's word on its room, not only the heartbeats'
+            await self.kv.reserve(s, ctx.leader(dec), ctx.version)
         with self._lock:
             self._streams[seq] = s
         self.view.book(s, "prefill", +1)

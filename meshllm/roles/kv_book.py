@@ -2,16 +2,21 @@
 still hold. `KvBook` reads the replicas' KV rooms from their leaders' heartbeats, the claims of
 this gateway's requests (the most KV each may come to on its decode replica: `Stream.kv_charge`)
 and those the other gateways' heartbeats carry, says whether a request may be sent now, and
-holds the others back in arrival order (`wait_for_room`). roles/gateway.py sends and routes
-with it; mesh/node.py puts `claims()` in this node's heartbeats."""
+holds the others back in arrival order (`wait_for_room`). Before a request is sent it asks the
+decode replica's leader for the room (`reserve`, KV_RESERVE: the claims are up to a heartbeat
+old; roles/batcher.py KvGrants answers). roles/gateway.py sends and routes with it;
+mesh/node.py puts `claims()` in this node's heartbeats."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from meshllm.defaults import DECODE_TARGETS
+from meshllm.mesh.protocol import MsgType, make
+from meshllm.mesh.sockets import RemoteError
 from meshllm.roles.batcher import decode_charge
 from meshllm.roles.route_view import RequestError, Stream
 
@@ -20,20 +25,28 @@ if TYPE_CHECKING:
 
 MAX_CLAIM = 1 << 40  # KV positions: a peer gateway's claim on a replica above this is malformed
 POLL_S = 0.2  # how often a held request looks for room
+RESERVE_TIMEOUT_S = 5.0  # x time_scale: a decode leader that does not answer KV_RESERVE in this long
+FULL_S = 1.0  # a replica whose leader refused room counts as full this long (about a heartbeat)
+
+
+class KvDenied(RequestError):
+    """The decode replica's leader has no room for the request now: it waits for room again."""
 
 
 class KvBook:
     def __init__(self, gw: Gateway):
         self.gw = gw
         self.waiting: deque[Stream] = deque()  # requests held back for KV room, in arrival order
+        self.full: dict[int, float] = {}  # replica -> until when it counts as full (its leader refused room)
 
-    async def wait_for_room(self, s: Stream) -> None:
+    async def wait_for_room(self, s: Stream, again: bool = False) -> None:
         """Back-pressure: `s` waits here, not on a replica's stages, while no decode replica has KV
         room left for it, first come first served (a request that needs a whole replica is not
-        passed for ever by smaller ones). A request pinned to a replica does not wait."""
+        passed for ever by smaller ones). A request pinned to a replica does not wait. `again`:
+        the leader refused the room `s` was sent for; it waits at the head of the line."""
         if s.settings["pin"] is not None:
             return
-        self.waiting.append(s)
+        self.waiting.appendleft(s) if again else self.waiting.append(s)
         try:
             while not (self.waiting[0] is s and self.room_for(s)):
                 if self.gw.closing:
@@ -89,7 +102,30 @@ class KvBook:
         heartbeats say) decoding there may come to (a replica holding none: its whole room)."""
         held = self.others()
         held.update(self.claims())
-        return {rid: room - held[rid] for rid, room in (self.rooms() if rooms is None else rooms).items()}
+        now = time.monotonic()
+        return {rid: 0 if self.full.get(rid, 0.0) > now else room - held[rid]
+                for rid, room in (self.rooms() if rooms is None else rooms).items()}
+
+    async def reserve(self, s: Stream, leader: str, version: int) -> None:
+        """Ask the leader of `s`'s decode replica for its KV room before `s` is sent (KV_RESERVE:
+        the heartbeats' claims are up to a heartbeat old, and other gateways may be sending at this
+        moment). Raises KvDenied (the replica counts as full for FULL_S), or RequestError when the
+        leader does not answer. The room is given back when the sequence ends or is released."""
+        gw = self.gw
+        msg = make(MsgType.KV_RESERVE, seq=s.seq, replica=s.decode_rid, positions=s.kv_charge, plan_version=version)
+        try:
+            rep = await s.loop.run_in_executor(gw._send_pool, gw.t.request, leader, msg,
+                                               RESERVE_TIMEOUT_S * gw.time_scale)
+        except (TimeoutError, OSError, RemoteError) as e:
+            raise RequestError(f"replica {s.decode_rid} did not answer for KV room: {e}") from None
+        except asyncio.CancelledError:
+            gw.t.send(leader, make(MsgType.RELEASE, seq=s.seq, reason="gateway: abandoned"))  # in case it granted
+            raise
+        if rep.type is not MsgType.KV_GRANT or rep.fields.get("seq") != s.seq:
+            raise RequestError(f"replica {s.decode_rid} answered KV_RESERVE with {rep.type.name}")
+        if rep.fields.get("granted") is not True:
+            self.full[s.decode_rid] = time.monotonic() + FULL_S * gw.time_scale
+            raise KvDenied(f"replica {s.decode_rid} has no KV room for {s.kv_charge} positions now")
 
     def room_for(self, s: Stream) -> bool:
         """May `s` be sent now: some ready decode (or mixed) replica has KV room left for it, or

@@ -188,6 +188,7 @@ class Leader:
     def drop(self, seq: int) -> None:
         """Free a sequence here and on every other stage of this replica (and stop its drafter)."""
         s = self.seqs.pop(seq, None)
+        self.batch.grants.take(seq)  # aborted before it came: the room promised to it is free
         if seq in self.queue:
             self.queue.remove(seq)
         if self.verifier is not None:
@@ -213,6 +214,7 @@ class Leader:
     def fail_all(self, why: str) -> None:
         for s in list(self.seqs.values()):
             self.fail(s, why)
+        self.batch.grants.clear()
         self.outbox.flush()  # this leader may be replaced before it steps again
 
     def _expire(self) -> None:
@@ -236,7 +238,7 @@ class Leader:
         return {"replica": self.rid, "role": str(self.role), "queued": len(self.queue), "active": self.batch.active(),
                 "in_flight": len(self.in_flight), "max_active": MAX_ACTIVE_SEQS, **self.stats,
                 "kv_room": self.batch.kv_room, "kv_held": self.batch.kv_held, "kv_peak": self.batch.kv_peak,
-                "kv_waits": self.batch.kv_waits,
+                "kv_waits": self.batch.kv_waits, "kv_denied": self.batch.grants.denied,
                 "handoffs": list(self.handoffs), **({"spec": self.verifier.load()} if self.verifier else {})}
 
 
