@@ -339,3 +339,4 @@ class Gateway:
     def close(self) -> None:
         self.model.close()
         self._send_pool.shutdown(wait=False, cancel_futures=True)
+        self.kv.ask_pool.shutdown(wait=False, cancel_futures=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from meshllm.defaults import DECODE_TARGETS
@@ -27,6 +28,7 @@ MAX_CLAIM = 1 << 40  # KV positions: a peer gateway's claim on a replica above t
 POLL_S = 0.2  # how often a held request looks for room
 RESERVE_TIMEOUT_S = 5.0  # x time_scale: a decode leader that does not answer KV_RESERVE in this long
 FULL_S = 1.0  # a replica whose leader refused room counts as full this long (about a heartbeat)
+ASK_THREADS = 4  # KV_RESERVE requests waiting for their answers at once
 
 
 class KvDenied(RequestError):
@@ -38,6 +40,9 @@ class KvBook:
         self.gw = gw
         self.waiting: deque[Stream] = deque()  # requests held back for KV room, in arrival order
         self.full: dict[int, float] = {}  # replica -> until when it counts as full (its leader refused room)
+        # KV_RESERVE waits for its answer: not on the gateway's send thread (a leader slow to
+        # answer would hold up every other request's GENERATE_REQ behind it)
+        self.ask_pool = ThreadPoolExecutor(ASK_THREADS, thread_name_prefix=f"gw-reserve-{gw.me}")
 
     async def wait_for_room(self, s: Stream, again: bool = False) -> None:
         """Back-pressure: `s` waits here, not on a replica's stages, while no decode replica has KV
@@ -114,7 +119,7 @@ class KvBook:
         gw = self.gw
         msg = make(MsgType.KV_RESERVE, seq=s.seq, replica=s.decode_rid, positions=s.kv_charge, plan_version=version)
         try:
-            rep = await s.loop.run_in_executor(gw._send_pool, gw.t.request, leader, msg,
+            rep = await s.loop.run_in_executor(self.ask_pool, gw.t.request, leader, msg,
                                                RESERVE_TIMEOUT_S * gw.time_scale)
         except (TimeoutError, OSError, RemoteError) as e:
             raise RequestError(f"replica {s.decode_rid} did not answer for KV room: {e}") from None
