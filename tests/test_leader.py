@@ -191,13 +191,22 @@ def test_the_leader_grants_kv_room_to_requests_on_their_way_only_while_it_has_it
     leader.batch.admit(seq(10, max_tokens=100))  # 128, granted
     leader.batch.admit(seq(1, max_tokens=100))  # 128, not granted: 128 + 64 + 128 promised to others
     leader.batch.build(None)
-    assert leader.queue == [1] and leader.batch.kv_held == 128 and not g.has(10) and g.committed == 256
+    assert leader.queue == [1] and leader.batch.kv_held == 128 and 10 not in g.granted and g.committed == 256
     leader.abort(12)  # the gateway gave up on 12 before it came
     leader.batch.build(None)
     assert leader.queue == [] and leader.batch.kv_held == 256 and g.committed == 256
     assert not g.grant(13, 128)  # 256 held + 64 promised to 11
     leader.abort(11)
     assert g.grant(13, 64)
+    for sid in (10, 1, 13):
+        leader.abort(sid)
+    leader.batch.build(None)  # (the step after a RELEASE counts what is left)
+    assert g.committed == 0 and g.granted == {}
+    assert g.grant(20, 128) and g.grant(21, 128)
+    leader.batch.admit(seq(20, max_tokens=100))
+    leader.batch.admit(seq(21, max_tokens=100))
+    leader.batch.build(None)  # both start in one step: 20's room is not counted twice for 21
+    assert leader.queue == [] and leader.batch.kv_held == 256 and g.granted == {}
     alone = KvGrants(300)
     assert alone.grant(1, 512) and not alone.grant(2, 8)  # nothing held or promised: it runs alone
     assert alone.grant(2, 8, now=time.monotonic() + GRANT_TTL_S + 1)  # 1 never came: its room lapsed

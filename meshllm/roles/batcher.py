@@ -29,6 +29,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from meshllm.config import MAX_GAMMA
@@ -126,24 +127,25 @@ class KvGrants:
                 self.denied += 1
             return ok
 
-    def others(self, seq: int) -> int:
-        """Positions promised to sequences other than `seq`."""
+    def promised(self, but: Collection[int]) -> int:
+        """Positions promised to sequences other than those in `but`."""
         with self._lock:
             self._lapse(time.monotonic())
-            return sum(p for k, (p, _) in self.granted.items() if k != seq)
+            return sum(p for k, (p, _) in self.granted.items() if k not in but)
 
-    def has(self, seq: int) -> bool:
+    def settle(self, started: Collection[int], held: int, queued: Iterable[tuple[int, int]]) -> None:
+        """After the leader started `started`: their rooms are now part of `held` (the running
+        sequences' charges); the queued sequences (id, charge) without a grant count too. In one
+        step, so a grant on the I/O thread never sees a room both given back and not yet held."""
         with self._lock:
-            return seq in self.granted
+            for seq in started:
+                self.granted.pop(seq, None)
+            self.committed = held + sum(c for q, c in queued if q not in self.granted)
 
     def take(self, seq: int) -> None:
-        """`seq` arrived and started (its charge now counts in `committed`), or it ended."""
+        """`seq` ended (or was aborted before it came): the room promised to it is free."""
         with self._lock:
             self.granted.pop(seq, None)
-
-    def set_committed(self, positions: int) -> None:
-        with self._lock:
-            self.committed = positions
 
     def clear(self) -> None:
         with self._lock:
@@ -231,10 +233,11 @@ class Batcher:
         now = time.monotonic()
         queued = set(self.queue)
         running = [s for s in self.seqs.values() if s.id not in queued]
-        n, held = len(running), sum(s.kv_charge for s in running)
+        n, held, started = len(running), sum(s.kv_charge for s in running), set()
         while self.queue and n < MAX_ACTIVE_SEQS:
             s = self.seqs[self.queue[0]]
-            if self.kv_room is not None and n and held + self.grants.others(s.id) + s.kv_charge > self.kv_room:
+            if (self.kv_room is not None and n
+                    and held + self.grants.promised(started | {s.id}) + s.kv_charge > self.kv_room):
                 if not s.kv_waited:
                     s.kv_waited = True
                     self.kv_waits += 1
@@ -243,12 +246,11 @@ class Batcher:
                 log.warning("replica %d: sequence %d needs %d positions of KV, more than the %d its stages "
                             "hold beside their weights: it runs alone", self.rid, s.id, s.kv_charge, self.kv_room)
             self.queue.pop(0)
-            self.grants.take(s.id)
+            started.add(s.id)
             s.queued_s += now - s.arrived
             n, held = n + 1, held + s.kv_charge
         self.kv_held, self.kv_peak = held, max(self.kv_peak, held)
-        self.grants.set_committed(held + sum(self.seqs[q].kv_charge for q in self.queue
-                                             if not self.grants.has(q)))
+        self.grants.settle(started, held, ((q, self.seqs[q].kv_charge) for q in self.queue))
 
 
 def span_of(s: Seq, n: int, kind: SpanKind) -> WireSpan:
