@@ -42,7 +42,7 @@ class KvBook:
         self.full: dict[int, float] = {}  # replica -> until when it counts as full (its leader refused room)
         # KV_RESERVE waits for its answer: not on the gateway's send thread (a leader slow to
         # answer would hold up every other request's GENERATE_REQ behind it)
-        self.ask_pool = ThreadPoolExecutor(ASK_THREADS, thread_name_prefix=f"gw-reserve-{gw.me}")
+        self.ask_pool = ThreadPoolExecutor(ASK_THREADS, thread_name_prefix="gw-reserve")
 
     async def wait_for_room(self, s: Stream, again: bool = False) -> None:
         """Back-pressure: `s` waits here, not on a replica's stages, while no decode replica has KV
