@@ -174,11 +174,15 @@ class Gateway:
         s.seq, s.prefill_rid, s.decode_rid, s.drafter = seq, pre, dec, drafter
         s.offset_at_dispatch, s.pending = len(s.emitted), {}
         s.leaders = {ctx.leader(pre), ctx.leader(dec)} | ({ctx.address(drafter)} if drafter else set())
-        if st["pin"] is None and s.attempts == 1:  # the decode leader's word on its room, not only the heartbeats'
-            await self.kv.reserve(s, ctx.leader(dec), ctx.version)
         with self._lock:
             self._streams[seq] = s
-        self.view.book(s, "prefill", +1)
+        self.view.book(s, "prefill", +1)  # before any wait: the next request's route sees this one
+        if st["pin"] is None and s.attempts == 1:  # the decode leader's word on its room, not only the heartbeats'
+            try:
+                await self.kv.reserve(s, ctx.leader(dec), ctx.version)
+            except RequestError as e:  # (a client gone meanwhile: submit releases it, a grant included)
+                self.close_stream(s, "error", release=not isinstance(e, KvDenied), count=False)
+                raise
         stop = sorted(self.model.tokenizer.eos_ids)
         msgs = [(ctx.leader(pre), make(MsgType.GENERATE_REQ, seq=seq, prompt_token_ids=ids, max_tokens=left,
                                        sampling=st["sampling"], stop_ids=stop, decode_replica=dec,

@@ -115,7 +115,8 @@ class KvBook:
         """Ask the leader of `s`'s decode replica for its KV room before `s` is sent (KV_RESERVE:
         the heartbeats' claims are up to a heartbeat old, and other gateways may be sending at this
         moment). Raises KvDenied (the replica counts as full for FULL_S), or RequestError when the
-        leader does not answer. The room is given back when the sequence ends or is released."""
+        leader does not answer. The room is given back when the sequence ends or is released (`s`
+        is already among the gateway's streams, so a client gone meanwhile releases it)."""
         gw = self.gw
         msg = make(MsgType.KV_RESERVE, seq=s.seq, replica=s.decode_rid, positions=s.kv_charge, plan_version=version)
         try:
@@ -123,9 +124,6 @@ class KvBook:
                                                RESERVE_TIMEOUT_S * gw.time_scale)
         except (TimeoutError, OSError, RemoteError) as e:
             raise RequestError(f"replica {s.decode_rid} did not answer for KV room: {e}") from None
-        except asyncio.CancelledError:
-            gw.t.send(leader, make(MsgType.RELEASE, seq=s.seq, reason="gateway: abandoned"))  # in case it granted
-            raise
         if rep.type is not MsgType.KV_GRANT or rep.fields.get("seq") != s.seq:
             raise RequestError(f"replica {s.decode_rid} answered KV_RESERVE with {rep.type.name}")
         if rep.fields.get("granted") is not True:
