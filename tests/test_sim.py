@@ -530,6 +530,39 @@ def test_the_simulation_pool_leaves_no_process_when_its_parent_is_killed(tmp_pat
         time.sleep(0.2)
 
 
+def test_a_multiprocessing_worker_that_made_a_simulation_pool_exits(tmp_path):
+    """bench/planner.py plans each cluster in a ProcessPoolExecutor worker; with more than one
+    simulation worker per cluster (any machine with more cores than --jobs) the judge made a pool
+    there, and the worker, which runs no atexit handler, joined the pool's processes at exit while
+    they waited on their queue: the benchmark hung after its last cluster. The pool is closed by
+    multiprocessing's own exit hook now, before its queues close."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "bench_like.py"
+    script.write_text("import sys\n"
+                      f"sys.path.insert(0, {str(REPO)!r})\n"
+                      "from concurrent.futures import ProcessPoolExecutor\n"
+                      "def cluster(_):\n    import time\n    from meshllm.sim import pool\n"
+                      "    return pool.pmap(time.sleep, [0.3] * 4)\n"  # both workers busy, then idle at exit
+                      "if __name__ == '__main__':\n"
+                      "    with ProcessPoolExecutor(1) as ex:\n        print(list(ex.map(cluster, [0])), flush=True)\n"
+                      "    print('done', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MESHLLM_SIM_JOBS": "2"}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the hung worker and its pool's processes too
+        out, err = proc.communicate()
+        raise AssertionError(f"the worker did not exit: {out!r}") from None
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert r.returncode == 0 and r.stdout.split() == ["[[None,", "None,", "None,", "None]]", "done"], \
+        (r.stdout, r.stderr[-2000:])
+
+
 def test_judge_offers_the_baselines_own_groupings():
     """The judge's candidates include mixed-dp's and tuned Splitwise's replicas exactly as the
     baselines build them, so the plan can always be what the best of those operators runs."""

@@ -8,7 +8,8 @@ The pool is made on first use and kept for the next batch; its processes start w
 (a node process has threads, which `fork` would copy mid-lock) and end at exit. As with any
 `spawn` pool, a script that plans with the judge must keep its top-level work under
 `if __name__ == "__main__":` (each worker imports the script); if a worker cannot start, the
-runs stay in this process from then on.
+runs stay in this process from then on. A process that made a pool closes it when it exits, a
+multiprocessing worker too (which would otherwise wait for ever on the pool's workers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import threading
 import time
@@ -56,6 +58,9 @@ def pmap(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         _pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_watch_parent,
                                     initargs=(os.getpid(),))
         atexit.register(close)
+        # a multiprocessing worker (a bench's cluster process) runs no atexit handlers: it joins its
+        # children first, and the pool's workers would wait on their queue for ever (a hang at exit)
+        multiprocessing.util.Finalize(None, close, exitpriority=100)  # before its queues close (10)
     try:
         return list(_pool.map(fn, items))
     except BrokenProcessPool as e:  # a worker could not start (an unguarded script?) or was killed
