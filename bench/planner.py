@@ -93,8 +93,10 @@ def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_
     memory = decode_memory_rate_per_s(inp, lengths)  # the roofline's other cap (metrics.py)
     # the stability rule on one trace is noisy (one policy: 16.0 to 18.3 req/s over four traces), so a
     # policy's saturation is the mean over `seeds` traces (seed, seed + 1, ...)
-    runs = {p: [sweep.saturation_rate(pol.replicas, inp, seed + k, sweep_n) for k in range(seeds)]
-            if pol.replicas and p in SWEPT else [0.0] for p, pol in pols.items()}
+    swept = [p for p, pol in pols.items() if pol.replicas and p in SWEPT]
+    got = iter(sweep.saturation_rates([(pols[p].replicas, inp, seed + k, sweep_n) for p in swept
+                                       for k in range(seeds)]))  # in parallel processes: the same figures
+    runs = {p: [next(got) for _ in range(seeds)] if p in swept else [0.0] for p in pols}
     sat = {p: sum(xs) / len(xs) for p, xs in runs.items()}
     res = dict(name=name, model=cfg.model, devices=len(cfg.nodes), rate=inp.rate_per_s, bound=bound,
                bound_decode_memory=memory, sat=sat,

@@ -192,6 +192,16 @@ def saturation_rate(reps: Sequence[SimReplica], inp: PlanInputs, seed: int = 0,
     return Sweep(reps, inp, seed, sweep_requests).saturation() if reps else 0.0
 
 
+def saturation_rates(jobs: Sequence[tuple]) -> list[float]:
+    """`saturation_rate(*job)` of each job (replicas, inputs, seed, sweep_requests), in the pool's
+    processes (sim/pool.py): each sweep is deterministic, so the figures are those run one by one."""
+    return pool.pmap(_saturation_rate, list(jobs))
+
+
+def _saturation_rate(job: tuple) -> float:
+    return saturation_rate(*job)
+
+
 def meshllm_policy(inp: PlanInputs, rate: float, seed: int, sweep_requests: int = SWEEP_REQUESTS) -> Policy:
     from meshllm.sim.judge import judged_plan  # the judge imports this module
     from meshllm.sim.trials import JUDGE_SWEEP_REQUESTS
