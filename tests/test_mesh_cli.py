@@ -232,9 +232,10 @@ def test_the_status_table_writes_a_stage_s_layers_half_open() -> None:
     st = {"node": "a", "plan_version": 3, "roles": ["mixed", "gateway"], "peers": [],
           "load": {"stage": {"replica": 1, "index": 0, "layers": [0, 30]}}}
     assert format_status(st).splitlines()[0] == "node a  plan v3  roles mixed,gateway  replica 1 stage 0 layers [0, 30)"
-    st["load"]["leader"] = {"active": 3, "queued": 2, "kv_room": 7461, "kv_held": 7040, "kv_waits": 5}
+    st["load"]["leader"] = {"active": 3, "queued": 2, "kv_room": 7461, "kv_held": 7040, "kv_waits": 5,
+                           "kv_denied": 2}
     assert format_status(st).splitlines()[1] == "  leader: 3 running, 2 queued, KV 7040 of 7461 positions, " \
-        "5 waited for KV room"
+        "5 waited for KV room, 2 reservations refused"
     st["load"]["gateway"] = {"listen": "127.0.0.1:8000", "in_flight": 4, "max_concurrent": 1024, "plan_version": 3,
                              "kv_claims": [[0, 1024], [2, 8192]]}
     assert format_status(st).splitlines()[2] == "  gateway: 127.0.0.1:8000, 4 in flight of 1024, KV claims " \

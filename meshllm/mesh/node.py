@@ -245,7 +245,7 @@ def format_status(st: dict[str, Any]) -> str:
         room = lead.get("kv_room")
         kv = f"KV {lead.get('kv_held', 0)} of {room} positions" if room is not None else "KV not limited"
         lines.append(f"  leader: {lead.get('active', 0)} running, {lead.get('queued', 0)} queued, {kv}, "
-                     f"{lead.get('kv_waits', 0)} waited for KV room")
+                     f"{lead.get('kv_waits', 0)} waited for KV room, {lead.get('kv_denied', 0)} reservations refused")
     gw = st.get("load", {}).get("gateway")
     if isinstance(gw, dict):  # requests in flight (those waiting for KV room too), their KV claims per replica
         got = gw.get("kv_claims")
