@@ -228,6 +228,58 @@ def test_requests_waiting_for_kv_room_go_first_come_first_served(pipes, smollm2,
     assert in_flight() == 0
 
 
+def test_a_request_waiting_for_a_ready_replica_counts_in_flight_and_ends_at_the_drain(smollm2_tokenizer):
+    """While the mesh re-planned, a request waiting for a ready replica was not counted in flight:
+    any number could wait beyond max_concurrent, and a stopping gateway's drain did not see it
+    (it waited its own READY_WAIT_S for the plan, then failed with "no replica is ready"). Now it
+    counts, the next request over the limit is refused (429), and when the drain ends it gets 503
+    shutting_down at once. (A gateway on fake sockets whose plan no node has loaded.)"""
+    import dataclasses
+    import urllib.error
+    import urllib.request
+
+    from meshllm.mesh.membership import Membership, PeerInfo
+    from meshllm.mesh.sockets import free_port_pair
+    from meshllm.roles.context import PlanContext
+    from meshllm.roles.gateway import READY_WAIT_S, Gateway
+    from meshllm.roles.http_api import ApiServer
+    from tests.test_fuzz import GW, NODES, FakeTransport, Net, make_plan, node_cfg
+
+    cfg = dataclasses.replace(node_cfg("gw"), max_concurrent=1)
+    gw = Gateway(FakeTransport(Net(), "gw", GW), Membership("gw"), PeerInfo("gw", GW, "fog", {}, ("gateway",), 1),
+                 cfg)
+    gw.ctx = PlanContext(5, make_plan(), dict(NODES), "gw")  # planned, loaded nowhere: no replica is ready
+    gw.model.vocab, gw.model.max_context, gw.model.tokenizer = 256, 256, smollm2_tokenizer
+    api = ApiServer(gw, f"127.0.0.1:{free_port_pair()}", drain_s=0.5)
+    api.start()
+
+    def post() -> tuple[int, dict, float]:
+        body = json.dumps({"model": gw.model_name, "prompt": [1, 2, 3], "max_tokens": 4}).encode()
+        req = urllib.request.Request(f"http://{api.listen}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read()), time.monotonic() - t0
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), time.monotonic() - t0
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        try:
+            first = pool.submit(post)
+            deadline = time.monotonic() + 10
+            while gw.in_flight() < 1 and not first.done() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert gw.in_flight() == 1 and not first.done(), first.result() if first.done() else 0  # counted
+            code, body, _ = post()
+            assert code == 429 and body["error"]["code"] == "overloaded", body
+        finally:
+            api.close()  # the drain (0.5 s) ends it
+        code, body, took = first.result(timeout=30)
+    assert code == 503 and body["error"]["code"] == "shutting_down", body
+    assert took < READY_WAIT_S and gw.in_flight() == 0, took
+
+
 def test_a_peer_gateway_s_claims_count_only_when_well_formed_live_and_of_this_plan():
     """Heartbeat loads come from the network: a claim that is not [replica, positions] with small
     whole numbers, names no replica of the plan, is of another plan version, or comes from a

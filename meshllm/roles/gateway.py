@@ -19,12 +19,14 @@ TOKENS arrive on the I/O thread and are handed to the HTTP event loop thread-saf
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -69,6 +71,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.local_load = lambda: {}  # this node's own load (the Node wires its RoleHost in)
         self._streams: dict[int, Stream] = {}
+        self._held = 0  # requests the API holds (`holding`): in the mesh, waiting, or between attempts
         self.closing: str | None = None  # why every request left ends now (the drain's deadline: `shut`)
         self._lock = threading.Lock()
         self._seq_prefix = random.SystemRandom().getrandbits(30) << 32
@@ -137,6 +140,8 @@ class Gateway:
             await self.kv.wait_for_room(s)
             deadline = time.monotonic() + READY_WAIT_S * self.time_scale
             while True:  # a mesh that is re-planning (a node died) gets a moment before a 503
+                if self.closing:  # the drain is over: not after READY_WAIT_S
+                    raise RequestError(self.closing, "shutting_down")
                 try:
                     await self._dispatch(s)
                     status = "sent"
@@ -327,9 +332,22 @@ class Gateway:
         return {"node": self.me, "plan_version": self.ctx.version if self.ctx else 0, "nodes": nodes}
 
     def in_flight(self) -> int:
-        """Requests this gateway holds: in the mesh, or waiting for KV room (max_concurrent bounds both)."""
+        """Requests this gateway holds, from admission to the response's end: in the mesh, waiting
+        for KV room or for a ready replica (a re-plan), or between a failed attempt and the next
+        (max_concurrent bounds them all; a drain waits for them all)."""
         with self._lock:
-            return len(self._streams) + len(self.kv.waiting)
+            return self._held
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """One request held while the block runs (the API's handler, admission to response)."""
+        with self._lock:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= 1
 
     def shut(self, why: str) -> None:
         """End every request in flight now (a stopping gateway's drain is over): each one's reader

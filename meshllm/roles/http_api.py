@@ -90,23 +90,25 @@ async def _generate(request: web.Request, gw: Gateway, chat: bool) -> web.Stream
         return ApiError(400, "the request body is not valid JSON", None, "invalid_json").response()
     try:
         p = parse_params(body, gw, chat)
-        if (n := gw.in_flight()) >= gw.cfg.max_concurrent:  # no await before submit registers it: no race
+        if (n := gw.in_flight()) >= gw.cfg.max_concurrent:  # no await before `holding` counts it: no race
             resp = ApiError(429, f"this gateway has {n} requests in flight, its limit "
                                  "(gateway.max_concurrent); retry later, or at another gateway", None,
                             "overloaded").response()
             resp.headers["Retry-After"] = "1"
             gw.metrics.requests.labels(status="rejected").inc()  # meshllm_requests_total{status="rejected"}
             return resp
-        s = await gw.submit(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
-                            spec_mode=p.spec_mode, gamma=p.gamma, decode_replica=p.decode_replica,
-                            adaptive=p.adaptive)
     except ApiError as e:
         return e.response()
-    except RequestError as e:
-        return ApiError(503, str(e), None, e.code).response()
-    kind, rid = ("chat", f"chatcmpl-{uuid.uuid4().hex}") if chat else ("text", f"cmpl-{uuid.uuid4().hex}")
-    run = Run(gw, s, p, kind, rid)
-    return await (run.stream(request) if p.stream else run.whole())
+    with gw.holding():  # counted from here to the response's end, whatever it waits for meanwhile
+        try:
+            s = await gw.submit(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
+                                spec_mode=p.spec_mode, gamma=p.gamma, decode_replica=p.decode_replica,
+                                adaptive=p.adaptive)
+        except RequestError as e:
+            return ApiError(503, str(e), None, e.code).response()
+        kind, rid = ("chat", f"chatcmpl-{uuid.uuid4().hex}") if chat else ("text", f"cmpl-{uuid.uuid4().hex}")
+        run = Run(gw, s, p, kind, rid)
+        return await (run.stream(request) if p.stream else run.whole())
 
 
 class Run:
