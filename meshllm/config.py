@@ -94,15 +94,29 @@ class ClusterConfig:
 
 
 # -- helpers ------------------------------------------------------------------------------
+MAX_YAML_BYTES = 16 << 20  # a cluster of thousands of nodes is well under 1 MiB
+
+
 def read_yaml(path: str | Path) -> dict:
     import yaml
 
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(str(path), "(file)", "no such file")
+    if not p.is_file():  # a folder, a device (/dev/zero would be read for ever), a pipe
+        raise ConfigError(str(path), "(file)", "is a directory, not a YAML file" if p.is_dir()
+                          else "not a regular file")
     try:
-        with open(p) as f:
-            data = yaml.safe_load(f)
+        if p.stat().st_size > MAX_YAML_BYTES:
+            raise ConfigError(str(path), "(file)", f"{p.stat().st_size} bytes: too large for a configuration file "
+                                                   f"(at most {MAX_YAML_BYTES >> 20} MiB)")
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), "(file)", "not a text file (UTF-8): is it the right path?") from None
+    except OSError as e:
+        raise ConfigError(str(path), "(file)", f"cannot be read: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "(file)"

@@ -59,7 +59,6 @@ def known_devices(devices_dir: Path = DEVICES_DIR) -> list[str]:
 
 def load_device(spec: str | dict, where: str = "<config>", devices_dir: Path = DEVICES_DIR) -> DeviceProfile:
     """`spec` is a profile name in devices/, an inline mapping, or 'auto'."""
-    import yaml
 
     from meshllm.errors import ConfigError
 
@@ -71,9 +70,9 @@ def load_device(spec: str | dict, where: str = "<config>", devices_dir: Path = D
     if not isinstance(spec, str) or not path.is_file():
         raise ConfigError(where, "device", f"unknown device {spec!r}; known: {', '.join(known_devices(devices_dir))}, "
                                            "auto, or an inline mapping")
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    return device_from_mapping(spec, data, str(path))
+    from meshllm.config import read_yaml  # (config imports this module)
+
+    return device_from_mapping(spec, read_yaml(path), str(path))
 
 
 def probe_this_machine() -> DeviceProfile:

@@ -84,6 +84,24 @@ def test_yaml_syntax_error_and_missing_file(tmp_path):
         load_cluster(p)
 
 
+def test_a_path_that_is_no_yaml_file_is_a_config_error(tmp_path):
+    """A folder was "no such file", a binary file a runtime error (UnicodeDecodeError, exit 1) and
+    /dev/zero was read for ever; a broken profile in devices/ was a YAML traceback."""
+    from meshllm.device import load_device
+
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file"):
+        load_cluster(tmp_path)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_cluster("/dev/zero")
+    binary = tmp_path / "model.gguf"
+    binary.write_bytes(b"GGUF\x03\x00\x00\x00\xd0\xff" * 8)
+    with pytest.raises(ConfigError, match=r"not a text file \(UTF-8\)"):
+        load_cluster(binary)
+    (tmp_path / "broken.yaml").write_text("memory_gb: [8\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml: line \d+: invalid YAML"):
+        load_device("broken", "n.yaml", devices_dir=tmp_path)
+
+
 def test_node_file(tmp_path):
     p = tmp_path / "n.yaml"
     p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "0.0.0.0:7700",
