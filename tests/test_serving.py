@@ -447,6 +447,24 @@ def test_an_unknown_field_is_named_in_the_400():
     assert e.value.status == 503
 
 
+def test_a_meshllm_field_that_is_not_a_mapping_is_a_400_even_when_falsy(smollm2_tokenizer):
+    """`"meshllm": 0`, `false`, `""` or `[]` were taken as no extension at all (the request ran with
+    the cluster's settings); like `"meshllm": 5` they are a 400 now. `null` still means none."""
+    from types import SimpleNamespace
+
+    from meshllm.roles.api_params import ApiError, parse_params
+
+    gw = SimpleNamespace(model_name="m", model=SimpleNamespace(tokenizer=smollm2_tokenizer, max_context=8192,
+                                                               vocab=smollm2_tokenizer.vocab_size))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+    for bad in (0, False, "", [], 5, {"gama": 2}):
+        with pytest.raises(ApiError) as e:
+            parse_params({**body, "meshllm": bad}, gw, chat=False)
+        assert (e.value.status, e.value.code) == (400, "invalid_value"), bad
+    assert parse_params({**body, "meshllm": None}, gw, chat=False).spec_mode is None
+    assert parse_params({**body, "meshllm": {"speculation": "off"}}, gw, chat=False).spec_mode == "off"
+
+
 def test_a_bad_integer_field_s_message_gives_its_range_in_whole_numbers():
     """It said "must be an integer in [1, 2.14748e+09]" and "[-9.22337e+18, 9.22337e+18]"."""
     from meshllm.roles.api_params import ApiError, _number

@@ -122,7 +122,7 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
                              or not isinstance(opts.get("include_usage", False), bool)):
         raise ApiError(400, "'stream_options' is {include_usage: bool}, with stream: true", "stream_options",
                        "invalid_value")
-    mode, gamma, pin, adaptive = _extension(body.get("meshllm") or {})
+    mode, gamma, pin, adaptive = _extension({} if body.get("meshllm") is None else body["meshllm"])
     return Params(ids, min(max_tokens, gw.model.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),
                   _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
                   _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
