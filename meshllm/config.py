@@ -136,9 +136,24 @@ def split_hostport(s: Any, src: str, fld: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def given(d: dict, key: str, empty: Any) -> Any:
+    """d[key], or `empty` where it is absent or null (a bare `key:` in YAML). Any other value is
+    the caller's to check: `speculation: off` (false in YAML 1.1), 0 or "" are not "absent"."""
+    v = d.get(key)
+    return empty if v is None else v
+
+
+def _links(d: dict, src: str, zones: set[str] | None) -> tuple[LinkSpec, ...]:
+    links = given(d, "links", [])
+    if not isinstance(links, list):
+        raise ConfigError(src, "links", f"must be a list of {{zones, rtt_ms, bandwidth_mbps}}, got {links!r:.60}")
+    return tuple(_link(ln, i, src, zones) for i, ln in enumerate(links))
+
+
 def _check_keys(d: Any, allowed: set[str], required: set[str], src: str, prefix: str) -> dict:
     if not isinstance(d, dict):
-        raise ConfigError(src, prefix or "(top level)", f"expected a mapping, got {type(d).__name__}")
+        hint = " (speculation: {mode: off} turns it off)" if prefix == "speculation." and d is False else ""
+        raise ConfigError(src, prefix.rstrip(".") or "(top level)", f"expected a mapping, got {type(d).__name__}{hint}")
     for k in d:
         if k not in allowed:
             raise ConfigError(src, f"{prefix}{k}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
@@ -201,14 +216,13 @@ def parse_cluster(data: dict, src: str) -> ClusterConfig:
         dev = load_device(n["device"], f"{src}: {p}device")
         nodes.append(NodeSpec(nid, dev, str(n["zone"]), _roles(n.get("roles"), src, p + "roles")))
     zones = {n.zone for n in nodes}
-    links = tuple(_link(ln, i, src, zones) for i, ln in enumerate(data.get("links") or []))
     return ClusterConfig(
-        source=src, model=_model(data["model"], src), nodes=tuple(nodes), links=links,
-        draft=_draft(data.get("draft") or {}, src), speculation=_spec(data.get("speculation") or {}, src),
-        workload=_workload(data.get("workload") or {}, src),
+        source=src, model=_model(data["model"], src), nodes=tuple(nodes), links=_links(data, src, zones),
+        draft=_draft(given(data, "draft", {}), src), speculation=_spec(given(data, "speculation", {}), src),
+        workload=_workload(given(data, "workload", {}), src),
         weights_dtype=_choice(data.get("weights_dtype", DEFAULT_WEIGHT_DTYPE), WEIGHT_DTYPES, src, "weights_dtype"),
         time_scale=_time_scale(data.get("time_scale", 1.0), src),
-        security=_security(data.get("security") or {}, src),
+        security=_security(given(data, "security", {}), src),
     )
 
 
@@ -267,7 +281,7 @@ def _workload(d: Any, src: str) -> Workload:
     allowed = {"prompts", "max_tokens", "temperature", "arrival_rate_per_s", "requests", "input_tokens",
                "output_tokens"}
     _check_keys(d, allowed, set(), src, "workload.")
-    prompts = d.get("prompts") or []
+    prompts = given(d, "prompts", [])
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise ConfigError(src, "workload.prompts", "must be a list of strings")
     return Workload(

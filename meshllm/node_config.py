@@ -21,7 +21,7 @@ from meshllm.config import (
     _check_keys,
     _choice,
     _draft,
-    _link,
+    _links,
     _model,
     _num,
     _plan_inputs,
@@ -29,6 +29,7 @@ from meshllm.config import (
     _spec,
     _time_scale,
     _workload,
+    given,
     read_yaml,
     split_hostport,
 )
@@ -121,12 +122,12 @@ def parse_node(data: dict, src: str) -> NodeConfig:
     if data.get("advertise") is not None:
         split_hostport(data["advertise"], src, "advertise")
     security = _node_security(data, src)
-    seeds, seed_ids = _seeds(data.get("seeds") or [], src, security.get("authorized"))
+    seeds, seed_ids = _seeds(given(data, "seeds", []), src, security.get("authorized"))
     mdns = data.get("mdns", True)
     if not isinstance(mdns, bool):
         raise ConfigError(src, "mdns", f"must be true or false, got {mdns!r}")
     # Links in a node file (written by the emulator) name zones of other nodes: no zone check here.
-    links = tuple(_link(ln, i, src, None) for i, ln in enumerate(data.get("links") or []))
+    links = _links(data, src, None)
     hb = float(_num(data.get("heartbeat_interval_s", HEARTBEAT_INTERVAL_S), src, "heartbeat_interval_s",
                     strict=True))
     fail = float(_num(data.get("failure_timeout_s", FAILURE_TIMEOUT_S), src, "failure_timeout_s", strict=True))
@@ -227,7 +228,7 @@ def _rate_limit(v: Any, src: str) -> RateLimit:
 
 def _serving(d: dict, src: str) -> dict[str, Any]:
     """The node-file keys shared with cluster files (what the coordinator plans for) and emulation."""
-    expect = d.get("expect_nodes") or []
+    expect = given(d, "expect_nodes", [])
     if not isinstance(expect, list) or not all(isinstance(x, str) and x for x in expect):
         raise ConfigError(src, "expect_nodes", "must be a list of node ids")
     pace, faults, judge = d.get("pace", False), d.get("fault_injection", False), d.get("plan_judge", False)
@@ -235,9 +236,9 @@ def _serving(d: dict, src: str) -> dict[str, Any]:
         if not isinstance(v, bool):
             raise ConfigError(src, key, f"must be true or false, got {v!r}")
     return dict(
-        draft=_draft(d.get("draft") or {}, src), speculation=_spec(d.get("speculation") or {}, src),
+        draft=_draft(given(d, "draft", {}), src), speculation=_spec(given(d, "speculation", {}), src),
         weights_dtype=_choice(d.get("weights_dtype", DEFAULT_WEIGHT_DTYPE), WEIGHT_DTYPES, src, "weights_dtype"),
-        workload=_workload(d.get("workload") or {}, src), expect_nodes=tuple(expect),
+        workload=_workload(given(d, "workload", {}), src), expect_nodes=tuple(expect),
         plan_settle_s=float(_num(d.get("plan_settle_s", PLAN_SETTLE_S), src, "plan_settle_s")), plan_judge=judge,
         pace=pace, time_scale=_time_scale(d.get("time_scale", 1.0), src), fault_injection=faults,
         busy_poll_ms=_busy_poll_ms(d.get("busy_poll_ms", 0.0), src),

@@ -102,6 +102,28 @@ def test_a_path_that_is_no_yaml_file_is_a_config_error(tmp_path):
         load_device("broken", "n.yaml", devices_dir=tmp_path)
 
 
+def test_a_falsy_section_is_refused_and_a_null_one_is_absent(tmp_path):
+    """`speculation: off` (false in YAML 1.1) was taken as no section, so drafting stayed on; `links: 0`,
+    `draft: false`, `workload: ''` or `seeds: 0` passed the same way. Only null (a bare `key:`) is absent."""
+    for key, bad, msg in [("speculation", False, r"speculation: expected a mapping, got bool \(speculation: "
+                                                 r"\{mode: off\} turns it off\)"),
+                          ("draft", False, "draft: expected a mapping, got bool"),
+                          ("workload", "", "workload: expected a mapping, got str"),
+                          ("security", [], "security: expected a mapping, got list"),
+                          ("links", 0, "links: must be a list"), ("links", 5, "links: must be a list")]:
+        with pytest.raises(ConfigError, match=msg):
+            parse_cluster(_with(**{key: bad}), "c.yaml")
+    assert parse_cluster(_with(links=None, draft=None, speculation=None), "c.yaml").links == ()
+    with pytest.raises(ConfigError, match="workload.prompts: must be a list of strings"):
+        parse_cluster(_with(workload={"prompts": 0}), "c.yaml")
+    p = tmp_path / "n.yaml"
+    for bad, field in [({"seeds": 0}, "seeds"), ({"links": False}, "links"), ({"expect_nodes": ""}, "expect_nodes"),
+                       ({"speculation": False}, "speculation")]:
+        p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700", **bad}))
+        with pytest.raises(ConfigError, match=f"n.yaml: {field}: "):
+            load_node(p)
+
+
 def test_node_file(tmp_path):
     p = tmp_path / "n.yaml"
     p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "0.0.0.0:7700",
