@@ -214,7 +214,9 @@ def parse_cluster(data: dict, src: str) -> ClusterConfig:
             raise ConfigError(src, p + "id", f"duplicate node id {nid!r}")
         seen.add(nid)
         dev = load_device(n["device"], f"{src}: {p}device")
-        nodes.append(NodeSpec(nid, dev, str(n["zone"]), _roles(n.get("roles"), src, p + "roles")))
+        if not isinstance(n["zone"], str) or not n["zone"]:
+            raise ConfigError(src, p + "zone", f"must be a non-empty string, got {n['zone']!r:.60}")
+        nodes.append(NodeSpec(nid, dev, n["zone"], _roles(n.get("roles"), src, p + "roles")))
     zones = {n.zone for n in nodes}
     return ClusterConfig(
         source=src, model=_model(data["model"], src), nodes=tuple(nodes), links=_links(data, src, zones),
@@ -241,6 +243,8 @@ def _link(ln: Any, i: int, src: str, zones: set[str] | None) -> LinkSpec:
     if not isinstance(z, list) or len(z) != 2:
         raise ConfigError(src, p + "zones", "must be a list of two zone names")
     for zz in z:
+        if not isinstance(zz, str) or not zz:
+            raise ConfigError(src, p + "zones", f"zone names are non-empty strings, got {zz!r:.60}")
         if zones is not None and zz not in zones:
             raise ConfigError(src, p + "zones", f"zone {zz!r} has no nodes (zones: {', '.join(sorted(zones))})")
     return LinkSpec((str(z[0]), str(z[1])), float(_num(ln["rtt_ms"], src, p + "rtt_ms")),

@@ -124,6 +124,19 @@ def test_a_falsy_section_is_refused_and_a_null_one_is_absent(tmp_path):
             load_node(p)
 
 
+def test_zone_names_are_non_empty_strings(tmp_path):
+    """A link naming a zone {} was a TypeError (unhashable), a node's zone null became "None"."""
+    with pytest.raises(ConfigError, match=r"links\[0\].zones: zone names are non-empty strings"):
+        parse_cluster(_with(links__0__zones=[{"a": 1}, "fog"]), "c.yaml")
+    for bad in (None, "", 3, ["fog"]):
+        with pytest.raises(ConfigError, match=r"nodes\[0\].zone: must be a non-empty string"):
+            parse_cluster(_with(nodes__0__zone=bad), "c.yaml")
+    p = tmp_path / "n.yaml"
+    p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700", "zone": None}))
+    with pytest.raises(ConfigError, match="n.yaml: zone: must be a non-empty string"):
+        load_node(p)
+
+
 def test_node_file(tmp_path):
     p = tmp_path / "n.yaml"
     p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "0.0.0.0:7700",
