@@ -389,6 +389,7 @@ def test_continuous_batching_short_request_overtakes_a_long_one(disagg):
 @pytest.mark.parametrize("body,status,code", [
     (b"{not json", 400, "invalid_json"),
     (b"[1, 2]", 400, "invalid_body"),
+    (b'{"model": "smollm2-135m", "prompt": "hi \\ud800"}', 400, "invalid_json"),  # a lone surrogate: no text
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": "ten"}, 400, "invalid_value"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": -5}, 400, "invalid_value"),
     ({"model": "smollm2-135m", "prompt": 42}, 400, "invalid_value"),

@@ -88,6 +88,11 @@ async def _generate(request: web.Request, gw: Gateway, chat: bool) -> web.Stream
         body = await request.json(loads=json.loads)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
         return ApiError(400, "the request body is not valid JSON", None, "invalid_json").response()
+    try:  # a lone surrogate escape ("\ud800") is valid JSON but no text: the tokenizer cannot take it
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return ApiError(400, "the request body is not valid Unicode text (a lone surrogate escape such as "
+                             "\\ud800)", None, "invalid_json").response()
     try:
         p = parse_params(body, gw, chat)
         if (n := gw.in_flight()) >= gw.cfg.max_concurrent:  # no await before `holding` counts it: no race
