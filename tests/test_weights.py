@@ -142,6 +142,30 @@ def test_gguf_reader_agrees_with_gguf_package_on_every_type(tmp_path):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), t.name
 
 
+def test_a_gguf_header_s_alignment_is_checked(tmp_path):
+    """A header (a model file, or one fetched from a peer) with general.alignment 0 was a
+    ZeroDivisionError, a negative or odd one was taken; GGUF wants a multiple of 8."""
+    import gguf
+    import numpy as np
+
+    from meshllm.engine.gguf_file import GGUFFile
+
+    for align, ok in ((0, False), (12, False), (64, True)):
+        w = gguf.GGUFWriter(str(tmp_path / f"a{align}.gguf"), "llama")
+        w.data_alignment = 32  # the writer's own layout; the field is what a reader trusts
+        w.add_uint32("general.alignment", align)
+        w.add_tensor("t", np.zeros(32, np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        if ok:
+            assert GGUFFile(tmp_path / f"a{align}.gguf", header_only=True).data_start % align == 0
+        else:
+            with pytest.raises(ModelFileError, match="general.alignment must be a positive multiple of 8"):
+                GGUFFile(tmp_path / f"a{align}.gguf", header_only=True)
+
+
 def test_bad_model_paths(tmp_path):
     with pytest.raises(ModelFileError, match="no such file"):
         resolve_model(str(tmp_path / "nope.gguf"))

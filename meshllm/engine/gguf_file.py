@@ -101,7 +101,9 @@ class GGUFFile:
             name = self._str()
             dims = [self._read("<Q") for _ in range(self._read("<I"))]
             infos.append((name, tuple(reversed(dims)), self._read("<I"), self._read("<Q")))
-        align = int(self.fields.get("general.alignment", 32))
+        align = self.fields.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align % 8:
+            raise ValueError(f"general.alignment must be a positive multiple of 8, got {align!r:.40}")
         data_start = self.data_start = (self._pos + align - 1) // align * align  # header = bytes before it
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, gtype, off in infos:
