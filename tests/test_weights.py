@@ -166,6 +166,26 @@ def test_a_gguf_header_s_alignment_is_checked(tmp_path):
                 GGUFFile(tmp_path / f"a{align}.gguf", header_only=True)
 
 
+def test_malformed_tokenizer_fields_are_a_model_file_error():
+    """The tokenizer is built from the GGUF header's fields (a peer's, for a gateway without the
+    file): a field of the wrong type or length was a TypeError / IndexError / tokenizers' own
+    Exception, which ended the gateway's tokenizer thread with a traceback."""
+    from types import SimpleNamespace
+
+    from meshllm.engine.tokenizer import tokenizer_from_gguf
+
+    good = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "<|im_end|>"],
+            "tokenizer.ggml.token_type": [1, 1, 1, 3], "tokenizer.ggml.merges": ["a b"],
+            "tokenizer.ggml.eos_token_id": 3}
+    tok = tokenizer_from_gguf(SimpleNamespace(fields=good))
+    assert tok.eos_ids == {3} and tok.encode("ab") == [2]
+    for key, bad in (("tokenizer.ggml.tokens", None), ("tokenizer.ggml.tokens", [1, 2]),
+                     ("tokenizer.ggml.merges", [5]), ("tokenizer.ggml.merges", ["zz qq"]),
+                     ("tokenizer.ggml.token_type", [1]), ("tokenizer.ggml.eos_token_id", "x")):
+        with pytest.raises(ModelFileError, match="tokenizer fields are malformed"):
+            tokenizer_from_gguf(SimpleNamespace(fields={**good, key: bad}))
+
+
 def test_bad_model_paths(tmp_path):
     with pytest.raises(ModelFileError, match="no such file"):
         resolve_model(str(tmp_path / "nope.gguf"))

@@ -46,11 +46,20 @@ class Tokenizer:
 
 
 def tokenizer_from_gguf(reader) -> Tokenizer:
+    """The GGUF header's byte-level BPE. Its fields come from a file, or from a peer (a header
+    fetched over the mesh): malformed ones are a ModelFileError, never another exception."""
+    try:
+        return _tokenizer_from_fields(reader.fields.get)
+    except ModelFileError:
+        raise
+    except Exception as e:  # a field of the wrong type or length; tokenizers' own errors too
+        raise ModelFileError(f"the GGUF header's tokenizer fields are malformed ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
+
+
+def _tokenizer_from_fields(field) -> Tokenizer:
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
-
-    def field(key, default=None):
-        return reader.fields.get(key, default)
 
     kind = field("tokenizer.ggml.model")
     if kind != "gpt2":
