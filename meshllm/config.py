@@ -8,6 +8,7 @@ problem (the CLI turns it into one line and exit code 2).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -164,9 +165,9 @@ def _check_keys(d: Any, allowed: set[str], required: set[str], src: str, prefix:
 
 
 def _num(v: Any, src: str, fld: str, *, lo: float = 0.0, integer: bool = False, strict: bool = False) -> float:
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and math.isfinite(v)  # not .nan / .inf
     if isinstance(v, bool) or not ok or v < lo or (strict and v == lo):
-        kind = "an integer" if integer else "a number"
+        kind = "an integer" if integer else "a finite number"
         raise ConfigError(src, fld, f"must be {kind} {'>' if strict else '>='} {lo:g}, got {v!r}")
     return v
 

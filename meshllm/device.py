@@ -7,6 +7,7 @@ cites its `source:`.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -47,8 +48,8 @@ def device_from_mapping(name: str, data: dict, where: str) -> DeviceProfile:
     values = {}
     for k in _REQUIRED:
         v = data[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ConfigError(where, f"device.{k}", f"must be a positive number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:  # not .nan / .inf
+            raise ConfigError(where, f"device.{k}", f"must be a positive finite number, got {v!r}")
         values[k] = float(v)
     return DeviceProfile(name=str(data.get("name", name)), source=str(data.get("source", "")), **values)
 

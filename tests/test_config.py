@@ -137,6 +137,18 @@ def test_zone_names_are_non_empty_strings(tmp_path):
         load_node(p)
 
 
+def test_nan_and_infinity_are_refused_where_a_number_is_read():
+    """YAML's .nan passed `v < lo` (every comparison with NaN is false) and .inf every bound: a
+    device of .nan GB or a link of .inf Mb/s reached the planner."""
+    for changes, field in [({"links__0__rtt_ms": float("nan")}, r"links\[0\].rtt_ms"),
+                           ({"links__0__bandwidth_mbps": float("inf")}, r"links\[0\].bandwidth_mbps"),
+                           ({"nodes__0__device__memory_gb": float("nan")}, "device.memory_gb"),
+                           ({"nodes__1__device__network_mbps": float("inf")}, "device.network_mbps"),
+                           ({"time_scale": float("inf")}, "time_scale")]:
+        with pytest.raises(ConfigError, match=field):
+            parse_cluster(_with(**changes), "c.yaml")
+
+
 def test_node_file(tmp_path):
     p = tmp_path / "n.yaml"
     p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "0.0.0.0:7700",
