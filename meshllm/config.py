@@ -144,6 +144,12 @@ def given(d: dict, key: str, empty: Any) -> Any:
     return empty if v is None else v
 
 
+def _zone(v: Any, src: str, fld: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(src, fld, f"must be a non-empty string, got {v!r:.60}")
+    return v
+
+
 def _links(d: dict, src: str, zones: set[str] | None) -> tuple[LinkSpec, ...]:
     links = given(d, "links", [])
     if not isinstance(links, list):
@@ -215,9 +221,7 @@ def parse_cluster(data: dict, src: str) -> ClusterConfig:
             raise ConfigError(src, p + "id", f"duplicate node id {nid!r}")
         seen.add(nid)
         dev = load_device(n["device"], f"{src}: {p}device")
-        if not isinstance(n["zone"], str) or not n["zone"]:
-            raise ConfigError(src, p + "zone", f"must be a non-empty string, got {n['zone']!r:.60}")
-        nodes.append(NodeSpec(nid, dev, n["zone"], _roles(n.get("roles"), src, p + "roles")))
+        nodes.append(NodeSpec(nid, dev, _zone(n["zone"], src, p + "zone"), _roles(n.get("roles"), src, p + "roles")))
     zones = {n.zone for n in nodes}
     return ClusterConfig(
         source=src, model=_model(data["model"], src), nodes=tuple(nodes), links=_links(data, src, zones),

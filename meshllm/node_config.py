@@ -29,6 +29,7 @@ from meshllm.config import (
     _spec,
     _time_scale,
     _workload,
+    _zone,
     given,
     read_yaml,
     split_hostport,
@@ -138,7 +139,7 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         raise ConfigError(src, "model", f"{model!r}: {why}, and fetch_weights is false (no peer may send it)")
     return NodeConfig(
         source=src, id=data["id"], device=load_device(data["device"], f"{src}: device"),
-        zone=_zone(data.get("zone", "default"), src), listen=data["listen"], advertise=data.get("advertise"),
+        zone=_zone(data.get("zone", "default"), src, "zone"), listen=data["listen"], advertise=data.get("advertise"),
         seeds=seeds, seed_ids=seed_ids, mdns=mdns, model=model,
         roles=_roles(data.get("roles"), src, "roles"), node_key=security.get("node_key"),
         authorized_keys=security.get("authorized_keys"), rate_limit=_rate_limit(data.get("rate_limit"), src),
@@ -195,12 +196,6 @@ def _node_security(d: dict, src: str) -> dict[str, Any]:
             raise ConfigError(src, fld, f"must be a file path, got {v!r}")
     NodeKeys.load(str(d["id"]), key, auth, src)  # a bad key file or an id without its key: ConfigError
     return {"node_key": key, "authorized_keys": auth, "authorized": read_authorized_keys(auth, src, "authorized_keys")}
-
-
-def _zone(v: Any, src: str) -> str:
-    if not isinstance(v, str) or not v:
-        raise ConfigError(src, "zone", f"must be a non-empty string, got {v!r:.60}")
-    return v
 
 
 def _seeds(v: Any, src: str, authorized: dict | None) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
