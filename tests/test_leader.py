@@ -20,7 +20,7 @@ from meshllm.roles.stage import Stage
 NODES = {"a": "127.0.0.1:7001", "b": "127.0.0.1:7003", "gw": "127.0.0.1:7005"}
 
 
-def two_stage_leader(kv_room: int | None = None) -> tuple[Leader, list[tuple[str, Message]]]:
+def two_stage_leader(kv_room: int | None = None, time_scale: float = 1.0) -> tuple[Leader, list[tuple[str, Message]]]:
     plan = Plan("tiny", 4, "fp32", (Replica(0, Role.MIXED, (PlanStage("a", (0, 2)), PlanStage("b", (2, 4))),
                                             1.0, 1.0, 1.0),), (), (), 0.0, 1.0)
     ctx = PlanContext(1, plan, dict(NODES), "a")
@@ -29,7 +29,8 @@ def two_stage_leader(kv_room: int | None = None) -> tuple[Leader, list[tuple[str
     def send(address: str, msg: Message) -> None:
         sent.append((address, msg))
 
-    return Leader(Stage(ctx, load_transformer("tiny", 0, 2), send), send, max_context=256, kv_room=kv_room), sent
+    return Leader(Stage(ctx, load_transformer("tiny", 0, 2), send), send, max_context=256, kv_room=kv_room,
+                  time_scale=time_scale), sent
 
 
 def seq(sid: int, max_tokens: int = 4, prompt_len: int = 3) -> Seq:
@@ -290,3 +291,20 @@ def test_a_session_moves_only_to_a_decode_replica_whose_kv_room_has_space_for_it
     capacity(kv_free=128)
     assert balancer.moved_out == 1 and len(leader.seqs) == 2
     assert [m["seq"] for a, m in sent if m.type is MsgType.HANDOFF and a == NODES["b"]] == [1]
+
+
+def test_the_leader_s_timeouts_scale_with_an_emulated_mesh_s_time_scale():
+    """The gateway's waits were scaled by time_scale, the leader's were not: on a mesh emulated 10x
+    slower, a KV handoff or a micro-batch that took 130 s of that slow time failed its sequences,
+    and a KV grant lapsed before its (slowly prefilled) sequence came."""
+    from meshllm.roles import leader as leader_mod
+    from meshllm.roles.batcher import GRANT_TTL_S
+
+    for time_scale, fails in ((1.0, True), (10.0, False)):
+        lead, _ = two_stage_leader(kv_room=1000, time_scale=time_scale)
+        s = seq(1)
+        s.missing_kv, s.arrived = {"b"}, time.monotonic() - leader_mod.KV_TIMEOUT_S - 10
+        lead.seqs[s.id] = s
+        lead._expire()
+        assert (s.id not in lead.seqs) == fails, time_scale
+        assert lead.batch.grants.ttl_s == GRANT_TTL_S * time_scale

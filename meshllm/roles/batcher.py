@@ -42,7 +42,7 @@ from meshllm.sim.router import prompt_priority
 
 log = logging.getLogger("meshllm.leader")
 
-GRANT_TTL_S = 120.0  # a granted room whose sequence has not arrived by then is given back (its gateway died)
+GRANT_TTL_S = 120.0  # x time_scale: a granted room whose sequence has not come by then is given back (its gateway died)
 MAX_GRANTS = 4096  # rooms promised at once at most (what the network asks for: bounded memory)
 TOKEN_BUDGET = 256  # rows per micro-batch, decodes first, then prompt chunks (chunked prefill)
 MAX_ACTIVE_SEQS = 64  # sequences a replica decodes at once; more wait in its queue
@@ -101,8 +101,8 @@ class KvGrants:
     way (a gateway's KV_RESERVE before it sends one), beside what its sequences hold. Thread-safe:
     rooms are granted on the I/O thread, taken and given back on the compute thread."""
 
-    def __init__(self, kv_room: int | None):
-        self.kv_room = kv_room
+    def __init__(self, kv_room: int | None, ttl_s: float = GRANT_TTL_S):
+        self.kv_room, self.ttl_s = kv_room, ttl_s
         self.committed = 0  # positions of the sequences here (running, or queued without a grant)
         self.granted: dict[int, tuple[int, float]] = {}  # seq -> (positions, when it lapses)
         self.denied = 0  # reservations refused
@@ -122,7 +122,7 @@ class KvGrants:
             ok = len(self.granted) < MAX_GRANTS and (self.committed + out + positions <= self.kv_room
                                                      or self.committed + out == 0)
             if ok:
-                self.granted[seq] = (positions, now + GRANT_TTL_S)
+                self.granted[seq] = (positions, now + self.ttl_s)
             else:
                 self.denied += 1
             return ok
@@ -164,14 +164,14 @@ class Batcher:
     queue (the same objects)."""
 
     def __init__(self, seqs: dict[int, Seq], queue: list[int], n_stages: int, rid: int = 0,
-                 max_context: int = 1 << 30, kv_room: int | None = None):
+                 max_context: int = 1 << 30, kv_room: int | None = None, time_scale: float = 1.0):
         self.seqs, self.queue, self.n_stages = seqs, queue, n_stages
         self.rid, self.max_context = rid, max_context
         self.kv_room = kv_room  # KV positions every stage holds (None: not known, no KV limit)
         self.kv_held = 0  # positions reserved by the running sequences
         self.kv_waits = 0  # sequences that waited for KV room
         self.kv_peak = 0  # most positions reserved at once
-        self.grants = KvGrants(kv_room)  # room promised to requests on their way (decode and mixed replicas)
+        self.grants = KvGrants(kv_room, GRANT_TTL_S * time_scale)  # room promised to requests on their way
 
     def admit(self, s: Seq) -> None:
         s.kv_charge = kv_charge(s, self.rid, self.max_context)

@@ -173,7 +173,7 @@ class RoleHost:
         if index == 0:
             self.leader = Leader(self.stage, self.send, model.args.max_seq_len,
                                  lambda now, s, finished: handoff(now, self.send, s, finished),
-                                 self._kv_room(ctx, replica.id))
+                                 self._kv_room(ctx, replica.id), self.cfg.time_scale)
             self.acks = KvAcks(self.leader)
             if replica.role in (Role.DECODE, Role.MIXED):
                 self.leader.verifier = Verifier(self.leader, self.send, self.alive, self.cfg.time_scale,

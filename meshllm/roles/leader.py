@@ -43,25 +43,27 @@ from meshllm.roles.verifier import Block, Verifier
 
 log = logging.getLogger("meshllm.leader")
 
-RESULT_TIMEOUT_S = 120.0  # a micro-batch whose RESULTS never come back fails its sequences
-KV_TIMEOUT_S = 120.0  # a handed-off sequence whose KV has not all arrived by then fails
+RESULT_TIMEOUT_S = 120.0  # x time_scale: a micro-batch whose RESULTS never come back fails its sequences
+KV_TIMEOUT_S = 120.0  # x time_scale: a handed-off sequence whose KV has not all arrived by then fails
 
 
 class Leader:
     """Scheduler of one replica, on its stage-0 node's compute thread."""
 
     def __init__(self, stage: Stage, send: Send, max_context: int,
-                 on_prefilled: Callable[[PlanContext, Seq, bool], None] | None = None, kv_room: int | None = None):
+                 on_prefilled: Callable[[PlanContext, Seq, bool], None] | None = None, kv_room: int | None = None,
+                 time_scale: float = 1.0):
         self.stage, self.ctx, self._send = stage, stage.ctx, send
         self.rid, self.role = stage.replica.id, stage.replica.role
         self.n_stages = len(stage.replica.stages)
         self.max_context = max_context
+        self.time_scale = time_scale  # emulation: devices this many times slower, so are its timeouts
         # prefill replicas: hand the sequence off (roles/prefill.py), under the plan in force now
         self.on_prefilled = on_prefilled
         self.seqs: dict[int, Seq] = {}
         self.queue: list[int] = []  # sequences not yet started, in arrival order
         # what goes into the next micro-batch; `kv_room`: KV positions each stage holds (KV admission)
-        self.batch = Batcher(self.seqs, self.queue, self.n_stages, self.rid, max_context, kv_room)
+        self.batch = Batcher(self.seqs, self.queue, self.n_stages, self.rid, max_context, kv_room, time_scale)
         self.in_flight: dict[int, InFlight] = {}
         self._batch_ids = itertools.count(1)
         self.stats = {"micro_batches": 0, "rows": 0, "finished": 0, "aborted": 0}
@@ -218,15 +220,15 @@ class Leader:
         self.outbox.flush()  # this leader may be replaced before it steps again
 
     def _expire(self) -> None:
-        now = time.monotonic()
-        for s in [s for s in self.seqs.values() if s.missing_kv and now - s.arrived > KV_TIMEOUT_S]:
-            self.fail(s, f"its KV did not arrive in {KV_TIMEOUT_S:g} s")  # it would hold a slot forever
+        now, kv_s, result_s = time.monotonic(), KV_TIMEOUT_S * self.time_scale, RESULT_TIMEOUT_S * self.time_scale
+        for s in [s for s in self.seqs.values() if s.missing_kv and now - s.arrived > kv_s]:
+            self.fail(s, f"its KV did not arrive in {kv_s:g} s")  # it would hold a slot forever
         for batch, fl in list(self.in_flight.items()):
-            if now - fl.sent > RESULT_TIMEOUT_S:
+            if now - fl.sent > result_s:
                 del self.in_flight[batch]
                 for sp in fl.spans:
                     if sp.seq in self.seqs:
-                        self.fail(self.seqs[sp.seq], f"micro-batch {batch} got no results in {RESULT_TIMEOUT_S:g} s")
+                        self.fail(self.seqs[sp.seq], f"micro-batch {batch} got no results in {result_s:g} s")
 
     def kv_ready(self, s: Seq) -> None:
         """A handed-off sequence holds its KV everywhere: note how long the handoff took."""
