@@ -98,24 +98,30 @@ class ClusterConfig:
 MAX_YAML_BYTES = 16 << 20  # a cluster of thousands of nodes is well under 1 MiB
 
 
+def read_text_file(path: str | Path, src: str, fld: str, what: str = "a YAML file",
+                   max_bytes: int = MAX_YAML_BYTES) -> str:
+    """An operator's small text file (a cluster or node file, a key file); ConfigError(src, fld, ...) for a
+    missing path, a folder, a device or pipe (/dev/zero would be read for ever), one too large, not UTF-8."""
+    p = Path(path)
+    name = "" if src == str(path) else f"{str(path)!r}: "
+    if not p.exists():
+        raise ConfigError(src, fld, f"{name}no such file")
+    if not p.is_file():
+        raise ConfigError(src, fld, f"{name}is a directory, not {what}" if p.is_dir() else f"{name}not a regular file")
+    try:
+        if (size := p.stat().st_size) > max_bytes:
+            raise ConfigError(src, fld, f"{name}{size} bytes: too large for {what} (at most {max_bytes >> 20} MiB)")
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(src, fld, f"{name}not a text file (UTF-8): is it the right path?") from None
+    except OSError as e:
+        raise ConfigError(src, fld, f"{name}cannot be read: {e.strerror or e}") from None
+
+
 def read_yaml(path: str | Path) -> dict:
     import yaml
 
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(str(path), "(file)", "no such file")
-    if not p.is_file():  # a folder, a device (/dev/zero would be read for ever), a pipe
-        raise ConfigError(str(path), "(file)", "is a directory, not a YAML file" if p.is_dir()
-                          else "not a regular file")
-    try:
-        if p.stat().st_size > MAX_YAML_BYTES:
-            raise ConfigError(str(path), "(file)", f"{p.stat().st_size} bytes: too large for a configuration file "
-                                                   f"(at most {MAX_YAML_BYTES >> 20} MiB)")
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(str(path), "(file)", "not a text file (UTF-8): is it the right path?") from None
-    except OSError as e:
-        raise ConfigError(str(path), "(file)", f"cannot be read: {e.strerror or e}") from None
+    text = read_text_file(path, str(path), "(file)")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

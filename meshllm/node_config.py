@@ -31,6 +31,7 @@ from meshllm.config import (
     _workload,
     _zone,
     given,
+    read_text_file,
     read_yaml,
     split_hostport,
 )
@@ -173,10 +174,7 @@ def _gateway(v: Any, src: str) -> dict[str, Any]:
     split_hostport(v["listen"], src, "gateway.listen")
     path, token = v.get("api_token"), None
     if path is not None:
-        try:
-            token = Path(str(path)).read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(src, "gateway.api_token", f"cannot read {path!r}: {e}") from None
+        token = read_text_file(str(path), src, "gateway.api_token", "a token file").strip()
         if len(token) < 16 or any(c.isspace() for c in token):
             raise ConfigError(src, "gateway.api_token", f"{path}: the token must be one word of at least 16 "
                                                         "characters")

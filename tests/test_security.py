@@ -429,13 +429,19 @@ def test_key_files_and_node_file_keys_are_checked(ring: Keyring, tmp_path: Path)
                        ({"gateway": {"listen": "127.0.0.1:8000", "max_concurrent": 0}}, "gateway.max_concurrent"),
                        ({"gateway": {"listen": "127.0.0.1:8000", "drain_s": -1}}, "gateway.drain_s"),
                        ({"gateway": {"listen": "127.0.0.1:8000", "drain_s": float("inf")}}, "gateway.drain_s"),
-                       ({"gateway": {"listen": "127.0.0.1:8000", "api_token": str(short)}}, "gateway.api_token")]:
+                       ({"gateway": {"listen": "127.0.0.1:8000", "api_token": str(short)}}, "gateway.api_token"),
+                       # not a regular file (/dev/zero was read for ever), a folder, not UTF-8: each its own error
+                       ({"node_key": "/dev/zero"}, "node_key: '/dev/zero': not a regular file"),
+                       ({"authorized_keys": str(tmp_path)}, f"authorized_keys: '{tmp_path}': is a directory"),
+                       ({"node_key": sys.executable}, f"node_key: '{sys.executable}': not a text file"),
+                       ({"gateway": {"listen": "127.0.0.1:8000", "api_token": "/dev/zero"}},
+                        "gateway.api_token: '/dev/zero': not a regular file")]:
         p.write_text(yaml.safe_dump({k: v for k, v in {**base, **bad}.items() if v is not None}))
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_node(p)
     with pytest.raises(Exception, match="already exists"):
         generate_key(ring.key("a"))  # never overwritten
-    r = run_cli("--node-config", str(p), timeout=60)  # the last bad file: exit 2, one line
+    r = run_cli("--node-config", str(p), timeout=60)  # the last bad file (/dev/zero): exit 2 at once, one line
     assert r.returncode == 2 and "api_token" in r.stderr and "Traceback" not in r.stderr
 
 

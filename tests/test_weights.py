@@ -189,6 +189,8 @@ def test_malformed_tokenizer_fields_are_a_model_file_error():
 def test_bad_model_paths(tmp_path):
     with pytest.raises(ModelFileError, match="no such file"):
         resolve_model(str(tmp_path / "nope.gguf"))
+    with pytest.raises(ModelFileError, match="not a regular file or a folder"):  # was "no such file"
+        resolve_model("/dev/zero")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a model at all")
     with pytest.raises(ModelFileError, match="not a GGUF file"):

@@ -91,6 +91,8 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource(p.name, "hf", p, _hf_args(p))
     if p.is_file():
         return ModelSource(p.stem, "gguf", p, _gguf_args(gguf_reader(p), p))
+    if p.exists():  # a device (/dev/zero), a pipe, a socket
+        raise ModelFileError(f"model {spec!r}: not a regular file or a folder")
     known = ", ".join(sorted(transformer_configs))
     raise ModelFileError(f"model {spec!r}: no such file or directory, and not a registry name ({known})")
 

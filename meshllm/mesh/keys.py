@@ -37,6 +37,7 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
+from meshllm.config import read_text_file
 from meshllm.errors import ConfigError, InputError
 
 log = logging.getLogger("meshllm.mesh.keys")
@@ -80,12 +81,7 @@ def generate_key(path: str | Path) -> str:
 
 def read_secret_key(path: str, src: str, fld: str) -> bytes:
     """The z85 secret key in a key file written by `generate_key`; ConfigError otherwise."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        raise ConfigError(src, fld, f"no such file {path!r}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(src, fld, f"cannot read the key file {path!r}: {e}") from None
+    lines = read_text_file(path, src, fld, "a key file").splitlines()
     keys = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     key = _z85_key(keys[0]) if len(keys) == 1 else None
     if key is None:
@@ -96,12 +92,7 @@ def read_secret_key(path: str, src: str, fld: str) -> bytes:
 
 def read_authorized_keys(path: str, src: str, fld: str) -> dict[str, bytes]:
     """node id -> z85 public key from an authorized-keys file; ConfigError on any bad line."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError(src, fld, f"no such file {path!r}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(src, fld, f"cannot read {path!r}: {e}") from None
+    text = read_text_file(path, src, fld, "an authorized-keys file")
     out: dict[str, bytes] = {}
     owner: dict[bytes, str] = {}
     for i, line in enumerate(text.splitlines(), 1):
