@@ -296,9 +296,11 @@ def test_a_session_moves_only_to_a_decode_replica_whose_kv_room_has_space_for_it
 def test_the_leader_s_timeouts_scale_with_an_emulated_mesh_s_time_scale():
     """The gateway's waits were scaled by time_scale, the leader's were not: on a mesh emulated 10x
     slower, a KV handoff or a micro-batch that took 130 s of that slow time failed its sequences,
-    and a KV grant lapsed before its (slowly prefilled) sequence came."""
+    a KV grant lapsed before its (slowly prefilled) sequence came, and a stage's KV_ACK that came
+    310 s before its HANDOFF was forgotten (the sequence then waited for that KV until it failed)."""
     from meshllm.roles import leader as leader_mod
     from meshllm.roles.batcher import GRANT_TTL_S
+    from meshllm.roles.decode import EARLY_ACK_TTL_S, KvAcks
 
     for time_scale, fails in ((1.0, True), (10.0, False)):
         lead, _ = two_stage_leader(kv_room=1000, time_scale=time_scale)
@@ -308,3 +310,8 @@ def test_the_leader_s_timeouts_scale_with_an_emulated_mesh_s_time_scale():
         lead._expire()
         assert (s.id not in lead.seqs) == fails, time_scale
         assert lead.batch.grants.ttl_s == GRANT_TTL_S * time_scale
+        acks = KvAcks(lead)  # a stage's KV_ACK before its HANDOFF is held x time_scale too
+        acks.on_ack(7, "b", 3)
+        acks._early[7] = (time.monotonic() - EARLY_ACK_TTL_S - 10, acks._early[7][1])
+        acks.on_ack(8, "b", 3)
+        assert (7 not in acks._early) == fails, time_scale

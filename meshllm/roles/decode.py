@@ -20,7 +20,7 @@ from meshllm.roles.leader import Leader
 log = logging.getLogger("meshllm.decode")
 
 EARLY_ACKS_MAX = 4096  # acknowledgements held for sequences whose HANDOFF has not come yet
-EARLY_ACK_TTL_S = 300.0
+EARLY_ACK_TTL_S = 300.0  # x time_scale: longer than any HANDOFF takes to follow its stages' KV_ACKs
 
 
 class KvAcks:
@@ -31,6 +31,7 @@ class KvAcks:
         self.nodes = frozenset(st.node for st in leader.stage.replica.stages)
         self._early: OrderedDict[int, tuple[float, set[str]]] = OrderedDict()
         self._gone: OrderedDict[int, None] = OrderedDict()  # aborted before their HANDOFF
+        self.ttl_s = EARLY_ACK_TTL_S * leader.time_scale
 
     def on_handoff(self, msg: Message, vocab: int) -> None:
         seq = check_seq(msg["seq"])
@@ -86,7 +87,7 @@ class KvAcks:
         now = time.monotonic()
         self._early.setdefault(seq, (now, {}))[1][node] = length
         while self._early and (len(self._early) > EARLY_ACKS_MAX
-                               or now - next(iter(self._early.values()))[0] > EARLY_ACK_TTL_S):
+                               or now - next(iter(self._early.values()))[0] > self.ttl_s):
             self._early.popitem(last=False)
 
     def forget(self, seq: int) -> None:
