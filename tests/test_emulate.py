@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,18 +162,27 @@ def test_cluster_reports_the_mesh_and_leaves_no_process(tmp_path: Path) -> None:
 
 
 def spawn_cluster(path: Path, ignore_sigint: bool = False) -> tuple[subprocess.Popen, list[int]]:
-    """Start `--cluster` and return once its node processes exist (before the mesh forms). With
+    """Start `--cluster` and return once its node processes exist (named n0..n5, before the mesh forms). With
     `ignore_sigint` it starts as a shell script's background job does: SIGINT ignored."""
     proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--cluster", str(path), "--json"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
     deadline = time.monotonic() + 60
     kids: list[int] = []
-    while time.monotonic() < deadline and len(kids) < 6 and proc.poll() is None:
-        kids = children_of(proc.pid)
+    nodes: set[str] = set()
+    while time.monotonic() < deadline and len(nodes) < 6 and proc.poll() is None:
+        kids = children_of(proc.pid)  # the 6 nodes and the fork server (with its resource tracker)
+        nodes = {name for name in map(process_name, kids) if re.fullmatch(r"n\d", name)}
         time.sleep(0.01)
-    assert len(kids) == 6, proc.communicate(timeout=60)
+    assert len(nodes) == 6, proc.communicate(timeout=60)
     return proc, kids
+
+
+def process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.NoSuchProcess:
+        return ""
 
 
 @pytest.mark.slow
@@ -287,19 +297,23 @@ def test_the_readable_report_names_the_faults_and_what_clients_saw() -> None:
     assert any(ln.startswith("node edge-1 drafter layers -") for ln in rows), rows
 
 
+def _node_told_its_server(wrong: bool) -> None:
+    from meshllm.emulate import _die_with_emulator
+
+    _die_with_emulator(os.getppid() + wrong)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_node_forked_as_the_emulator_dies_does_not_outlive_it() -> None:
-    """The emulator killed between a node's fork and its prctl(PR_SET_PDEATHSIG) leaves that node
-    no death signal to get (it is re-parented already): the node checks that its parent is still
-    the emulator after the prctl and exits if not. Here the pid it is told is not its parent's."""
-    from functools import partial
+    """The fork server (or the emulator) gone between a node's fork and its prctl(PR_SET_PDEATHSIG)
+    leaves that node no death signal to get (it is re-parented already): the node checks that its
+    parent is still the fork server after the prctl and exits if not. Here the pid it is told is
+    not its parent's."""
+    import multiprocessing
 
-    from meshllm.emulate import _die_with_parent
-
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                            preexec_fn=partial(_die_with_parent, os.getpid() + 1))
-    try:
-        assert proc.wait(timeout=30) == 1
-    finally:
-        proc.kill()
-        proc.wait()
+    ctx = multiprocessing.get_context("forkserver")
+    for wrong, code in ((True, 1), (False, 0)):
+        proc = ctx.Process(target=_node_told_its_server, args=(wrong,))
+        proc.start()
+        proc.join(30)
+        assert proc.exitcode == code, wrong

@@ -110,11 +110,9 @@ def test_gateways_a_stopped_one_drains_a_killed_one_s_sequences_are_released(tmp
     try:
         log = served.log.read_text()
         gw_b, gw_s1 = re.findall(r"meshllm: another gateway on (http://\S+)", log)
-        workdir = re.search(r"logs in (\S+)\)", log).group(1)
 
         def pid(node: str) -> int:
-            return int(subprocess.run(["pgrep", "-f", f"{workdir}/{node}.yaml"], capture_output=True,
-                                      text=True).stdout.split()[0])
+            return json.loads(served.get("/v1/mesh")[1])["nodes"][node]["load"]["pid"]
 
         with streaming(gw_b, {**count, "max_tokens": 120}) as sock:
             b = pid("gw-b")

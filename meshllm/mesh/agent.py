@@ -7,6 +7,7 @@ long forward pass cannot make a node look dead (ZeroMQ guide, Paranoid Pirate).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +45,7 @@ class MeshAgent:
             self.t.forget(peer.info.address)
 
     def load(self) -> dict[str, Any]:
-        return {"uptime_s": round(time.monotonic() - self._started, 3), "heartbeat_seq": self._seq,
+        return {"uptime_s": round(time.monotonic() - self._started, 3), "pid": os.getpid(), "heartbeat_seq": self._seq,
                 "dropped_messages": self.t.inbox.dropped, **self._serving()["load"]}
 
     def status(self) -> dict[str, Any]:
