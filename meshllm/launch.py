@@ -211,7 +211,12 @@ def cmd_status(a: argparse.Namespace) -> int:
 
     split_hostport(a.status.rpartition("@")[2], "--status", "[ID@]HOST:PORT")
     st = query_status(a.status, timeout_s=a.timeout or 3.0)
-    _emit(st, a.json, None if a.json else format_status(st))
+    try:
+        text = None if a.json else format_status(st)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # another version's node, or not a node
+        raise RuntimeError(f"{a.status} answered with a status this version cannot show ({type(e).__name__}: "
+                           f"{e}); --json prints it as it came") from None
+    _emit(st, a.json, text)
     return 0
 
 

@@ -246,6 +246,41 @@ def test_the_status_table_writes_a_stage_s_layers_half_open() -> None:
     assert len(format_status(st).splitlines()) == 2
 
 
+def test_a_status_the_table_cannot_show_is_a_runtime_error_and_json_prints_it() -> None:
+    """A node of another version (or not a node) answering STATUS_REP with a map of another shape:
+    `--status` was a KeyError traceback; now one line (exit 1), and `--json` prints what came."""
+    import threading
+
+    import zmq
+
+    from meshllm.mesh.protocol import MsgType, decode, encode, make
+
+    ctx = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            if server.poll(100):
+                ident, *frames = server.recv_multipart()
+                assert decode(frames).type is MsgType.STATUS_REQ
+                server.send_multipart([ident, *encode(make(MsgType.STATUS_REP, status={"hello": 1}))])
+
+    th = threading.Thread(target=answer, daemon=True)
+    th.start()
+    try:
+        r = run_cli("--status", f"127.0.0.1:{port}", timeout=60)
+        assert r.returncode == 1 and "answered with a status this version cannot show" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        r = run_cli("--status", f"127.0.0.1:{port}", "--json", timeout=60)
+        assert r.returncode == 0 and json.loads(r.stdout) == {"hello": 1}
+    finally:
+        stop.set()
+        th.join(5)
+        server.close(linger=0)
+
+
 def test_a_timeout_that_is_no_wait_or_has_nothing_to_wait_for_exits_2() -> None:
     """--timeout -1 was taken as a wait (no reply "within -1 s": a runtime error, exit 1) and
     --plan ignored it; both are bad input."""
