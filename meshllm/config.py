@@ -20,6 +20,7 @@ from meshllm.defaults import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_SPEC_MODE,
     DEFAULT_WEIGHT_DTYPE,
+    GROUP_SIZES,
     NODE_ROLES,
     QUANTS,
     SPEC_MODES,
@@ -265,8 +266,8 @@ def _link(ln: Any, i: int, src: str, zones: set[str] | None) -> LinkSpec:
 def _draft(d: Any, src: str) -> DraftSpec:
     _check_keys(d, {"quant", "group_size"}, set(), src, "draft.")
     gs = int(_num(d.get("group_size", DEFAULT_GROUP_SIZE), src, "draft.group_size", lo=1, integer=True))
-    if gs % 32:
-        raise ConfigError(src, "draft.group_size", f"must be a multiple of 32, got {gs}")
+    if gs not in GROUP_SIZES:
+        raise ConfigError(src, "draft.group_size", f"must be one of {', '.join(map(str, GROUP_SIZES))}, got {gs}")
     return DraftSpec(_choice(d.get("quant", DEFAULT_DRAFT_QUANT), QUANTS, src, "draft.quant"), gs)
 
 
@@ -333,9 +334,16 @@ def resolve_args(model: str):
 
 
 def plan_inputs(cfg: ClusterConfig) -> PlanInputs:
-    """The planner's and simulator's plain inputs for a cluster file."""
-    nodes = tuple(cfg.nodes)
-    return _plan_inputs(cfg, nodes, cfg.source)
+    """The planner's and simulator's plain inputs for a cluster file; ConfigError for a draft group
+    size the model's layers do not split into (its drafters would fail to build the draft, and the
+    mesh would never serve)."""
+    from meshllm.shapes import draft_group_problem
+
+    inp = _plan_inputs(cfg, tuple(cfg.nodes), cfg.source)
+    problem = draft_group_problem(inp.args, cfg.draft.group_size) if inp.draft_quant == "w4a16" else None
+    if problem:
+        raise ConfigError(cfg.source, "draft.group_size", problem)
+    return inp
 
 
 def _plan_inputs(cfg: ClusterConfig | NodeConfig, nodes: tuple[PlanNode, ...], source: str,

@@ -36,6 +36,7 @@ QUANTS = ("w4a16", "w8a16", "fp32", "random", "none")
 DRAFT_QUANTS = ("w4a16", "w8a16")
 DEFAULT_DRAFT_QUANT = "w4a16"
 DEFAULT_GROUP_SIZE = 64  # group 32 would reproduce the Q4_1 target exactly and prove nothing
+GROUP_SIZES = (32, 64, 128, 256)  # a W4A16 draft's groups: the sizes torch's int4 matmul (CPU) takes
 
 SPEC_MODES = ("async", "sync", "off")
 DEFAULT_SPEC_MODE = "async"

@@ -120,6 +120,12 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) 
     for dest, ok, want in checks:
         if getattr(a, dest) is not None and not ok:
             raise InputError(f"{flag(dest)} must be {want}, got {getattr(a, dest):g}")
+    for prompt in a.prompt or ():
+        try:  # bytes of the command line that are not UTF-8 arrive as lone surrogates: no text to tokenize
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"--prompt {prompt.encode('utf-8', 'backslashreplace').decode()[:60]!r}: not valid "
+                             "UTF-8 text") from None
 
 
 def _emit(obj: dict, as_json: bool, text: str | None = None) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from meshllm.defaults import GROUP_SIZES
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -33,6 +35,16 @@ class ModelArgs:
             raise ValueError(f"model {self.name}: dim/heads/kv_heads do not divide ({self})")
         if self.head_dim % 2:
             raise ValueError(f"model {self.name}: head_dim must be even for RoPE")
+
+
+def draft_group_problem(args: ModelArgs, group_size: int) -> str | None:
+    """Why a W4A16 draft of this model cannot quantize in groups of `group_size` input columns (None:
+    it can): every linear layer's inputs (the model's dim, the FFN's inner size) split into whole groups."""
+    if args.dim % group_size == 0 and args.hidden_dim % group_size == 0:
+        return None
+    fits = [str(g) for g in GROUP_SIZES if args.dim % g == 0 and args.hidden_dim % g == 0]
+    return (f"{group_size} does not divide {args.name}'s dim {args.dim} and FFN size {args.hidden_dim} (the inputs "
+            f"of its linear layers); " + (f"it may be {', '.join(fits)}" if fits else "none of the group sizes does"))
 
 
 # Named registry (gpt-fast style). Shape-only entries (no weights here) serve the planner

@@ -53,7 +53,8 @@ def test_valid_cluster_defaults():
     ({"links__0__zones": ["edge", "moon"]}, "links[0].zones", "moon"),
     ({"links__0__bandwidth_mbps": 0}, "links[0].bandwidth_mbps", "> 0"),
     ({"draft": {"quant": "w3a16"}}, "draft.quant", "must be one of"),
-    ({"draft": {"group_size": 48}}, "draft.group_size", "multiple of 32"),
+    ({"draft": {"group_size": 48}}, "draft.group_size", "must be one of 32, 64, 128, 256"),
+    ({"draft": {"group_size": 96}}, "draft.group_size", "must be one of 32, 64, 128, 256"),  # torch's int4 kernel
     ({"speculation": {"mode": "eager"}}, "speculation.mode", "must be one of"),
     ({"workload": {"max_tokens": 0}}, "workload.max_tokens", ">= 1"),
     ({"workload": {"input_tokens": {"mean": 5, "dist": "zipf"}}}, "workload.input_tokens.dist", "zipf"),
@@ -64,6 +65,19 @@ def test_cluster_errors_name_field(changes, field, problem):
         parse_cluster(_with(**changes), "c.yaml")
     msg = str(e.value)
     assert msg.startswith("c.yaml") and field in msg and problem in msg, msg
+
+
+def test_a_draft_group_size_the_model_does_not_split_into_is_a_config_error():
+    """draft.group_size 128 on smollm2-135m (dim 576): every drafter failed to build the draft
+    (ValueError in its log) and `--cluster` waited 300 s for a mesh that never served."""
+    from meshllm.config import plan_inputs
+
+    with pytest.raises(ConfigError, match=r"c.yaml: draft.group_size: 128 does not divide smollm2-135m's dim 576 "
+                                          r"and FFN size 1536 .*it may be 32, 64"):
+        plan_inputs(parse_cluster(_with(draft={"quant": "w4a16", "group_size": 128}), "c.yaml"))
+    assert plan_inputs(parse_cluster(_with(draft={"quant": "w8a16", "group_size": 128}), "c.yaml"))  # no groups
+    assert plan_inputs(parse_cluster(_with(draft={"quant": "w4a16", "group_size": 128},
+                                           speculation={"mode": "off"}), "c.yaml"))  # no draft built
 
 
 def test_bare_off_means_speculation_off(tmp_path):

@@ -63,6 +63,11 @@ def test_bad_inputs_exit_2(tmp_path):
     _one_line_error(run_cli("--reference", "--draft", "w3a16"), "unknown draft", "w3a16")
     _one_line_error(run_cli("--reference", "--model", "llama-2-70b"), "shape-only")
     _one_line_error(run_cli("--reference", "--max-tokens", "0"), "--max-tokens")
+    # groups the model's layers do not split into (was a ValueError, exit 1) or the int4 kernel does not take
+    _one_line_error(run_cli("--reference", "--draft", "w4a16", "--group-size", "128"), "does not divide", "32, 64")
+    _one_line_error(run_cli("--reference", "--draft", "w4a16", "--group-size", "96"), "must be one of")
+    r = run_cli("--reference", "--prompt", "caf\udce9")  # a Latin-1 byte on the command line (was a TypeError)
+    assert r.returncode == 2 and "not valid UTF-8 text" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("--reference", "--bogus-flag")
     assert r.returncode == 2 and "unrecognized arguments" in r.stderr
 

@@ -75,14 +75,18 @@ def generate(model: Transformer, prompt_ids: list[int], opts: GenerationOptions,
 
 def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtype: str):
     """(model, tokenizer) for the reference: the target, or its quantized draft."""
+    from meshllm.defaults import GROUP_SIZES
     from meshllm.engine.tokenizer import load_tokenizer
     from meshllm.engine.weights import load_quantized, load_transformer, resolve_model
+    from meshllm.shapes import draft_group_problem
 
     if draft not in (None, "none", "w4a16", "w8a16"):
         raise InputError(f"unknown draft {draft!r}; known: w4a16, w8a16, none")
-    if group_size < 32 or group_size % 32:
-        raise InputError(f"--group-size must be a positive multiple of 32, got {group_size}")
+    if group_size not in GROUP_SIZES:
+        raise InputError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
     src = resolve_model(model_spec)
+    if draft == "w4a16" and (problem := draft_group_problem(src.args, group_size)):
+        raise InputError(f"--group-size {problem}")
     tok = load_tokenizer(src)
     t0 = time.perf_counter()
     if draft and draft != "none":
