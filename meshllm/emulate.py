@@ -375,9 +375,21 @@ class EmulatedCluster:
                 waiting.pop(0)
             if not waiting:
                 return
+            self._raise_plan_errors()
             time.sleep(STATUS_POLL_S * 3)
         raise RuntimeError(f"the mesh did not start serving within {timeout_s:g} s (gateway {waiting[0]}'s "
                            f"health: {last}); its log: {self.log_tail(waiting[0])}")
+
+    def _raise_plan_errors(self) -> None:
+        """RuntimeError if a node says it could not take its part of the plan (the mesh would not
+        serve: this says why at once, not after READY_TIMEOUT_S)."""
+        code, mesh = http_json(f"http://{self.gateway}/v1/mesh", timeout_s=2.0, headers=self.api_headers)
+        nodes = mesh.get("nodes") if code == 200 and isinstance(mesh, dict) else None
+        for nid, n in (nodes if isinstance(nodes, dict) else {}).items():
+            err = (n.get("load") or {}).get("plan_error") if isinstance(n, dict) else None
+            if isinstance(err, dict):
+                raise RuntimeError(f"node {nid} could not take its part of plan v{err.get('plan_version')}: "
+                                   f"{err.get('error')}; its log: {self.log_tail(nid, 600)}")
 
     def dead(self) -> set[str]:
         return {nid for nid, p in self.procs.items() if p.poll() is not None}

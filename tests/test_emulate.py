@@ -238,6 +238,32 @@ def test_node_processes_can_be_pinned_to_cores_round_robin(tmp_path: Path) -> No
                 assert os.sched_getaffinity(th.id) == {cpus[i % len(cpus)]}, (nid, th.id)
 
 
+@pytest.mark.slow
+def test_a_node_that_cannot_take_its_part_of_the_plan_says_so_and_the_emulator_stops_at_once(tmp_path: Path) -> None:
+    """A drafter whose draft could not be built (draft groups of 128 on smollm2's 576 columns; the
+    cluster file check, config.plan_inputs, is bypassed here) logged a traceback and the emulator
+    waited READY_TIMEOUT_S (300 s) for a mesh that never served. Now the node's status says why
+    (`plan_error`) and waiting for the mesh stops at once with that reason."""
+    from meshllm.emulate import READY_TIMEOUT_S, EmulatedCluster
+
+    doc = {"model": "smollm2-135m", "draft": {"quant": "w4a16", "group_size": 128},
+           "speculation": {"mode": "async", "gamma": 2},
+           "nodes": [{"id": "fog", "device": DEV, "zone": "fog"},
+                     {"id": "edge", "device": DEV, "zone": "edge", "roles": ["drafter"]}],
+           "links": [{"zones": ["edge", "fog"], "rtt_ms": 20, "bandwidth_mbps": 100}],
+           "workload": {"prompts": ["Hello there"], "max_tokens": 3}}
+    cfg = parse_cluster(doc, "test")
+    with EmulatedCluster(cfg, tmp_path) as em:
+        em.wait_formed()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"node edge could not take its part of plan v\d+: ValueError: "
+                                               r"in_features 576 is not a multiple of group_size 128"):
+            em.wait_serving()
+        assert time.monotonic() - t0 < READY_TIMEOUT_S / 3
+        status = em.status("edge", 10.0)
+        assert status["load"]["plan_error"]["error"].startswith("ValueError")
+
+
 def test_a_cluster_run_without_prompts_is_bad_input(tmp_path: Path) -> None:
     r = run_cli("--cluster", str(cluster_yaml(tmp_path, 2, workload={"max_tokens": 3})), "--json", timeout=60)
     assert r.returncode == 2 and "workload.prompts" in r.stderr and r.stdout == ""

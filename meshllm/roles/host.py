@@ -64,6 +64,7 @@ class RoleHost:
         self.max_seen = 0  # newest plan version seen from anyone (a new coordinator starts above it)
         self.coordinator_of: Callable[[], str] | None = None  # who this node obeys (set by the Node)
         self.ready_version = 0  # plan version whose stage is loaded and serving
+        self.plan_error: dict[str, Any] | None = None  # why this node could not take its part of a plan
         self.stage = self.leader = self.acks = None
         self.shard = ShardHolder(self.me, cfg, self.weights)  # the weights held for this node's part
         self.listeners: list[Callable[[PlanContext], None]] = []  # e.g. the gateway
@@ -112,7 +113,19 @@ class RoleHost:
         self.offered = version
         ctx = PlanContext(version, plan, addresses, self.me)
         log.info("%s: plan v%d from %s: %s", self.me, version, coordinator, describe(ctx, self.me))
-        self.worker.submit(lambda: self.apply(ctx))
+        self.worker.submit(lambda: self._apply_or_report(ctx))
+
+    def _apply_or_report(self, ctx: PlanContext) -> None:
+        """Compute thread: `apply(ctx)`. A node that cannot take its part (its layers or its draft could
+        not be built: memory, a bad file, ...) says so in its status (`plan_error`, until a plan
+        applies), so the emulator and operators see it at once, not as a mesh that never serves."""
+        try:
+            self.apply(ctx)
+        except Exception as e:
+            self.plan_error = {"plan_version": ctx.version, "error": f"{type(e).__name__}: {e}"}
+            log.exception("%s: could not take its part of plan v%d", self.me, ctx.version)
+        else:
+            self.plan_error = None
 
     def apply(self, ctx: PlanContext) -> None:
         """Compute thread: serve `ctx` from now on. A replica whose nodes and layers did not change
@@ -272,7 +285,8 @@ class HostFigures:
         """This node's serving figures, from any thread: the compute thread's latest snapshot."""
         h = self.host
         return {**self._snapshot, "plan_version": h.ready_version, "plan_seen": h.max_seen,
-                "rss_mb": round(rss_mb(), 1), **h.weights.announce()}
+                "rss_mb": round(rss_mb(), 1), **h.weights.announce(),
+                **({"plan_error": h.plan_error} if h.plan_error else {})}
 
     def refresh(self, force: bool = False) -> None:
         """Compute thread: snapshot the figures (at most every SNAPSHOT_S) and, on a decode
