@@ -244,6 +244,8 @@ def test_the_status_table_writes_a_stage_s_layers_half_open() -> None:
     assert format_status(st).splitlines()[2].endswith("KV claims (positions): none")
     st["load"]["gateway"] = st["load"]["leader"] = "junk"
     assert len(format_status(st).splitlines()) == 2
+    st["load"]["plan_error"] = {"plan_version": 4, "error": "MemoryError: "}
+    assert format_status(st).splitlines()[1] == "  could not take its part of plan v4: MemoryError: "
 
 
 def test_a_status_the_table_cannot_show_is_a_runtime_error_and_json_prints_it() -> None:

@@ -240,6 +240,9 @@ def format_status(st: dict[str, Any]) -> str:
         start, end = stage["layers"]
         where = f"  replica {stage['replica']} stage {stage['index']} layers [{start}, {end})"
     lines = [f"node {st['node']}  plan v{st['plan_version']}  roles {','.join(st['roles']) or '-'}{where}"]
+    err = st.get("load", {}).get("plan_error")
+    if isinstance(err, dict):  # it could not take its part of that plan
+        lines.append(f"  could not take its part of plan v{err.get('plan_version')}: {err.get('error')}")
     lead = st.get("load", {}).get("leader")
     if isinstance(lead, dict):  # the replica's scheduler: its sequences and their KV against what the stages hold
         room = lead.get("kv_room")
