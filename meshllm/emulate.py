@@ -5,15 +5,13 @@ writes one node file per node (random free loopback ports, the cluster's links, 
 the first node, mdns off so concurrent emulations never mix), starts one OS process per
 node that runs `launch.py --node-config NODE.yaml` with one compute thread
 (OMP_NUM_THREADS=1), waits until every node sees every other alive and the
-gateway serves, and tears everything down. The node processes are forks of one
-multiprocessing fork server that has imported torch and the node's modules once (NODE_PRELOAD):
-N nodes no longer import torch N times over (~1.5 s of CPU each): the demo's six nodes form
-their mesh in ~2 s instead of ~4.9 s on 2 cores.
+gateway serves, and tears everything down. The node processes are forks of one fork server
+that has imported torch and the node's modules once (node_procs.py).
 
 No orphans: each node runs in its own process group (killed as a group: SIGTERM,
 then SIGKILL after TEARDOWN_GRACE_S), teardown runs from `finally`, atexit and a
-SIGTERM handler, and on Linux each node also gets PR_SET_PDEATHSIG from the fork server,
-which exits with the emulator, so it dies even if the emulator is killed with -9. Nothing in flight is cut by a
+SIGTERM handler, and each node dies with the emulator even if the emulator is killed with -9
+(node_procs.py). Nothing in flight is cut by a
 plain stop: a gateway with requests in flight is stopped first and drains them while the
 rest of the mesh still serves (a second Ctrl-C stops at once).
 
@@ -35,13 +33,10 @@ import contextlib
 import dataclasses
 import json
 import logging
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -53,6 +48,7 @@ from meshllm.defaults import EMULATED_BUSY_POLL_MS, GATEWAY_DRAIN_S, STAGE_ROLES
 from meshllm.mesh.keys import NodeKeys, generate_key
 from meshllm.mesh.node import query_status
 from meshllm.mesh.sockets import free_port_pair
+from meshllm.node_procs import NODE_ENV, NodeProcess, signals_held, start_node
 
 log = logging.getLogger("meshllm.emulate")
 INTERRUPTED = threading.Event()  # set by cluster_run's SIGINT / SIGTERM handler (raise_interrupt)
@@ -113,117 +109,6 @@ def gateway_nodes(cfg: ClusterConfig) -> list[str]:
     raise AssertionError("a cluster has at least one node")
 
 
-# what every node imports before it listens (~1.5 s of CPU, most of it torch): imported once, in the
-# fork server that makes the node processes, instead of once per node
-NODE_PRELOAD = ("torch", "numpy", "zmq", "zeroconf", "yaml", "meshllm.launch", "meshllm.roles.host")
-NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # one compute thread
-
-
-def _node_context() -> multiprocessing.context.ForkServerContext:
-    """Node processes come from multiprocessing's fork server, started (once per emulator process)
-    with NODE_ENV and the modules of NODE_PRELOAD imported: each node is a fork of it, its own OS
-    process, that runs `launch.py --node-config` (`_run_node`). Nothing has computed in the fork
-    server (no thread pool of torch's has started), so a fork of it is as clean as a new interpreter."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(NODE_PRELOAD))
-    with _LOCK:
-        saved = {k: os.environ.get(k) for k in NODE_ENV}
-        os.environ.update(NODE_ENV)  # the fork server's own environment: its imports see one thread
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-    return ctx
-
-
-_LOCK = threading.Lock()
-
-
-def _die_with_emulator(server: int) -> None:
-    """In a node process: SIGKILL when its parent, the fork server `server` (which exits with the
-    emulator), dies (Linux). A server or emulator gone before the prctl leaves no death signal to
-    come, so the node then exits at once (prctl(2))."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        emulator = multiprocessing.parent_process()
-        if os.getppid() != server or (emulator is not None and not emulator.is_alive()):
-            os._exit(1)
-
-
-def _run_node(name: str, argv: list[str], log_path: str, cwd: str, env: dict[str, str], cpu: int | None) -> None:
-    """A node process (made by the fork server): its own process group, dies with the emulator,
-    pinned to `cpu` if given (before any thread starts, so every thread of the node inherits it),
-    named after the node, stdout and stderr to its log; then `launch.py ARGV`."""
-    server = os.getppid()
-    os.setsid()
-    # multiprocessing hands each process the write end of the fork server's "emulator alive" pipe (so
-    # that it could ask the server for processes too); the server exits when every copy is closed, so
-    # a node that kept it would keep the server, and so itself (its death signal is the server's
-    # exit), alive after the emulator is killed
-    fs = multiprocessing.forkserver._forkserver
-    if getattr(fs, "_forkserver_alive_fd", None) is not None:
-        os.close(fs._forkserver_alive_fd)
-        fs._forkserver_alive_fd = None
-    _die_with_emulator(server)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, name.encode()[:15])  # PR_SET_NAME: `ps` and `top` show the node's id
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    from meshllm.launch import main
-
-    sys.exit(main(argv))
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """SIGINT and SIGTERM wait (blocked) until the block ends, then their handlers run."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-class NodeProcess:
-    """One node's process, with the calls of subprocess.Popen that the emulator makes."""
-
-    def __init__(self, proc: multiprocessing.process.BaseProcess):
-        self.proc = proc
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.exitcode
-
-    def poll(self) -> int | None:
-        return self.proc.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self.proc.join(timeout)
-        if self.proc.exitcode is None:
-            raise subprocess.TimeoutExpired(f"node process {self.pid}", timeout or 0.0)
-        return self.proc.exitcode
-
-
 class EmulatedCluster:
     """The node processes of one cluster. Use as a context manager; `close()` is idempotent."""
 
@@ -267,7 +152,6 @@ class EmulatedCluster:
         seed = self.target(self.cfg.nodes[0].id) if self.cfg.security.curve else self.addresses[self.cfg.nodes[0].id]
         secure, token_file = self._security_files()
         env = {**os.environ, **NODE_ENV}
-        ctx = _node_context()
         for i, spec in enumerate(self.cfg.nodes):
             path = self.workdir / f"{spec.id}.yaml"
             gw = self.gateways.get(spec.id)
@@ -276,12 +160,10 @@ class EmulatedCluster:
             if gw and token_file:
                 nf["gateway"]["api_token"] = token_file
             path.write_text(yaml.safe_dump(nf))
-            proc = ctx.Process(target=_run_node, name=f"meshllm node {spec.id}",
-                               args=(spec.id, ["--node-config", str(path)], str(self.workdir / f"{spec.id}.log"),
-                                     str(LAUNCH.parent), env, self.cpus[i % len(self.cpus)] if self.cpus else None))
-            with _signals_held():  # an interrupt in the middle would leave a process started, not listed
-                proc.start()
-                self.procs[spec.id] = NodeProcess(proc)
+            with signals_held():  # an interrupt in the middle would leave a process started, not listed
+                self.procs[spec.id] = start_node(spec.id, ["--node-config", str(path)],
+                                                 self.workdir / f"{spec.id}.log", LAUNCH.parent, env,
+                                                 self.cpus[i % len(self.cpus)] if self.cpus else None)
         log.info("started %d node processes (logs in %s)", len(self.procs), self.workdir)
 
     def _security_files(self) -> tuple[dict[str, dict], str | None]:

@@ -324,9 +324,9 @@ def test_the_readable_report_names_the_faults_and_what_clients_saw() -> None:
 
 
 def _node_told_its_server(wrong: bool) -> None:
-    from meshllm.emulate import _die_with_emulator
+    from meshllm.node_procs import die_with_emulator
 
-    _die_with_emulator(os.getppid() + wrong)
+    die_with_emulator(os.getppid() + wrong)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
