@@ -96,11 +96,10 @@ class ClusterConfig:
 
 
 # -- helpers ------------------------------------------------------------------------------
-MAX_YAML_BYTES = 16 << 20  # a cluster of thousands of nodes is well under 1 MiB
+MAX_YAML_BYTES = 16 << 20  # any configuration or key file: a cluster of thousands of nodes is well under 1 MiB
 
 
-def read_text_file(path: str | Path, src: str, fld: str, what: str = "a YAML file",
-                   max_bytes: int = MAX_YAML_BYTES) -> str:
+def read_text_file(path: str | Path, src: str, fld: str, what: str = "a YAML file") -> str:
     """An operator's small text file (a cluster or node file, a key file); ConfigError(src, fld, ...) for a
     missing path, a folder, a device or pipe (/dev/zero would be read for ever), one too large, not UTF-8."""
     p = Path(path)
@@ -110,8 +109,8 @@ def read_text_file(path: str | Path, src: str, fld: str, what: str = "a YAML fil
     if not p.is_file():
         raise ConfigError(src, fld, f"{name}is a directory, not {what}" if p.is_dir() else f"{name}not a regular file")
     try:
-        if (size := p.stat().st_size) > max_bytes:
-            raise ConfigError(src, fld, f"{name}{size} bytes: too large for {what} (at most {max_bytes >> 20} MiB)")
+        if (size := p.stat().st_size) > MAX_YAML_BYTES:
+            raise ConfigError(src, fld, f"{name}{size} bytes: too large for {what} (at most {MAX_YAML_BYTES >> 20} MiB)")
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError(src, fld, f"{name}not a text file (UTF-8): is it the right path?") from None
