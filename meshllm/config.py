@@ -336,13 +336,19 @@ def plan_inputs(cfg: ClusterConfig) -> PlanInputs:
     """The planner's and simulator's plain inputs for a cluster file; ConfigError for a draft group
     size the model's layers do not split into (its drafters would fail to build the draft, and the
     mesh would never serve)."""
+    inp = _plan_inputs(cfg, tuple(cfg.nodes), cfg.source)
+    check_draft_groups(cfg, inp.args)
+    return inp
+
+
+def check_draft_groups(cfg: ClusterConfig | NodeConfig, args) -> None:
+    """ConfigError for a W4A16 draft group size the model's layers do not split into (with speculation
+    on): every drafter would fail to build the draft."""
     from meshllm.shapes import draft_group_problem
 
-    inp = _plan_inputs(cfg, tuple(cfg.nodes), cfg.source)
-    problem = draft_group_problem(inp.args, cfg.draft.group_size) if inp.draft_quant == "w4a16" else None
-    if problem:
+    if cfg.speculation.mode != "off" and cfg.draft.quant == "w4a16" \
+            and (problem := draft_group_problem(args, cfg.draft.group_size)):
         raise ConfigError(cfg.source, "draft.group_size", problem)
-    return inp
 
 
 def _plan_inputs(cfg: ClusterConfig | NodeConfig, nodes: tuple[PlanNode, ...], source: str,

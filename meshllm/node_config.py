@@ -30,6 +30,7 @@ from meshllm.config import (
     _time_scale,
     _workload,
     _zone,
+    check_draft_groups,
     given,
     read_text_file,
     read_yaml,
@@ -53,6 +54,7 @@ from meshllm.errors import ConfigError
 from meshllm.mesh.ingress import RateLimit
 from meshllm.mesh.keys import NodeKeys, read_authorized_keys
 from meshllm.partition.inputs import PlanInputs, PlanNode
+from meshllm.shapes import transformer_configs
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def parse_node(data: dict, src: str) -> NodeConfig:
     model, weights = _model(data.get("model", DEFAULT_MODEL), src), _weights_keys(data, src)
     if not weights["fetch_weights"] and (why := not_here(model)):
         raise ConfigError(src, "model", f"{model!r}: {why}, and fetch_weights is false (no peer may send it)")
-    return NodeConfig(
+    cfg = NodeConfig(
         source=src, id=data["id"], device=load_device(data["device"], f"{src}: device"),
         zone=_zone(data.get("zone", "default"), src, "zone"), listen=data["listen"], advertise=data.get("advertise"),
         seeds=seeds, seed_ids=seed_ids, mdns=mdns, model=model,
@@ -148,6 +150,9 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         **weights,
         **_serving(data, src),
     )
+    if model in transformer_configs:  # a model file's shape is read only when the node runs (or fetched)
+        check_draft_groups(cfg, transformer_configs[model])
+    return cfg
 
 
 def _weights_keys(d: dict, src: str) -> dict[str, Any]:

@@ -304,6 +304,7 @@ GOOD = {"id": "x", "device": DEVICE, "listen": "127.0.0.1:7700", "mdns": False}
     ({"listen": "localhost"}, "listen", "expected HOST:PORT"),
     ({"seeds": ["1.2.3.4:99999"]}, "seeds[0]", "port in 1..65535"),
     ({"failure_timeout_s": 0.1, "heartbeat_interval_s": 0.5}, "failure_timeout_s", "larger than"),
+    ({"draft": {"quant": "w4a16", "group_size": 128}}, "draft.group_size", "does not divide smollm2-135m's dim 576"),
 ])
 def test_bad_node_yaml_exits_2_with_one_line(tmp_path: Path, change: dict, field: str, problem: str) -> None:
     cfg = {**GOOD, **change}
