@@ -241,12 +241,14 @@ def test_node_processes_can_be_pinned_to_cores_round_robin(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_a_node_that_cannot_take_its_part_of_the_plan_says_so_and_the_emulator_stops_at_once(tmp_path: Path) -> None:
     """A drafter whose draft could not be built (draft groups of 128 on smollm2's 576 columns; the
-    cluster file check, config.plan_inputs, is bypassed here) logged a traceback and the emulator
+    cluster file's check, config.plan_inputs, is bypassed here, and the node file names the model by
+    its path, whose shape a node reads only when it runs) logged a traceback and the emulator
     waited READY_TIMEOUT_S (300 s) for a mesh that never served. Now the node's status says why
     (`plan_error`) and waiting for the mesh stops at once with that reason."""
     from meshllm.emulate import READY_TIMEOUT_S, EmulatedCluster
+    from meshllm.engine.sources import embedded_gguf_path
 
-    doc = {"model": "smollm2-135m", "draft": {"quant": "w4a16", "group_size": 128},
+    doc = {"model": str(embedded_gguf_path("smollm2-135m")), "draft": {"quant": "w4a16", "group_size": 128},
            "speculation": {"mode": "async", "gamma": 2},
            "nodes": [{"id": "fog", "device": DEV, "zone": "fog"},
                      {"id": "edge", "device": DEV, "zone": "edge", "roles": ["drafter"]}],
