@@ -46,6 +46,9 @@ WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")  # served target weight
 DEFAULT_WEIGHT_DTYPE = "fp16"
 
 HEARTBEAT_INTERVAL_S = 0.5
+# a plan's reason for a node it leaves out because that node could not take its part of an earlier
+# plan (roles/coordinator.py); the emulator stops on it (emulate.py)
+PLAN_ERROR_REASON = "could not take its part of plan"
 FAILURE_TIMEOUT_S = 2.5  # a peer silent this long is dead (<= 3 s by default)
 # A gateway node told to stop (SIGINT / SIGTERM) takes no new request and lets those in flight
 # finish for up to this long (node file `gateway: {drain_s: S}`), its node still in the mesh

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from meshllm.config import ClusterConfig, NodeSpec
-from meshllm.defaults import EMULATED_BUSY_POLL_MS, GATEWAY_DRAIN_S, STAGE_ROLES, Role
+from meshllm.defaults import EMULATED_BUSY_POLL_MS, GATEWAY_DRAIN_S, PLAN_ERROR_REASON, STAGE_ROLES, Role
 from meshllm.mesh.keys import NodeKeys, generate_key
 from meshllm.mesh.node import query_status
 from meshllm.mesh.sockets import free_port_pair
@@ -256,6 +256,7 @@ class EmulatedCluster:
                     break
                 waiting.pop(0)
             if not waiting:
+                self._raise_left_out()
                 return
             self._raise_plan_errors()
             time.sleep(STATUS_POLL_S * 3)
@@ -272,6 +273,18 @@ class EmulatedCluster:
             if isinstance(err, dict):
                 raise RuntimeError(f"node {nid} could not take its part of plan v{err.get('plan_version')}: "
                                    f"{err.get('error')}; its log: {self.log_tail(nid, 600)}")
+
+    def _raise_left_out(self) -> None:
+        """RuntimeError if the plan being served leaves a node out because it could not take its
+        part of an earlier plan (the coordinator re-plans without it, and may do so before this
+        sees the node's error): an emulation serves the cluster of its file, or says why not."""
+        code, got = http_json(f"http://{self.gateway}/v1/plan", timeout_s=2.0, headers=self.api_headers)
+        plan = got.get("plan") if code == 200 and isinstance(got, dict) else None
+        reasons = plan.get("unused_reasons") if isinstance(plan, dict) else None
+        for nid, why in (reasons if isinstance(reasons, dict) else {}).items():
+            if str(why).startswith(PLAN_ERROR_REASON):
+                raise RuntimeError(f"node {nid} {why}; the mesh serves plan v{got.get('version')} without it; "
+                                   f"its log: {self.log_tail(nid, 600)}")
 
     def dead(self) -> set[str]:
         return {nid for nid, p in self.procs.items() if p.poll() is not None}

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -22,7 +23,7 @@ from meshllm.defaults import EMULATED_BUSY_POLL_MS
 from meshllm.emulate import EmulatedCluster, node_file
 from meshllm.node_config import parse_node
 from meshllm.roles.pacer import Pacer
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, wait_for
 
 DEV = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}
 
@@ -239,14 +240,18 @@ def test_node_processes_can_be_pinned_to_cores_round_robin(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_a_node_that_cannot_take_its_part_of_the_plan_says_so_and_the_emulator_stops_at_once(tmp_path: Path) -> None:
+def test_a_node_that_cannot_take_its_part_of_the_plan_is_planned_around_and_the_emulator_stops_at_once(
+        tmp_path: Path, smollm2, smollm2_tokenizer) -> None:
     """A drafter whose draft could not be built (draft groups of 128 on smollm2's 576 columns; the
     cluster file's check, config.plan_inputs, is bypassed here, and the node file names the model by
     its path, whose shape a node reads only when it runs) logged a traceback and the emulator
     waited READY_TIMEOUT_S (300 s) for a mesh that never served. Now the node's status says why
-    (`plan_error`) and waiting for the mesh stops at once with that reason."""
-    from meshllm.emulate import READY_TIMEOUT_S, EmulatedCluster
+    (`plan_error`) and waiting for the mesh stops at once with that reason; and the coordinator
+    (the failing node itself here: "edge" is the lowest id) re-plans without it, so the mesh serves
+    (a deployed one would have waited for ever), the plan naming why the node is unused."""
+    from meshllm.emulate import READY_TIMEOUT_S, EmulatedCluster, http_json
     from meshllm.engine.sources import embedded_gguf_path
+    from tests.serving_util import reference, same_up_to_tie
 
     doc = {"model": str(embedded_gguf_path("smollm2-135m")), "draft": {"quant": "w4a16", "group_size": 128},
            "speculation": {"mode": "async", "gamma": 2},
@@ -262,8 +267,28 @@ def test_a_node_that_cannot_take_its_part_of_the_plan_says_so_and_the_emulator_s
                                                r"in_features 576 is not a multiple of group_size 128"):
             em.wait_serving()
         assert time.monotonic() - t0 < READY_TIMEOUT_S / 3
-        status = em.status("edge", 10.0)
-        assert status["load"]["plan_error"]["error"].startswith("ValueError")
+        url = f"http://{em.gateway}"
+
+        def planned_around() -> dict | None:
+            code, got = http_json(f"{url}/v1/plan", 2.0)
+            why = got.get("plan", {}).get("unused_reasons", {}).get("edge", "") if code == 200 else ""
+            return got if why.startswith("could not take its part of plan v") else None
+
+        assert wait_for(lambda: planned_around() is not None and http_json(f"{url}/health", 2.0)[0] == 200, 60.0)
+        plan = planned_around()["plan"]
+        assert "in_features 576 is not a multiple of group_size 128" in plan["unused_reasons"]["edge"]
+        assert "edge" in plan["unused"] and not plan["drafters"] and len(plan["replicas"]) == 1
+        with pytest.raises(RuntimeError, match=r"node edge could not take its part of plan v\d+: .* the mesh serves "
+                                               r"plan v\d+ without it"):
+            em.wait_serving(30.0)  # an emulation serves the cluster of its file, or says why not
+        model = http_json(f"{url}/v1/models", 2.0)[1]["data"][0]["id"]  # named by its path here
+        body = json.dumps({"model": model, "prompt": "Hello there", "max_tokens": 6,
+                           "temperature": 0}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/completions", body, method="POST"),
+                                    timeout=60) as r:
+            got = json.loads(r.read())["choices"][0]["token_ids"]
+        ok, why = same_up_to_tie(got, reference(smollm2, smollm2_tokenizer, "Hello there", 6))
+        assert ok, why
 
 
 def test_a_cluster_run_without_prompts_is_bad_input(tmp_path: Path) -> None:

@@ -164,3 +164,23 @@ def test_a_coordinator_numbers_its_plan_above_what_live_peers_have_seen() -> Non
             m.heartbeat(pid, 1, 0.5 + k * 0.5, {"plan_seen": 2} if pid == "b" else {})
         m.tick(0.5 + k * 0.5 + 0.1)
     assert m.get("e").state is PeerState.DEAD and newest_plan_seen(m) == 2
+
+
+def test_a_node_that_could_not_take_its_part_of_the_newest_plan_is_planned_without_until_it_restarts() -> None:
+    """The coordinator's `refusals`: a live node whose plan_error is for its newest plan (or a later
+    one) is left out, with why, until it leaves or restarts (a new incarnation); an error from an
+    older plan (a newer plan may not have reached it yet), malformed errors, and errors before
+    any plan of this coordinator's are not."""
+    from meshllm.roles.coordinator import refusals
+
+    a, b, c = info("a", address="127.0.0.1:7701"), info("b"), info("c", address="127.0.0.1:7703")
+    err = {"b": {"plan_version": 3, "error": "MemoryError: "}, "c": {"plan_version": 2, "error": "old"}}
+    assert refusals({}, [a, b, c], err, None) == {}
+    got = refusals({}, [a, b, c], err, 3)
+    assert got == {("b", 1): "could not take its part of plan v3: MemoryError: "}
+    assert refusals(got, [a, b, c], {}, 4) == got  # its error cleared (it has no part in v4): still left out
+    assert refusals(got, [a, info("b", inc=2), c], {}, 4) == {}  # restarted: planned with again
+    assert refusals(got, [a, c], {}, 4) == {}  # gone
+    bad = {"a": {"plan_version": True}, "b": {"plan_version": "9"}, "c": ["plan_version", 9]}
+    assert refusals({}, [a, b, c], bad, 1) == {}
+    assert refusals({}, [a], {"a": {"plan_version": 5, "error": "x" * 1000}}, 5)[("a", 1)].endswith("x" * 300)

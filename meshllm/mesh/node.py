@@ -68,7 +68,7 @@ class Node:
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
         self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None
         self.coordinator = Coordinator(self.transport, self.members, self.me, cfg, lambda: self.host.max_seen,
-                                       self.host.offer, self.host.weights.args)
+                                       self.host.offer, self.host.weights.args, lambda: self.host.plan_error)
         self.host.coordinator_of = self.coordinator.current
         if cfg.fault_injection:  # emulation only: the emulator cuts links between zones on request
             self.transport.on(MsgType.FAULT, self._on_fault)

@@ -9,7 +9,9 @@ the other side may have planned), so nodes never go back to an older plan.
 When to plan: under `--cluster` every node file lists `expect_nodes`, and the first plan is
 made as soon as all of them are alive; otherwise after membership has been quiet for
 `plan_settle_s`. Any later change of the live node set (a join, a death, a leave) re-plans
-after REPLAN_SETTLE_S. The planner (GA + DP; with `plan_judge`, the simulator's pick: `plan_for`)
+after REPLAN_SETTLE_S. So does a node that says it could not take its part of the newest plan
+(`plan_error` in its heartbeat load: its layers or draft could not be built: memory, a bad file):
+the next plan leaves it out, in `unused` with that reason, until it restarts (a new incarnation). The planner (GA + DP; with `plan_judge`, the simulator's pick: `plan_for`)
 runs on its own thread, never on the I/O thread
 that carries the heartbeats; its inputs are the device profiles, zones and roles in the peer
 table plus this node's links, model and serving settings. The plan is published on PUB
@@ -18,12 +20,13 @@ table plus this node's links, model and serving settings. The plan is published 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from meshllm.defaults import NODE_ROLES, Role
+from meshllm.defaults import NODE_ROLES, PLAN_ERROR_REASON, Role
 from meshllm.device import device_from_mapping
 from meshllm.errors import InputError
 from meshllm.mesh.loop import Worker
@@ -54,10 +57,13 @@ def newest_plan_seen(members: Membership) -> int:
 class Coordinator:
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo, cfg: NodeConfig,
                  current_version: Callable[[], int], deliver: Callable[[int, dict, dict, str], None],
-                 model_args: Callable[[], Any] | None = None):
+                 model_args: Callable[[], Any] | None = None,
+                 own_error: Callable[[], dict | None] | None = None):
         self.t, self.members, self.me, self.cfg = transport, members, me, cfg
         self.model_args = model_args  # the model's shape (None: from this node's model file)
         self.current_version, self.deliver = current_version, deliver  # the local RoleHost
+        self.own_error = own_error or (lambda: None)  # this node's own plan_error (RoleHost)
+        self.refused: dict[tuple[str, int], str] = {}  # (id, incarnation) that could not take its part -> why
         self.worker = Worker(f"planner-{me.id}")
         self.published: tuple[int, dict, dict] | None = None  # (version, plan json, addresses)
         self.planned_for: tuple | None = None  # the live set the newest plan was made for
@@ -87,8 +93,19 @@ class Coordinator:
     def is_coordinator(self) -> bool:
         return self.current() == self.me.id
 
+    def _plan_errors(self, live: list[PeerInfo]) -> None:
+        """Update `refused` from the live nodes' `plan_error` (peers' heartbeat loads, this node's own)."""
+        errors = {p.info.id: p.load.get("plan_error") for p in self.members.peers() if isinstance(p.load, dict)}
+        errors[self.me.id] = self.own_error()
+        before = set(self.refused)
+        self.refused = refusals(self.refused, live, errors, self.published[0] if self.published else None)
+        for nid, inc in set(self.refused) - before:
+            log.warning("%s: %s %s; re-planning without it", self.me.id, nid, self.refused[(nid, inc)])
+
     def _tick(self) -> None:
         live = self.live()
+        self._plan_errors(live)
+        live = [p for p in live if (p.id, p.incarnation) not in self.refused]
         key = tuple(sorted((p.id, p.incarnation) for p in live))
         now = time.monotonic()
         if key != self._seen:
@@ -105,7 +122,8 @@ class Coordinator:
                   else REPLAN_SETTLE_S if started else self.cfg.plan_settle_s)
         if key != self.planned_for and not self._planning and now - self._changed_at >= settle:
             self._planning = True
-            self.worker.submit(lambda: self._plan(live, key))
+            left_out = {nid: why for (nid, _), why in self.refused.items()}
+            self.worker.submit(lambda: self._plan(live, key, left_out))
         if self.published is not None and now - self._last_publish >= PLAN_REPUBLISH_S:
             self._publish()
 
@@ -115,15 +133,19 @@ class Coordinator:
         self.t.publish(make(MsgType.PLAN, version=version, coordinator=self.me.id, plan=plan, addresses=addresses))
 
     # -- planner thread ------------------------------------------------------------------------
-    def _plan(self, live: list[PeerInfo], key: tuple) -> None:
+    def _plan(self, live: list[PeerInfo], key: tuple, left_out: dict[str, str]) -> None:
+        """`left_out`: nodes that could not take their part of a plan: in `unused`, with why."""
         try:
             plan = plan_for(self.cfg, self.inputs(live))
+            if left_out:
+                plan = dataclasses.replace(plan, unused=plan.unused + tuple(left_out),
+                                           reasons={**plan.reasons, **left_out})
         except (InputError, ValueError) as e:
             self.last_error = str(e)
             log.error("%s: cannot plan for %d live nodes: %s", self.me.id, len(live), e)
             self.t.call_soon(lambda: self._done(key, None, {}))
             return
-        addresses = {p.id: p.address for p in live}
+        addresses = {p.id: p.address for p in live}  # (those left out need none: they have no part)
         self.t.call_soon(lambda: self._done(key, plan, addresses))
 
     def _done(self, key: tuple, plan: Plan | None, addresses: dict) -> None:
@@ -144,6 +166,23 @@ class Coordinator:
         """On the planner thread: the model's shape from `model_args` (a node without the model
         file asks a peer for its index, RoleHost's MeshWeights.args), else from the file."""
         return live_plan_inputs(self.cfg, live, self.model_args() if self.model_args is not None else None)
+
+
+def refusals(refused: dict[tuple[str, int], str], live: list[PeerInfo], errors: dict[str, Any],
+             newest: int | None) -> dict[tuple[str, int], str]:
+    """The live nodes, (id, incarnation), to plan without -> why: those already refused that have
+    neither left nor restarted, and those whose `plan_error` (`errors`: id -> {plan_version, error})
+    is for the coordinator's newest plan (`newest`) or a later one (an error from an older plan may
+    be one a newer plan has not reached yet, or fixed)."""
+    now_live = {(p.id, p.incarnation) for p in live}
+    out = {k: why for k, why in refused.items() if k in now_live}
+    for p in live:
+        err = errors.get(p.id)
+        version = err.get("plan_version") if isinstance(err, dict) else None
+        if newest is not None and isinstance(version, int) and not isinstance(version, bool) and version >= newest \
+                and (p.id, p.incarnation) not in out:
+            out[(p.id, p.incarnation)] = f"{PLAN_ERROR_REASON} v{version}: {str(err.get('error'))[:300]}"
+    return out
 
 
 def plan_for(cfg: NodeConfig, inp: PlanInputs) -> Plan:
