@@ -1123,6 +1123,26 @@ def test_victims_finish_exactly_as_the_reference(mesh: Mesh) -> None:
         assert v.stream.queue.tokens() == v.reference
 
 
+def test_a_request_released_before_it_came_runs_nowhere(mesh: Mesh) -> None:
+    """A gateway sends a request's SESSION and GENERATE_REQ from a thread of its send pool and a
+    RELEASE (the client went away meanwhile) from its event loop, each on that thread's own socket:
+    the RELEASE can come first. The drafter then kept a session no verdict would ever end (for
+    SESSION_IDLE_S, holding its KV: two in a soak of 240 requests with cut streams), and the
+    prefill leader ran the whole sequence for no one. Both remember what was released."""
+    seq = mesh._next_seq
+    for node in ("dr", "pa"):  # the drafter and the prefill replica's leader
+        mesh.gateway.t.send(NODES[node], p.make(MsgType.RELEASE, seq=seq, reason="gateway: abandoned"))
+    mesh.run(1)
+    assert mesh.request([3, 1, 4, 1, 5], 20, drafter="dr")[0] == seq
+    mesh.run(6)
+    assert seq not in mesh.hosts["dr"].drafter.sessions and seq not in mesh.hosts["dr"].drafter.cache
+    for node in ("pa", "dc"):  # nor prefilled, nor handed to the decode replica
+        assert seq not in mesh.hosts[node].leader.seqs and seq not in mesh.hosts[node].stage.cache
+    assert mesh.request([3, 1, 4, 1, 5], 20, drafter="dr")[0] == seq + 1  # the next one runs
+    mesh.run(2)
+    assert seq + 1 in mesh.hosts["dr"].drafter.sessions
+
+
 def _has_sample(t: MsgType) -> bool:
     try:
         sample(t)

@@ -6,11 +6,34 @@ protocol (protocol.py) and the roles that read its messages use them. No sockets
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from typing import Any
 
 MAX_SEQ_ID = (1 << 63) - 1
 MAX_TEMPERATURE = 2.0  # the OpenAI API's range: the HTTP API and the CLI refuse more (the wire takes any >= 0)
 _SAMPLING = ("temperature", "top_k", "top_p", "seed")
+
+
+TOMBSTONES = 4096  # released sequence ids a role remembers
+
+
+class Tombstones:
+    """The ids of the last TOMBSTONES sequences a role released, so that a message for one that
+    comes after its release is dropped: late KV, or a request's first message (SESSION,
+    GENERATE_REQ) that its RELEASE overtook (a gateway sends them from different threads, each on
+    its own socket, so they are not ordered)."""
+
+    def __init__(self, limit: int = TOMBSTONES):
+        self.limit, self._ids = limit, OrderedDict()
+
+    def add(self, seq: int) -> None:
+        self._ids[seq] = None
+        self._ids.move_to_end(seq)
+        while len(self._ids) > self.limit:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self._ids
 
 
 class ProtocolError(ValueError):

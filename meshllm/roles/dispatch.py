@@ -95,6 +95,9 @@ class DataPlane:
         leader = self._need("leader", msg)
         args = h.stage.model.args
         s = seq_from_generate(msg, h.ctx, leader.rid, args.vocab_size, args.max_seq_len)
+        if h.stage.released(s.id):  # its RELEASE (the client went away) overtook it: no one waits for it
+            log.info("%s: seq %d was released before its GENERATE_REQ came; not running it", h.me, s.id)
+            return
         if s.id in leader.seqs or s.id in h.stage.cache:  # a second Seq would break its KV's batches
             raise ProtocolError(f"seq {s.id} is already running on replica {leader.rid}")
         leader.batch.admit(s)

@@ -53,7 +53,7 @@ from meshllm.engine.speculative import (
     ewma,
     extend_hash,
 )
-from meshllm.mesh.fields import check_address, check_int_list, check_sampling, check_seq
+from meshllm.mesh.fields import Tombstones, check_address, check_int_list, check_sampling, check_seq
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.roles.branches import Branch, Branches
 from meshllm.roles.pacer import Pacer
@@ -188,6 +188,7 @@ class Drafter:
         self.me, self.model, self._send, self.publish, self.pacer = me, model, send, publish, pacer
         self.cache = model.new_cache()
         self.sessions: dict[int, Session] = {}
+        self.ended = Tombstones()  # a SESSION its RELEASE overtook starts nothing (it would wait SESSION_IDLE_S)
         self.resend_s = RESEND_MIN_S * time_scale
         self.idle_s = SESSION_IDLE_S * time_scale
         self.busy_s = 0.0
@@ -207,6 +208,9 @@ class Drafter:
         gamma = msg["gamma"] if 1 <= msg["gamma"] <= 16 else default_gamma
         if not prompt or msg["mode"] not in MAX_OUTSTANDING or seq in self.sessions:
             raise ProtocolError(f"seq {seq}: bad SESSION (mode {msg['mode']!r}, {len(prompt)} prompt tokens)")
+        if seq in self.ended:
+            log.info("%s: seq %d was released before its SESSION came; not drafting for it", self.me, seq)
+            return
         t, k, p, seed = check_sampling(msg["sampling"])
         check_address(msg["gateway"], "gateway")
         if msg["max_tokens"] < 1:
@@ -285,6 +289,7 @@ class Drafter:
                 self.end(s.seq)
 
     def end(self, seq: int) -> None:
+        self.ended.add(seq)
         s = self.sessions.pop(seq, None)
         if s is not None:
             self.branches.drop(s)

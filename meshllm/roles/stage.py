@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,14 +28,13 @@ from meshllm.defaults import DECODE_TARGETS
 from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.sampling import SamplingParams, choose_tokens, greedy_tokens
 from meshllm.engine.speculative import verify_block
-from meshllm.mesh.fields import check_int_list, check_seq
+from meshllm.mesh.fields import Tombstones, check_int_list, check_seq
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, SpanKind, WireSpan, make
 from meshllm.roles.context import PlanContext
 from meshllm.roles.pacer import Pacer
 
 log = logging.getLogger("meshllm.stage")
 
-TOMBSTONES = 4096  # released sequence ids remembered, so late KV for them is dropped
 Send = Callable[[str, Message], None]
 
 
@@ -128,7 +126,7 @@ class Stage:
         self.replica, self.index = mine
         self.first, self.last = self.index == 0, self.index == len(self.replica.stages) - 1
         self.cache = model.new_cache()
-        self._tombstones: OrderedDict[int, None] = OrderedDict()
+        self._tombstones = Tombstones()  # released sequences: late KV (and requests) for them are dropped
         self._kv_have: dict[int, set[int]] = {}  # seq -> layers imported so far (decode replicas)
         self.kv_bytes_sent = self.kv_bytes_received = 0
         self.tokens_computed = {k: 0 for k in SpanKind}  # rows run, by span kind
@@ -279,9 +277,7 @@ class Stage:
     def release(self, seq: int) -> None:
         self.cache.free(seq)
         self._kv_have.pop(seq, None)
-        self._tombstones[seq] = None
-        while len(self._tombstones) > TOMBSTONES:
-            self._tombstones.popitem(last=False)
+        self._tombstones.add(seq)
 
     def released(self, seq: int) -> bool:
         return seq in self._tombstones
