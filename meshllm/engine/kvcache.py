@@ -66,6 +66,9 @@ class KVCache:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._slots
 
+    def __len__(self) -> int:
+        return len(self._slots)
+
     def seq_ids(self) -> list[int]:
         return list(self._slots)
 

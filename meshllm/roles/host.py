@@ -35,7 +35,7 @@ from meshllm.partition.plan import Plan, PlanError
 from meshllm.roles.context import PlanContext
 from meshllm.roles.dispatch import DataPlane
 from meshllm.roles.pacer import pacer_factory
-from meshllm.roles.shard import ShardHolder, rss_mb
+from meshllm.roles.shard import IdleTrim, ShardHolder, rss_mb
 from meshllm.roles.weights_fetch import MeshWeights
 
 log = logging.getLogger("meshllm.host")
@@ -67,6 +67,7 @@ class RoleHost:
         self.plan_error: dict[str, Any] | None = None  # why this node could not take its part of a plan
         self.stage = self.leader = self.acks = None
         self.shard = ShardHolder(self.me, cfg, self.weights)  # the weights held for this node's part
+        self.trim = IdleTrim()  # freed heap back to the OS when no sequence is held
         self.listeners: list[Callable[[PlanContext], None]] = []  # e.g. the gateway
         self.data = DataPlane(self)  # every data-plane message, handed to the role that takes it
         self.figures = HostFigures(self)  # what heartbeats and --status say of this node
@@ -258,6 +259,8 @@ class RoleHost:
 
     def _step(self) -> bool:
         self.figures.refresh()
+        self.trim.tick(self.stage is not None and len(self.stage.cache) > 0
+                       or self.drafter is not None and bool(self.drafter.sessions))
         if self.leader is not None:
             if self.balancer is not None:
                 self.balancer.rebalance()

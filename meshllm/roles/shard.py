@@ -107,3 +107,33 @@ def rss_mb() -> float:
         return psutil.Process(os.getpid()).memory_info().rss / 1e6
     except ImportError:  # pragma: no cover - psutil is a dependency
         return 0.0
+
+
+TRIM_IDLE_S = 1.0  # a node that held sequences and holds none for this long gives freed heap back
+
+
+class IdleTrim:
+    """Hands the heap freed by finished sequences back to the OS once the node holds none. Each
+    sequence's KV slots, activations and frames are freed when it ends, but glibc keeps freed
+    heap (and, once a large block is freed, raises its mmap threshold, so later blocks of that
+    size come from the fragmentable heap too): a decode node of the demo served 480 requests in
+    bursts of 40 and grew from 959 to 1389 MB resident with no KV held. `tick` runs on the
+    compute thread, at least every SNAPSHOT_S; the trim (malloc_trim, a few ms) runs only when
+    no sequence is held, so no token waits for it."""
+
+    def __init__(self, trim=None, clock=time.monotonic):
+        if trim is None:
+            from meshllm.engine.weights import release_freed_memory as trim
+        self.trim, self.clock = trim, clock
+        self.dirty = False  # sequences were held since the last trim
+        self.idle_since = 0.0
+        self.trims = 0
+
+    def tick(self, holding: bool) -> None:
+        now = self.clock()
+        if holding:
+            self.dirty, self.idle_since = True, now
+        elif self.dirty and now - self.idle_since >= TRIM_IDLE_S:
+            self.dirty = False
+            self.trim()
+            self.trims += 1
