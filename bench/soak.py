@@ -164,7 +164,7 @@ def main() -> None:
     lat = sorted(o.done - o.sent for o in ok)
     tokens = sum(len(o.token_ids) for o in ok)
     lines.append(f"soak: {a.cluster}, " + (f"{a.rounds} rounds of {a.clients} requests ({a.idle_s:g} s idle after "
-                                           f"each, every {a.cut_every}th dropped by its client)" if a.rounds
+                                           f"each, 1 in {a.cut_every} dropped by its client)" if a.rounds
                                            else f"{a.clients} clients for {a.minutes:g} min")
                  + f", {a.max_tokens} tokens per request")
     lines.append(f"requests completed {len(ok)}, failed {len(outs) - len(ok)}"
