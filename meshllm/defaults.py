@@ -54,6 +54,10 @@ FAILURE_TIMEOUT_S = 2.5  # a peer silent this long is dead (<= 3 s by default)
 # finish for up to this long (node file `gateway: {drain_s: S}`), its node still in the mesh
 # meanwhile; then it ends those left (an error event: code "shutting_down") and leaves.
 GATEWAY_DRAIN_S = 30.0
+# an API connection that has not sent a whole request's headers this long after it opened (or
+# after its last response: keep-alive) is closed: idle and trickling (slowloris) clients do not
+# hold the gateway's connections and file descriptors
+HTTP_IDLE_S = 15.0
 MAX_DRAIN_S = 3600.0
 # Requests a gateway takes at once (node file `gateway: {max_concurrent: N}`); beyond, a 429 with
 # Retry-After (as TGI's --max-concurrent-requests): an overload is refused, not queued without end.

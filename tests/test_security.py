@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -403,6 +404,50 @@ def test_the_http_api_requires_its_bearer_token() -> None:
         assert _get(url + "/health", None)[0] == 503  # open to probes (503: nothing loaded here)
     finally:
         api.close()
+
+
+def test_idle_and_trickling_api_connections_are_closed() -> None:
+    """A connection that sent nothing, or only part of a request's headers (slowloris), was held
+    for an hour (aiohttp's default keep-alive), and with the usual soft limit of 1024 open files
+    ~1100 of them locked every client out of the gateway. Now HTTP_IDLE_S after it opened (1 s
+    here); a client that sends its request meanwhile is served as before."""
+    from meshllm.roles.http_api import ApiServer
+
+    listen = addr()
+    api = ApiServer(_Gateway(), listen, idle_s=1.0)
+    api.start()
+    host, port = listen.split(":")
+    try:
+        silent = socket.create_connection((host, int(port)), 5)
+        trickle = socket.create_connection((host, int(port)), 5)
+        trickle.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        for sock in (silent, trickle):
+            sock.settimeout(10)
+            if sock is trickle:
+                time.sleep(0.5)
+                sock.sendall(b"X-More: 1\r\n")  # bytes keep coming, the headers never end
+            assert sock.recv(100) == b""  # closed by the gateway
+            sock.close()
+        assert time.monotonic() - t0 < 8
+        assert _get(f"http://{listen}/v1/models", None)[0] == 200
+    finally:
+        api.close()
+
+
+def test_a_node_lifts_its_open_files_limit_to_the_hard_limit() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(256, soft)
+    code = ("import resource; from meshllm.mesh.node import raise_open_files_limit; "
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], raise_open_files_limit(), "
+            "resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)))
+    before, said, after = map(int, out.stdout.split())
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    assert (before, said, after) == (low, want, want), out.stderr
 
 
 # -- configuration and CLI -------------------------------------------------------------------

@@ -159,8 +159,26 @@ class Node:
             self.transport.call_soon(lambda: self.gossip.greet(address))
 
 
+def raise_open_files_limit() -> int:
+    """Lift this process's soft limit on open files to its hard limit (what Go programs do at
+    start): a node holds a socket per peer and per API client, and the usual soft limit of 1024
+    let ~1100 idle HTTP connections lock every client out of the gateway. Returns the limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open files limit from %d to %d: %s", soft, want, e)
+    return soft
+
+
 def run_node(cfg: NodeConfig) -> int:
     """Run until SIGINT/SIGTERM (exit 0) or a duplicate-id refusal (exit 1)."""
+    raise_open_files_limit()
     stop = threading.Event()
     node = Node(cfg)  # binds the sockets: a port in use fails here, before any signal handling
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}

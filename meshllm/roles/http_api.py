@@ -36,7 +36,7 @@ import uuid
 
 from aiohttp import web
 
-from meshllm.defaults import GATEWAY_DRAIN_S
+from meshllm.defaults import GATEWAY_DRAIN_S, HTTP_IDLE_S
 from meshllm.roles.api_params import ApiError, Params, parse_params
 from meshllm.roles.gateway import Gateway
 from meshllm.roles.route_view import RequestError, Stream
@@ -311,8 +311,9 @@ def build_app(gw: Gateway, token: str | None = None) -> web.Application:
 class ApiServer:
     """Runs the app on HOST:PORT in a daemon thread with its own event loop."""
 
-    def __init__(self, gw: Gateway, listen: str, token: str | None = None, drain_s: float = GATEWAY_DRAIN_S):
-        self.gw, self.listen, self.token, self.drain_s = gw, listen, token, drain_s
+    def __init__(self, gw: Gateway, listen: str, token: str | None = None, drain_s: float = GATEWAY_DRAIN_S,
+                 idle_s: float = HTTP_IDLE_S):
+        self.gw, self.listen, self.token, self.drain_s, self.idle_s = gw, listen, token, drain_s, idle_s
         self.loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._started = threading.Event()
@@ -329,7 +330,8 @@ class ApiServer:
         host, _, port = self.listen.rpartition(":")
         try:
             self._runner = web.AppRunner(build_app(self.gw, self.token), handler_cancellation=True, access_log=None,
-                                         shutdown_timeout=self.drain_s + 5)  # our deadline comes first
+                                         shutdown_timeout=self.drain_s + 5,  # our deadline comes first
+                                         keepalive_timeout=self.idle_s)  # from the connection's start too
             self.loop.run_until_complete(self._runner.setup())
             self.loop.run_until_complete(web.TCPSite(self._runner, host.strip("[]"), int(port)).start())
         except OSError as e:
