@@ -410,7 +410,8 @@ def test_idle_and_trickling_api_connections_are_closed() -> None:
     """A connection that sent nothing, or only part of a request's headers (slowloris), was held
     for an hour (aiohttp's default keep-alive), and with the usual soft limit of 1024 open files
     ~1100 of them locked every client out of the gateway. Now HTTP_IDLE_S after it opened (1 s
-    here); a client that sends its request meanwhile is served as before."""
+    here), and a body trickled in is a 408 after BODY_IDLE_FACTOR x that; a client that sends
+    its request meanwhile is served as before."""
     from meshllm.roles.http_api import ApiServer
 
     listen = addr()
@@ -430,6 +431,17 @@ def test_idle_and_trickling_api_connections_are_closed() -> None:
             assert sock.recv(100) == b""  # closed by the gateway
             sock.close()
         assert time.monotonic() - t0 < 8
+        slow_body = socket.create_connection((host, int(port)), 5)  # headers whole, the body trickled
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"model\": ")
+        slow_body.settimeout(30)
+        t0 = time.monotonic()
+        got = slow_body.recv(4096)
+        assert 3.5 < time.monotonic() - t0 < 10  # BODY_IDLE_FACTOR x idle_s
+        while b"request_timeout" not in got and (chunk := slow_body.recv(4096)):
+            got += chunk  # (aiohttp closes the connection <= 10 s later, after its lingering read)
+        slow_body.close()
+        assert got.startswith(b"HTTP/1.1 408") and b"request_timeout" in got, got[:300]
         assert _get(f"http://{listen}/v1/models", None)[0] == 200
     finally:
         api.close()

@@ -44,6 +44,7 @@ from meshllm.roles.route_view import RequestError, Stream
 log = logging.getLogger("meshllm.http")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+BODY_IDLE_FACTOR = 4  # a request body must arrive within 4 x HTTP_IDLE_S (60 s: 4 MiB at 0.6 Mbit/s)
 class TextStream:
     """Incremental detokenization with stop strings: `push(tokens)` returns the text that is safe
     to show (never half a UTF-8 character, never a possible prefix of a stop string)."""
@@ -83,9 +84,14 @@ def _chunk(kind: str, rid: str, model: str, text: str, ids: list[int], finish: s
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-async def _generate(request: web.Request, gw: Gateway, chat: bool) -> web.StreamResponse:
-    try:
-        body = await request.json(loads=json.loads)
+async def _generate(request: web.Request, gw: Gateway, chat: bool, body_s: float) -> web.StreamResponse:
+    try:  # a body trickled in (slowloris) holds a connection and a handler no longer than body_s
+        body = await asyncio.wait_for(request.json(loads=json.loads), body_s)
+    except asyncio.TimeoutError:
+        resp = ApiError(408, f"the request body did not arrive within {body_s:g} s", None,
+                        "request_timeout").response()
+        resp.force_close()
+        return resp
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
         return ApiError(400, "the request body is not valid JSON", None, "invalid_json").response()
     try:  # a lone surrogate escape ("\ud800") is valid JSON but no text: the tokenizer cannot take it
@@ -261,14 +267,16 @@ async def json_errors(request: web.Request, handler):
         return resp
 
 
-def build_app(gw: Gateway, token: str | None = None) -> web.Application:
+def build_app(gw: Gateway, token: str | None = None, idle_s: float = HTTP_IDLE_S) -> web.Application:
+    """The API's routes; a request's body must arrive within BODY_IDLE_FACTOR x idle_s."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors, bearer_check(token)])
+    body_s = BODY_IDLE_FACTOR * idle_s
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        return await _generate(request, gw, chat=False)
+        return await _generate(request, gw, False, body_s)
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        return await _generate(request, gw, chat=True)
+        return await _generate(request, gw, True, body_s)
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": gw.model_name, "object": "model",
@@ -329,7 +337,8 @@ class ApiServer:
         asyncio.set_event_loop(self.loop)
         host, _, port = self.listen.rpartition(":")
         try:
-            self._runner = web.AppRunner(build_app(self.gw, self.token), handler_cancellation=True, access_log=None,
+            self._runner = web.AppRunner(build_app(self.gw, self.token, self.idle_s), handler_cancellation=True,
+                                         access_log=None,
                                          shutdown_timeout=self.drain_s + 5,  # our deadline comes first
                                          keepalive_timeout=self.idle_s)  # from the connection's start too
             self.loop.run_until_complete(self._runner.setup())
