@@ -97,13 +97,16 @@ async def run_rounds(url: str, model: str, jobs: list[Job], n: int, rounds: int,
 
 
 def node_figures(url: str) -> dict:
-    """Every node's resident MB, and the sequences it holds (KV slots' bytes, drafter sessions)."""
+    """Every node's resident MB, and what it holds: KV slots' bytes, drafter sessions, a gateway's
+    requests in flight, a leader's sequences running or queued."""
     _, view = http_json(url + "/v1/mesh", 10)
     out = {}
     for nid, n in view.get("nodes", {}).items():
         load = n.get("load") or {}
         out[nid] = {"rss_mb": load.get("rss_mb"), "kv_bytes": (load.get("stage") or {}).get("kv_cache_bytes", 0),
-                    "sessions": (load.get("drafter") or {}).get("sessions", 0)}
+                    "sessions": (load.get("drafter") or {}).get("sessions", 0),
+                    "in_flight": (load.get("gateway") or {}).get("in_flight", 0),
+                    "leader": sum((load.get("leader") or {}).get(k, 0) for k in ("active", "queued"))}
     return out
 
 
@@ -188,7 +191,10 @@ def main() -> None:
     if a.rounds:
         held = {nid: f["kv_bytes"] for nid, f in end.items() if f.get("kv_bytes")}
         sessions = {nid: f["sessions"] for nid, f in end.items() if f.get("sessions")}
-        lines.append(f"held after the last round: KV bytes {held or 'none'}, drafter sessions {sessions or 'none'}")
+        flight = {nid: f["in_flight"] for nid, f in end.items() if f.get("in_flight")}
+        seqs = {nid: f["leader"] for nid, f in end.items() if f.get("leader")}
+        lines.append(f"held after the last round: KV bytes {held or 'none'}, drafter sessions {sessions or 'none'}, "
+                     f"gateway requests {flight or 'none'}, leader sequences {seqs or 'none'}")
     text = "\n".join(lines)
     print(text)
     if a.out:
