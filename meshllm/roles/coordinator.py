@@ -11,9 +11,9 @@ made as soon as all of them are alive; otherwise after membership has been quiet
 `plan_settle_s`. Any later change of the live node set (a join, a death, a leave) re-plans
 after REPLAN_SETTLE_S. So does a node that says it could not take its part of the newest plan
 (`plan_error` in its heartbeat load: its layers or draft could not be built: memory, a bad file):
-the next plan leaves it out, in `unused` with that reason, until it restarts (a new incarnation). The planner (GA + DP; with `plan_judge`, the simulator's pick: `plan_for`)
-runs on its own thread, never on the I/O thread
-that carries the heartbeats; its inputs are the device profiles, zones and roles in the peer
+the next plan leaves it out, in `unused` with that reason, until it restarts (a new incarnation).
+The planner (GA + DP; with `plan_judge`, the simulator's pick: `plan_for`) runs on its own
+thread, never on the I/O thread that carries the heartbeats; its inputs are the device profiles, zones and roles in the peer
 table plus this node's links, model and serving settings. The plan is published on PUB
 (TOPIC_MESH) and re-published every PLAN_REPUBLISH_S, so a slow joiner or a newcomer gets it.
 """

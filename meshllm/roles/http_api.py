@@ -45,6 +45,8 @@ log = logging.getLogger("meshllm.http")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 BODY_IDLE_FACTOR = 4  # a request body must arrive within 4 x HTTP_IDLE_S (60 s: 4 MiB at 0.6 Mbit/s)
+
+
 class TextStream:
     """Incremental detokenization with stop strings: `push(tokens)` returns the text that is safe
     to show (never half a UTF-8 character, never a possible prefix of a stop string)."""
