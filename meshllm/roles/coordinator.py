@@ -13,9 +13,10 @@ after REPLAN_SETTLE_S. So does a node that says it could not take its part of th
 (`plan_error` in its heartbeat load: its layers or draft could not be built: memory, a bad file):
 the next plan leaves it out, in `unused` with that reason, until it restarts (a new incarnation).
 The planner (GA + DP; with `plan_judge`, the simulator's pick: `plan_for`) runs on its own
-thread, never on the I/O thread that carries the heartbeats; its inputs are the device profiles, zones and roles in the peer
-table plus this node's links, model and serving settings. The plan is published on PUB
-(TOPIC_MESH) and re-published every PLAN_REPUBLISH_S, so a slow joiner or a newcomer gets it.
+thread, never on the I/O thread that carries the heartbeats; its inputs are the device profiles,
+zones and roles in the peer table plus this node's links, model and serving settings. The plan
+is published on PUB (TOPIC_MESH) and re-published every PLAN_REPUBLISH_S, so a slow joiner or a
+newcomer gets it.
 """
 
 from __future__ import annotations
