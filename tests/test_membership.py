@@ -166,10 +166,11 @@ def test_a_coordinator_numbers_its_plan_above_what_live_peers_have_seen() -> Non
     assert m.get("e").state is PeerState.DEAD and newest_plan_seen(m) == 2
 
 
-def test_a_node_that_could_not_take_its_part_of_the_newest_plan_is_planned_without_until_it_restarts() -> None:
+def test_a_node_that_could_not_take_its_part_of_the_newest_plan_is_planned_without_until_the_live_set_changes() -> None:
     """The coordinator's `refusals`: a live node whose plan_error is for its newest plan (or a later
-    one) is left out, with why, until it leaves or restarts (a new incarnation); an error from an
-    older plan (a newer plan may not have reached it yet), malformed errors, and errors before
+    one) is left out, with why, until it restarts (a new incarnation) or the live set changes
+    otherwise (its cause may have been a peer that died while it fetched from it); an error from
+    an older plan (a newer plan may not have reached it yet), malformed errors, and errors before
     any plan of this coordinator's are not."""
     from meshllm.roles.coordinator import refusals
 
@@ -177,10 +178,12 @@ def test_a_node_that_could_not_take_its_part_of_the_newest_plan_is_planned_witho
     err = {"b": {"plan_version": 3, "error": "MemoryError: "}, "c": {"plan_version": 2, "error": "old"}}
     assert refusals({}, [a, b, c], err, None) == {}
     got = refusals({}, [a, b, c], err, 3)
-    assert got == {("b", 1): "could not take its part of plan v3: MemoryError: "}
+    assert {k: why for k, (why, _) in got.items()} == {("b", 1): "could not take its part of plan v3: MemoryError: "}
     assert refusals(got, [a, b, c], {}, 4) == got  # its error cleared (it has no part in v4): still left out
     assert refusals(got, [a, info("b", inc=2), c], {}, 4) == {}  # restarted: planned with again
     assert refusals(got, [a, c], {}, 4) == {}  # gone
+    assert refusals(got, [a, b], {}, 4) == {}  # another node left: b is tried again
+    assert refusals(got, [a, b, c, info("d", address="127.0.0.1:7704")], {}, 4) == {}  # or one joined
     bad = {"a": {"plan_version": True}, "b": {"plan_version": "9"}, "c": ["plan_version", 9]}
     assert refusals({}, [a, b, c], bad, 1) == {}
-    assert refusals({}, [a], {"a": {"plan_version": 5, "error": "x" * 1000}}, 5)[("a", 1)].endswith("x" * 300)
+    assert refusals({}, [a], {"a": {"plan_version": 5, "error": "x" * 1000}}, 5)[("a", 1)][0].endswith("x" * 300)

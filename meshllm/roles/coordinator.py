@@ -11,7 +11,9 @@ made as soon as all of them are alive; otherwise after membership has been quiet
 `plan_settle_s`. Any later change of the live node set (a join, a death, a leave) re-plans
 after REPLAN_SETTLE_S. So does a node that says it could not take its part of the newest plan
 (`plan_error` in its heartbeat load: its layers or draft could not be built: memory, a bad file):
-the next plan leaves it out, in `unused` with that reason, until it restarts (a new incarnation).
+the next plan leaves it out, in `unused` with that reason, until it restarts (a new incarnation)
+or the live set changes otherwise (the cause may have been a peer that died while this node
+fetched its layers from it: it is tried again then).
 The planner (GA + DP; with `plan_judge`, the simulator's pick: `plan_for`) runs on its own
 thread, never on the I/O thread that carries the heartbeats; its inputs are the device profiles,
 zones and roles in the peer table plus this node's links, model and serving settings. The plan
@@ -64,7 +66,7 @@ class Coordinator:
         self.model_args = model_args  # the model's shape (None: from this node's model file)
         self.current_version, self.deliver = current_version, deliver  # the local RoleHost
         self.own_error = own_error or (lambda: None)  # this node's own plan_error (RoleHost)
-        self.refused: dict[tuple[str, int], str] = {}  # (id, incarnation) that could not take its part -> why
+        self.refused: dict[tuple[str, int], tuple[str, frozenset]] = {}  # see `refusals`
         self.worker = Worker(f"planner-{me.id}")
         self.published: tuple[int, dict, dict] | None = None  # (version, plan json, addresses)
         self.planned_for: tuple | None = None  # the live set the newest plan was made for
@@ -101,7 +103,7 @@ class Coordinator:
         before = set(self.refused)
         self.refused = refusals(self.refused, live, errors, self.published[0] if self.published else None)
         for nid, inc in set(self.refused) - before:
-            log.warning("%s: %s %s; re-planning without it", self.me.id, nid, self.refused[(nid, inc)])
+            log.warning("%s: %s %s; re-planning without it", self.me.id, nid, self.refused[(nid, inc)][0])
 
     def _tick(self) -> None:
         live = self.live()
@@ -123,7 +125,7 @@ class Coordinator:
                   else REPLAN_SETTLE_S if started else self.cfg.plan_settle_s)
         if key != self.planned_for and not self._planning and now - self._changed_at >= settle:
             self._planning = True
-            left_out = {nid: why for (nid, _), why in self.refused.items()}
+            left_out = {nid: why for (nid, _), (why, _) in self.refused.items()}
             self.worker.submit(lambda: self._plan(live, key, left_out))
         if self.published is not None and now - self._last_publish >= PLAN_REPUBLISH_S:
             self._publish()
@@ -169,20 +171,21 @@ class Coordinator:
         return live_plan_inputs(self.cfg, live, self.model_args() if self.model_args is not None else None)
 
 
-def refusals(refused: dict[tuple[str, int], str], live: list[PeerInfo], errors: dict[str, Any],
-             newest: int | None) -> dict[tuple[str, int], str]:
-    """The live nodes, (id, incarnation), to plan without -> why: those already refused that have
-    neither left nor restarted, and those whose `plan_error` (`errors`: id -> {plan_version, error})
-    is for the coordinator's newest plan (`newest`) or a later one (an error from an older plan may
-    be one a newer plan has not reached yet, or fixed)."""
-    now_live = {(p.id, p.incarnation) for p in live}
-    out = {k: why for k, why in refused.items() if k in now_live}
+def refusals(refused: dict[tuple[str, int], tuple[str, frozenset]], live: list[PeerInfo], errors: dict[str, Any],
+             newest: int | None) -> dict[tuple[str, int], tuple[str, frozenset]]:
+    """The live nodes, (id, incarnation), to plan without -> (why, the live set then): those whose
+    `plan_error` (`errors`: id -> {plan_version, error}) is for the coordinator's newest plan
+    (`newest`) or a later one (an error from an older plan may be one a newer plan has not reached
+    yet, or fixed), and those refused before while the live set stays as it was then (a node that
+    restarts, or any join, death or leave, gives it another try: its cause may have gone)."""
+    now_live = frozenset((p.id, p.incarnation) for p in live)
+    out = {k: got for k, got in refused.items() if got[1] == now_live}
     for p in live:
         err = errors.get(p.id)
         version = err.get("plan_version") if isinstance(err, dict) else None
         if newest is not None and isinstance(version, int) and not isinstance(version, bool) and version >= newest \
                 and (p.id, p.incarnation) not in out:
-            out[(p.id, p.incarnation)] = f"{PLAN_ERROR_REASON} v{version}: {str(err.get('error'))[:300]}"
+            out[(p.id, p.incarnation)] = (f"{PLAN_ERROR_REASON} v{version}: {str(err.get('error'))[:300]}", now_live)
     return out
 
 
