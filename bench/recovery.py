@@ -9,7 +9,11 @@ to the second gateway, on fog-4) and each
 seed, `launch.py --cluster clusters/failure.yaml --json --kill NODE@S` kills that node with
 kill -9 at a seeded random moment 0.5-3 s after the workload's first request; then, per seed,
 the only decode stage and 0.7 s later the coordinator (before it has re-planned, so the next
-coordinator must); then one run with a partition between the zones that heals. Printed per run:
+coordinator must); then one run with a partition between the zones that heals; then, per seed,
+`--restart NODE@S` of the decode stage and of the first gateway's node (kill -9 and started again
+at once from its node file, as a supervisor restarts a crashed service: its peers see a new
+incarnation at the same address before they would have seen it dead). `--only KIND` runs the
+rows of one kind (kill, takeover, partition, restart). Printed per run:
 requests, resumed requests, whether every output equals the single-process reference (BRIEF's
 tie rule), and the recovery gaps (the longest pause between two tokens a client saw across a
 resume); for the partition, how long after its end the mesh used every node again. Goal: every gap <= 5 s with the
@@ -42,6 +46,8 @@ RUN_TIMEOUT_S = 900
 TAKEOVER_AFTER_S = 0.7  # under the failure timeout (2.5 s): the next coordinator must re-plan for both
 VICTIMS = {"decode stage": "fog-2", "coordinator": "edge-1", "prefill/decode node": "fog-4", "drafter": "edge-2",
            "first gateway (prefill)": "fog-1"}
+RESTARTED = {"decode stage": "fog-2", "first gateway (prefill)": "fog-1"}
+KINDS = ("kill", "takeover", "partition", "restart")
 
 
 LINES: list[str] = []  # what was printed, for --out
@@ -101,21 +107,28 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None, help="write every run's figures here")
+    ap.add_argument("--only", choices=KINDS, default=None, help="run the rows of this kind only")
     a = ap.parse_args()
+    kinds = (a.only,) if a.only else KINDS
     ref = Reference()
     rows = []
     emit(f"recovery: {CLUSTER.relative_to(ROOT)}, {MAX_TOKENS} tokens per request, kill -9 at a seeded moment "
          f"0.5-3 s into the workload")
-    for kind, node in VICTIMS.items():
+    for kind, node in VICTIMS.items() if "kill" in kinds else ():
         for seed in range(1, a.seeds + 1):
             at = round(random.Random(f"{node}/{seed}").uniform(0.5, 3.0), 2)
             rows.append(summarize(f"kill {kind} {node}@{at}", run(["--kill", f"{node}@{at}"]), ref))
-    for seed in range(1, a.seeds + 1):  # the coordinator dies before it has re-planned around the first death
+    for seed in range(1, a.seeds + 1) if "takeover" in kinds else ():  # the coordinator dies before it re-planned
         at = round(random.Random(f"takeover/{seed}").uniform(0.5, 3.0), 2)
         later = round(at + TAKEOVER_AFTER_S, 2)
         rows.append(summarize(f"kill fog-2@{at}, coordinator @{later}",
                               run(["--kill", f"fog-2@{at}", "--kill", f"edge-1@{later}"]), ref))
-    rows.append(summarize("partition edge:fog@0.5-4 (heals)", run(["--partition", "edge:fog@0.5-4"]), ref))
+    if "partition" in kinds:
+        rows.append(summarize("partition edge:fog@0.5-4 (heals)", run(["--partition", "edge:fog@0.5-4"]), ref))
+    for kind, node in RESTARTED.items() if "restart" in kinds else ():
+        for seed in range(1, a.seeds + 1):
+            at = round(random.Random(f"restart/{node}/{seed}").uniform(0.5, 3.0), 2)
+            rows.append(summarize(f"restart {kind} {node}@{at}", run(["--restart", f"{node}@{at}"]), ref))
     gaps = [g for r in rows for g in r["gaps_s"]]
     lost = sum(r["errors"] for r in rows)
     wrong = sum(r["requests"] - r["errors"] - r["equal"] for r in rows)

@@ -151,20 +151,23 @@ class EmulatedCluster:
             self.addresses[spec.id] = f"127.0.0.1:{free_port_pair()}"
         seed = self.target(self.cfg.nodes[0].id) if self.cfg.security.curve else self.addresses[self.cfg.nodes[0].id]
         secure, token_file = self._security_files()
-        env = {**os.environ, **NODE_ENV}
         for i, spec in enumerate(self.cfg.nodes):
-            path = self.workdir / f"{spec.id}.yaml"
             gw = self.gateways.get(spec.id)
             nf = node_file(spec, self.cfg, self.addresses[spec.id], seed, gw, self.own_cpu(i), self.judge)
             nf.update(secure.get(spec.id, {}))
             if gw and token_file:
                 nf["gateway"]["api_token"] = token_file
-            path.write_text(yaml.safe_dump(nf))
-            with signals_held():  # an interrupt in the middle would leave a process started, not listed
-                self.procs[spec.id] = start_node(spec.id, ["--node-config", str(path)],
-                                                 self.workdir / f"{spec.id}.log", LAUNCH.parent, env,
-                                                 self.cpus[i % len(self.cpus)] if self.cpus else None)
+            (self.workdir / f"{spec.id}.yaml").write_text(yaml.safe_dump(nf))
+            self._start_node(i)
         log.info("started %d node processes (logs in %s)", len(self.procs), self.workdir)
+
+    def _start_node(self, i: int, again: bool = False) -> None:
+        """Start node i from its node file (`again`: after a kill; its log goes on)."""
+        nid = self.cfg.nodes[i].id
+        with signals_held():  # an interrupt in the middle would leave a process started, not listed
+            self.procs[nid] = start_node(nid, ["--node-config", str(self.workdir / f"{nid}.yaml")],
+                                         self.workdir / f"{nid}.log", LAUNCH.parent, {**os.environ, **NODE_ENV},
+                                         self.cpus[i % len(self.cpus)] if self.cpus else None, append=again)
 
     def _security_files(self) -> tuple[dict[str, dict], str | None]:
         """Keys (0600) and the authorized-keys file in the run directory, per `security:`; returns the
@@ -298,6 +301,13 @@ class EmulatedCluster:
     def kill(self, node_id: str) -> None:
         """SIGKILL one node's whole process group (a fault; see faults.py)."""
         _signal_group(self.procs[node_id], signal.SIGKILL)
+
+    def restart(self, node_id: str) -> None:
+        """SIGKILL one node's process group and start the node again at once from the same node
+        file (a fault: a supervisor's restart, sooner than its peers' failure detection)."""
+        self.kill(node_id)
+        self.procs[node_id].wait(timeout=TEARDOWN_GRACE_S)
+        self._start_node([n.id for n in self.cfg.nodes].index(node_id), again=True)
 
     def close(self) -> None:
         """SIGTERM every node's process group, then SIGKILL what is left; reap all. A gateway with

@@ -1,6 +1,8 @@
 """Faults injected into an emulated mesh while its workload runs (`--cluster ... --kill NODE@S
---partition ZA:ZB@S1-S2`): a node's whole process group killed with SIGKILL, or two zones cut
-apart for a while (a FAULT control message to every live node: each drops the other zone's
+--restart NODE@S --partition ZA:ZB@S1-S2`): a node's whole process group killed with SIGKILL,
+killed so and started again at once from its node file (a crash that a supervisor restarts before
+the failure timeout: its peers see a new incarnation at the same address, not a death), or two
+zones cut apart for a while (a FAULT control message to every live node: each drops the other zone's
 traffic until it ends). Times count from the workload's first request; every fault is checked
 against the cluster file before anything starts (exit 2), and `FaultInjector.done` lists what
 ran, for the report. After a partition the injector watches the mesh heal: from the partition's
@@ -36,24 +38,26 @@ HEAL_POLL_S = 0.1
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    kind: str  # "kill" | "partition"
+    kind: str  # "kill" | "restart" | "partition"
     at_s: float  # after the workload's first request
     node: str = ""
     zones: tuple[str, str] = ("", "")
     until_s: float = 0.0
 
 
-def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], gateways: list[str]) -> list[Fault]:
-    """`--kill NODE@S` and `--partition ZA:ZB@S1-S2`, checked against the cluster file (exit 2);
-    `gateways`: the nodes whose APIs the workload's client talks to (not every one may be killed:
-    the client goes to the next when one goes away)."""
+def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], gateways: list[str],
+                 restarts: list[str] = ()) -> list[Fault]:
+    """`--kill NODE@S`, `--restart NODE@S` and `--partition ZA:ZB@S1-S2`, checked against the
+    cluster file (exit 2); `gateways`: the nodes whose APIs the workload's client talks to (not
+    every one may be killed: the client goes to the next when one goes away)."""
     ids, zones, out = {n.id for n in cfg.nodes}, {n.zone for n in cfg.nodes}, []
-    for k in kills:
-        node, _, at = k.rpartition("@")
-        if node not in ids:
-            raise InputError(f"--kill {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
-        out.append(Fault("kill", _seconds(at, f"--kill {k!r}"), node=node))
-    if gateways and set(gateways) <= {f.node for f in out}:
+    for kind, given in (("kill", kills), ("restart", restarts)):
+        for k in given:
+            node, _, at = k.rpartition("@")
+            if node not in ids:
+                raise InputError(f"--{kind} {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
+            out.append(Fault(kind, _seconds(at, f"--{kind} {k!r}"), node=node))
+    if gateways and set(gateways) <= {f.node for f in out if f.kind == "kill"}:
         raise InputError(f"--kill: {', '.join(gateways)} run{'s' if len(gateways) == 1 else ''} every gateway the "
                          "workload's client talks to (name another node's roles `gateway` in the cluster file)")
     for p in partitions:
@@ -116,6 +120,10 @@ class FaultInjector:
                 self.cluster.kill(f.node)
                 log.warning("fault: killed %s at %.1f s", f.node, at)
                 self.done.append({"kind": "kill", "node": f.node, "at_s": at})
+            elif f.kind == "restart":
+                self.cluster.restart(f.node)
+                log.warning("fault: killed %s at %.1f s and started it again", f.node, at)
+                self.done.append({"kind": "restart", "node": f.node, "at_s": at})
             else:
                 self._partition(f, at)
         parts = [d for d in self.done if d["kind"] == "partition"]

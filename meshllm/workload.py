@@ -324,11 +324,13 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def fault_rows(faults: list[dict[str, Any]], m: dict[str, Any]) -> list[tuple[str, str]]:
-    """The report's rows for `--kill` / `--partition` runs: each fault, and what the clients saw."""
+    """The report's rows for `--kill` / `--restart` / `--partition` runs: each fault, and what the
+    clients saw."""
     rows = []
     for f in faults:
-        if f["kind"] == "kill":
-            rows.append((f"fault: kill -9 {f['node']}", f"at {f['at_s']} s"))
+        if f["kind"] in ("kill", "restart"):
+            again = " and start again" if f["kind"] == "restart" else ""
+            rows.append((f"fault: kill -9 {f['node']}{again}", f"at {f['at_s']} s"))
         else:
             healed = f.get("healed_after_s")
             heal = "" if "healed_after_s" not in f else (

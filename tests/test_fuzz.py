@@ -278,7 +278,7 @@ class Mesh:
             host.worker = InlineWorker()
             self.hosts[node] = host
         for host in self.hosts.values():
-            host.offer(self.VERSION, self.plan.to_json(), dict(NODES), "pa")
+            host.offer(self.VERSION, self.plan.to_json(), dict(NODES), "pa", {n: 1 for n in NODES})
         self.ctx = PlanContext(self.VERSION, self.plan, dict(NODES), "gw")
         gw_cfg = node_cfg("gw")
         self.gw_members = Membership("gw")
@@ -289,7 +289,7 @@ class Mesh:
         self.model = self.hosts["mx"].stage.model  # the whole model (the mixed replica's one stage)
         self.vocab = self.model.args.vocab_size
         self.victims: list[Victim] = []
-        self._next_seq = 5000
+        self._next_seq = self.gateway._seq_prefix | 5000  # this gateway's own, as Gateway.submit makes them
         # the control plane: one node's membership, heartbeat agent and gossip
         self.ctl_net = Net()
         self.ctl_net.live = False
@@ -792,7 +792,8 @@ class Fuzzer:
             addresses[r.choice(list(addresses))] = r.choice(BAD_ADDRESSES)
         newest = max((h.offered for h in self.plan_hosts), default=0)
         version = newest + 1 if r.random() < 0.8 else r.choice((newest, 0, 2**63 - 1))
-        return dict(version=version, coordinator="pa", plan=plan, addresses=addresses), {}, ()
+        incarnations = {n: 1 for n in NODES} if r.random() < 0.9 else r.choice(([], {"a": "1"}, {"a": True}))
+        return dict(version=version, coordinator="pa", plan=plan, addresses=addresses, incarnations=incarnations), {}, ()
 
     def heartbeat(self, r: random.Random) -> tuple[dict, dict, tuple]:
         node = r.choice(("friend", "ctl", "zz", ""))
@@ -1129,6 +1130,7 @@ def test_a_request_released_before_it_came_runs_nowhere(mesh: Mesh) -> None:
     the RELEASE can come first. The drafter then kept a session no verdict would ever end (for
     SESSION_IDLE_S, holding its KV: two in a soak of 240 requests with cut streams), and the
     prefill leader ran the whole sequence for no one. Both remember what was released."""
+    mesh.net.live = True  # (the fixture's `settle` leaves delivery off for the fuzzers)
     seq = mesh._next_seq
     for node in ("dr", "pa"):  # the drafter and the prefill replica's leader
         mesh.gateway.t.send(NODES[node], p.make(MsgType.RELEASE, seq=seq, reason="gateway: abandoned"))
@@ -1141,6 +1143,28 @@ def test_a_request_released_before_it_came_runs_nowhere(mesh: Mesh) -> None:
     assert mesh.request([3, 1, 4, 1, 5], 20, drafter="dr")[0] == seq + 1  # the next one runs
     mesh.run(2)
     assert seq + 1 in mesh.hosts["dr"].drafter.sessions
+
+
+def test_a_sequence_of_a_gateway_s_earlier_life_is_released_at_its_first_tokens(mesh: Mesh) -> None:
+    """A gateway restarted at the same address (a crash and a supervisor's restart, sooner than its
+    peers' failure detection) knows nothing of its earlier life's requests, whose replicas kept
+    running them for no one, to their max_tokens (the host releases the sequences of a gateway
+    seen dead or gone; this one never was). Its sequence ids carry a random prefix of each life:
+    TOKENS of another life's sequence are answered with a RELEASE, so its replica stops there."""
+    from meshllm.roles.gateway import SEQ_COUNTER_MASK
+
+    mesh.net.live = True  # (the fixture's `settle` leaves delivery off for the fuzzers)
+    own = mesh._next_seq
+    mesh._next_seq = (mesh.gateway._seq_prefix ^ (1 << 32)) | 7  # the earlier life's prefix differs
+    seq, _ = mesh.request([3, 1, 4, 1, 5], 200, mixed=True)
+    assert seq & ~SEQ_COUNTER_MASK != mesh.gateway._seq_prefix
+    mesh._next_seq = own
+    mine, _ = mesh.request([3, 1, 4, 1, 5], 200, mixed=True)
+    del mesh.gateway._streams[seq]  # the gateway, restarted, does not know it
+    mesh.run(4)
+    mx = mesh.hosts["mx"]
+    assert seq not in mx.leader.seqs and seq not in mx.stage.cache, "released at its first tokens"
+    assert mine in mx.leader.seqs, "this life's sequence runs on"
 
 
 def _has_sample(t: MsgType) -> bool:

@@ -187,3 +187,28 @@ def test_a_node_that_could_not_take_its_part_of_the_newest_plan_is_planned_witho
     bad = {"a": {"plan_version": True}, "b": {"plan_version": "9"}, "c": ["plan_version", 9]}
     assert refusals({}, [a, b, c], bad, 1) == {}
     assert refusals({}, [a], {"a": {"plan_version": 5, "error": "x" * 1000}}, 5)[("a", 1)][0].endswith("x" * 300)
+
+
+def test_a_node_restarted_before_it_was_seen_dead_changes_its_replica() -> None:
+    """A crash and a supervisor's restart inside the failure timeout: the peer comes back at the
+    same address with a new incarnation, never seen dead. The coordinator re-plans (its live set
+    is keyed by incarnation), and the plan says which life of each node it was made for: a
+    replica with a restarted stage is not "unchanged" (its sequences died with the old process;
+    they were kept and waited out the gateway's 60 s stall timeout), one with a restarted drafter
+    beside it is."""
+    from meshllm.defaults import Role
+    from meshllm.partition.plan import Plan, Replica, Stage
+    from meshllm.roles.context import PlanContext
+
+    m = table()
+    m.observe(info(inc=1), 0.0, first_hand=True)
+    tr = m.observe(info(inc=2), 1.0, first_hand=True)  # the same address, 1 s later: never suspect
+    assert tr is not None and (tr.old, tr.new) == (PeerState.ALIVE, PeerState.ALIVE)
+    assert m.get("b").info.incarnation == 2
+    plan = Plan("tiny", 4, "fp32", (Replica(0, Role.MIXED, (Stage("a", (0, 2)), Stage("b", (2, 4))), 1.0, 1.0, 1.0),
+                                    Replica(1, Role.DECODE, (Stage("c", (0, 4)),), 1.0, 1.0, 1.0)), ("d",), (), 0.0, 1.0)
+    addresses = {n: f"127.0.0.1:{7700 + i}" for i, n in enumerate("abcd")}
+    before = PlanContext(3, plan, addresses, "a", {"a": 5, "b": 1, "c": 5, "d": 5})
+    after = PlanContext(4, plan, addresses, "a", {"a": 5, "b": 2, "c": 5, "d": 6})  # b and the drafter d restarted
+    assert not after.unchanged(before, 0) and after.unchanged(before, 1)
+    assert after.unchanged(PlanContext(3, plan, addresses, "a", {"a": 5, "b": 2, "c": 5, "d": 5}), 0)

@@ -1,6 +1,6 @@
-"""Failures mid-generation, through the public CLI (`--cluster ... --kill NODE@S --partition ...`):
-a decode stage, the coordinator, a prefill node and drafters are killed with `kill -9` at seeded
-random points of a workload; every request must still complete with exactly the reference's
+"""Failures mid-generation, through the public CLI (`--cluster ... --kill NODE@S --restart NODE@S
+--partition ...`): a decode stage, the coordinator, a prefill node and drafters are killed with
+`kill -9` at seeded random points of a workload (or killed and started again at once); every request must still complete with exactly the reference's
 tokens (BRIEF's tie rule): nothing lost, nothing duplicated. The recovery gap (the pause the
 client saw) is printed; its goal is <= 5 s with the default failure detection (2.5 s), checked
 by the figures in the README, not asserted here (timing on a shared box)."""
@@ -77,8 +77,23 @@ def test_a_healed_partition_loses_and_duplicates_nothing(smollm2, smollm2_tokeni
     assert sorted(out["plan"]["drafters"]) == ["edge-1", "edge-2"], out["plan"]
 
 
+def test_nodes_restarted_before_their_peers_notice_lose_nothing(smollm2, smollm2_tokenizer):
+    """`--restart NODE@S`: kill -9 and start again at once from the node file (a supervisor's
+    restart), sooner than failure detection: the peers see a new incarnation at the same
+    address, never a death. The only decode stage (fog-2) restarted: the plan made for its new
+    life looked "unchanged", so its sequences waited out the gateway's 60 s stall timeout; the
+    first gateway's node (fog-1) restarted: its API took requests before a plan reached it and
+    answered HTTP 500. Now every request completes with the reference's tokens after a pause."""
+    out = run_with_faults("--restart", "fog-1@0.8", "--restart", "fog-2@2.5")  # the client then uses fog-4's API
+    assert [(f["kind"], f["node"]) for f in out["faults"]] == [("restart", "fog-1"), ("restart", "fog-2")]
+    gaps = check(out, smollm2, smollm2_tokenizer)
+    assert out["metrics"]["resumed_requests"] >= 1, "the restart cut sequences in flight"
+    assert all(g < 60_000 for g in gaps), "a pause, not the stall timeout"
+
+
 def test_bad_fault_arguments_exit_2_before_anything_starts():
     for args in (["--kill", "nobody@1"], ["--kill", "fog-2@soon"], ["--kill", "fog-1@1", "--kill", "fog-4@2"],
+                 ["--restart", "nobody@1"], ["--restart", "fog-2@-1"],
                  ["--partition", "edge:mars@1-2"], ["--partition", "edge:fog@3-2"]):
         r = subprocess.run([sys.executable, str(REPO / "launch.py"), "--cluster", str(CLUSTER), *args],
                            capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -280,6 +280,43 @@ def test_a_request_waiting_for_a_ready_replica_counts_in_flight_and_ends_at_the_
     assert took < READY_WAIT_S and gw.in_flight() == 0, took
 
 
+def test_a_request_to_a_gateway_with_no_plan_yet_waits_for_one_then_is_a_503(smollm2_tokenizer):
+    """A gateway that has just started (or restarted: `--restart`) serves its API a moment before
+    the coordinator's plan reaches it. A request then was an HTTP 500 (an AttributeError on the
+    missing plan); now it waits for a plan as it waits through a re-plan (READY_WAIT_S x
+    time_scale), and without one is a 503 that says why. (A gateway on fake sockets.)"""
+    import dataclasses
+    import urllib.error
+    import urllib.request
+
+    from meshllm.mesh.membership import Membership, PeerInfo
+    from meshllm.mesh.sockets import free_port_pair
+    from meshllm.roles.gateway import READY_WAIT_S, Gateway
+    from meshllm.roles.http_api import ApiServer
+    from tests.test_fuzz import GW, FakeTransport, Net, node_cfg
+
+    cfg = dataclasses.replace(node_cfg("gw"), time_scale=0.2)
+    gw = Gateway(FakeTransport(Net(), "gw", GW), Membership("gw"), PeerInfo("gw", GW, "fog", {}, ("gateway",), 1),
+                 cfg)
+    gw.model.vocab, gw.model.max_context, gw.model.tokenizer = 256, 256, smollm2_tokenizer
+    assert gw.ctx is None
+    api = ApiServer(gw, f"127.0.0.1:{free_port_pair()}")
+    api.start()
+    try:
+        body = json.dumps({"model": gw.model_name, "prompt": [1, 2, 3], "max_tokens": 4}).encode()
+        req = urllib.request.Request(f"http://{api.listen}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        took, err = time.monotonic() - t0, json.loads(e.value.read())["error"]
+    finally:
+        api.close()
+    assert e.value.code == 503 and err["code"] == "unavailable" and "no plan yet" in err["message"], err
+    assert took >= READY_WAIT_S * cfg.time_scale * 0.9, took
+    assert gw.in_flight() == 0
+
+
 def test_a_peer_gateway_s_claims_count_only_when_well_formed_live_and_of_this_plan():
     """Heartbeat loads come from the network: a claim that is not [replica, positions] with small
     whole numbers, names no replica of the plan, is of another plan version, or comes from a
@@ -669,3 +706,40 @@ def test_a_long_request_goes_to_the_decode_replica_whose_kv_room_holds_it(tmp_pa
         assert roomy["kv_peak"] >= 1024
     finally:
         assert s.stop() == 0
+
+
+def test_a_node_that_refused_a_request_of_this_plan_is_not_ready_until_it_beats_again():
+    """A node restarted at its address answers for its earlier life's heartbeats until its peers
+    hear from the new one: the gateway saw it ready at the current plan, a request resumed there
+    was refused at once (stale_plan: the new life has no plan yet), and so were the next four
+    attempts, within a second: the request failed ("gave up after 5 attempts"). A refusal now
+    makes the node not ready until a heartbeat after it says it is."""
+    from meshllm.mesh.membership import Membership, PeerInfo
+    from meshllm.mesh.protocol import MsgType, make
+    from meshllm.roles.context import PlanContext
+    from meshllm.roles.gateway import Gateway
+    from types import SimpleNamespace
+
+    from meshllm.roles.route_view import Stream
+    from tests.test_fuzz import GW, NODES, FakeTransport, Net, make_plan, node_cfg
+
+    members = Membership("gw")
+    gw = Gateway(FakeTransport(Net(), "gw", GW), members, PeerInfo("gw", GW, "fog", {}, ("gateway",), 1),
+                 node_cfg("gw"))
+    gw.ctx = PlanContext(5, make_plan(), dict(NODES), "gw")
+    for node in NODES:
+        if node != "gw":
+            members.observe(PeerInfo(node, NODES[node], "fog", {}, ("decode",), 1), time.monotonic(), first_hand=True)
+            members.heartbeat(node, 1, time.monotonic(), {"plan_version": 5})
+    assert gw.ready_replicas() == [0, 1, 2, 3]
+    got: list = []
+    gw._streams[77] = Stream(77, SimpleNamespace(call_soon_threadsafe=lambda f, x: f(x)),
+                             SimpleNamespace(put_nowait=got.append), set(), 2, 2, 3, 4)
+    refusal = make(MsgType.TOKENS, seq=77, token_ids=[], index=0, finished=True, finish_reason="error",
+                   refused="stale_plan", error="stale_plan: this node serves plan vNone")
+    refusal.src = "mx"
+    gw._on_tokens(refusal, None)
+    assert got and got[0][2] == "error"  # the attempt is resumed, elsewhere or later
+    assert gw.ready_replicas() == [0, 1, 3], "the mixed replica's node refused: not ready"
+    members.heartbeat("mx", 1, time.monotonic() + 0.01, {"plan_version": 5})
+    assert gw.ready_replicas() == [0, 1, 2, 3]

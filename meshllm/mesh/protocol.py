@@ -142,8 +142,10 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     # positions: the most KV the sequence may come to on that replica (roles/batcher.py decode_charge)
     MsgType.KV_RESERVE: ({"seq": _INT, "replica": _INT, "positions": _INT, "plan_version": _INT}, ()),
     MsgType.KV_GRANT: ({"seq": _INT, "granted": _BOOL}, ()),
-    # addresses: node id -> HOST:PORT of every node the plan names
-    MsgType.PLAN: ({"version": _INT, "coordinator": _STR, "plan": _MAP, "addresses": _MAP}, ()),
+    # addresses: node id -> HOST:PORT of every node the plan names; incarnations: node id -> the
+    # incarnation it was planned for (a node restarted since runs none of the sequences it held)
+    MsgType.PLAN: ({"version": _INT, "coordinator": _STR, "plan": _MAP, "addresses": _MAP, "incarnations": _MAP},
+                   ()),
     # zones: [zone a, zone b]: a node in one drops every message from the other for `seconds`
     MsgType.FAULT: ({"zones": _LIST, "seconds": _NUM}, ()),
     # mode: "async" | "sync"; gamma: the fixed draft length, or the first one when `adaptive`

@@ -8,7 +8,7 @@ from the Plan and the node addresses known when the plan was applied. Pure: no s
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshllm.defaults import Role
 from meshllm.device import DeviceProfile
@@ -23,6 +23,7 @@ class PlanContext:
     plan: Plan
     addresses: dict[str, str]  # node id -> HOST:PORT of its ROUTER, for every node in the plan
     me: str
+    incarnations: dict[str, int] = field(default_factory=dict)  # node id -> the life it was planned for
 
     def replica(self, rid: int) -> Replica:
         for r in self.plan.replicas:
@@ -63,12 +64,15 @@ class PlanContext:
         return out
 
     def unchanged(self, other: PlanContext | None, rid: int) -> bool:
-        """Does replica `rid` have the same role, nodes and layer split in `other`? Such a replica
-        keeps serving its sequences across a re-plan (e.g. one that only drops a dead drafter)."""
+        """Does replica `rid` have the same role, nodes (the same lives of them) and layer split in
+        `other`? Such a replica keeps serving its sequences across a re-plan (e.g. one that only
+        drops a dead drafter). A node restarted in between (a new incarnation at the same address,
+        before its peers saw it dead) lost what it held: its replica changed."""
         if other is None or not self.has_replica(rid) or not other.has_replica(rid):
             return False
         a, b = self.replica(rid), other.replica(rid)
-        same_nodes = all(self.addresses.get(s.node) == other.addresses.get(s.node) for s in a.stages)
+        same_nodes = all(self.addresses.get(s.node) == other.addresses.get(s.node)
+                         and self.incarnations.get(s.node) == other.incarnations.get(s.node) for s in a.stages)
         return a.role == b.role and a.stages == b.stages and same_nodes
 
     def kv_room(self, rid: int, devices: Mapping[str, DeviceProfile], token_bytes: Callable[[int], float],

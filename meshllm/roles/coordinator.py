@@ -59,7 +59,7 @@ def newest_plan_seen(members: Membership) -> int:
 
 class Coordinator:
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo, cfg: NodeConfig,
-                 current_version: Callable[[], int], deliver: Callable[[int, dict, dict, str], None],
+                 current_version: Callable[[], int], deliver: Callable[[int, dict, dict, str, dict], None],
                  model_args: Callable[[], Any] | None = None,
                  own_error: Callable[[], dict | None] | None = None):
         self.t, self.members, self.me, self.cfg = transport, members, me, cfg
@@ -68,7 +68,7 @@ class Coordinator:
         self.own_error = own_error or (lambda: None)  # this node's own plan_error (RoleHost)
         self.refused: dict[tuple[str, int], tuple[str, frozenset]] = {}  # see `refusals`
         self.worker = Worker(f"planner-{me.id}")
-        self.published: tuple[int, dict, dict] | None = None  # (version, plan json, addresses)
+        self.published: tuple[int, dict, dict, dict] | None = None  # (version, plan json, addresses, incarnations)
         self.planned_for: tuple | None = None  # the live set the newest plan was made for
         self.last_error: str | None = None
         self._changed_at = time.monotonic()
@@ -131,9 +131,10 @@ class Coordinator:
             self._publish()
 
     def _publish(self) -> None:
-        version, plan, addresses = self.published
+        version, plan, addresses, incarnations = self.published
         self._last_publish = time.monotonic()
-        self.t.publish(make(MsgType.PLAN, version=version, coordinator=self.me.id, plan=plan, addresses=addresses))
+        self.t.publish(make(MsgType.PLAN, version=version, coordinator=self.me.id, plan=plan, addresses=addresses,
+                            incarnations=incarnations))
 
     # -- planner thread ------------------------------------------------------------------------
     def _plan(self, live: list[PeerInfo], key: tuple, left_out: dict[str, str]) -> None:
@@ -146,24 +147,24 @@ class Coordinator:
         except (InputError, ValueError) as e:
             self.last_error = str(e)
             log.error("%s: cannot plan for %d live nodes: %s", self.me.id, len(live), e)
-            self.t.call_soon(lambda: self._done(key, None, {}))
+            self.t.call_soon(lambda: self._done(key, None, {}, {}))
             return
         addresses = {p.id: p.address for p in live}  # (those left out need none: they have no part)
-        self.t.call_soon(lambda: self._done(key, plan, addresses))
+        self.t.call_soon(lambda: self._done(key, plan, addresses, {p.id: p.incarnation for p in live}))
 
-    def _done(self, key: tuple, plan: Plan | None, addresses: dict) -> None:
+    def _done(self, key: tuple, plan: Plan | None, addresses: dict, incarnations: dict) -> None:
         """I/O thread: publish a new plan version (or remember that this live set cannot plan)."""
         self._planning = False
         self.planned_for = key
         if plan is None:
             return
         version = max(self.current_version(), self.published[0] if self.published else 0, newest_plan_seen(self.members)) + 1
-        self.published = (version, plan.to_json(), addresses)
+        self.published = (version, plan.to_json(), addresses, incarnations)
         self.last_error = None
         log.info("%s: coordinator published plan v%d for %d nodes:\n%s", self.me.id, version, len(addresses),
                  plan.describe())
         self._publish()
-        self.deliver(version, plan.to_json(), addresses, self.me.id)
+        self.deliver(version, plan.to_json(), addresses, self.me.id, incarnations)
 
     def inputs(self, live: list[PeerInfo]) -> PlanInputs:
         """On the planner thread: the model's shape from `model_args` (a node without the model

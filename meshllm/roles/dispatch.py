@@ -166,8 +166,8 @@ class DataPlane:
         gw = msg.fields.get("gateway")
         if is_address(gw) and isinstance(msg.fields.get("seq"), int):
             h.send(gw, make(MsgType.TOKENS, seq=msg["seq"], token_ids=[], index=0, finished=True,
-                            finish_reason="error", error=f"{code}: this node serves plan "
-                                                         f"v{h.ctx.version if h.ctx else None}"))
+                            finish_reason="error", refused=code, error=f"{code}: this node serves plan "
+                                                                      f"v{h.ctx.version if h.ctx else None}"))
 
 
 def make_ack(seq: int, node: str, length: int, ctx: PlanContext) -> Message:

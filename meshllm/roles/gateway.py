@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import random
 import threading
 import time
@@ -54,6 +55,7 @@ RESUME_POLL_S = 0.2
 READY_WAIT_S = 15.0  # x time_scale: a new request waits this long for a ready replica, then 503
 SEND_POOL_THREADS = 1
 MAX_PENDING = 4096  # TOKENS held out of order per request (and token ids per TOKENS message)
+SEQ_COUNTER_MASK = (1 << 32) - 1  # a sequence id: this gateway's random prefix | a counter below it
 
 
 class Gateway:
@@ -71,10 +73,11 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.local_load = lambda: {}  # this node's own load (the Node wires its RoleHost in)
         self._streams: dict[int, Stream] = {}
+        self._refused: dict[str, float] = {}  # node -> when it refused a request of this gateway's plan
         self._held = 0  # requests the API holds (`holding`): in the mesh, waiting, or between attempts
         self.closing: str | None = None  # why every request left ends now (the drain's deadline: `shut`)
         self._lock = threading.Lock()
-        self._seq_prefix = random.SystemRandom().getrandbits(30) << 32
+        self._seq_prefix = random.SystemRandom().getrandbits(30) << 32  # this life's requests (no other's)
         self._seq_counter = itertools.count(1)
         self._send_pool = ThreadPoolExecutor(SEND_POOL_THREADS, thread_name_prefix=f"gw-send-{self.me}")
         transport.on(MsgType.TOKENS, self._on_tokens)
@@ -99,10 +102,14 @@ class Gateway:
                                         f"(plan v{ctx.version}) while this request ran"))
 
     def node_version(self, node: str) -> int:
+        """The plan version `node` has loaded, as its last heartbeat says (-1: none, or it refused a
+        request of ours since: a node restarted at its address, which its peers have not yet heard
+        from, answers for its earlier life's heartbeats; resumed requests would be refused there
+        at once, each an attempt, until the request failed)."""
         if node == self.me:
             return self.local_version
         p = self.members.get(node)
-        if p is None or p.state.value != "alive":
+        if p is None or p.state.value != "alive" or p.last_heard <= self._refused.get(node, -math.inf):
             return -1
         v = p.load.get("plan_version")
         return v if isinstance(v, int) else -1
@@ -149,8 +156,8 @@ class Gateway:
                 except KvDenied:  # another gateway's requests took the room first: wait for it again
                     await self.kv.wait_for_room(s, again=True)
                     deadline = time.monotonic() + READY_WAIT_S * self.time_scale
-                except RequestError:
-                    if time.monotonic() > deadline or self.ctx is None:
+                except RequestError:  # (no plan yet, too: a gateway that has just started gets one soon)
+                    if time.monotonic() > deadline:
                         raise
                     await asyncio.sleep(RESUME_POLL_S)
         except RequestError:
@@ -167,6 +174,8 @@ class Gateway:
         far, and its token indices continue from there."""
         ids, left = s.prompt + s.emitted, s.n_out - len(s.emitted)
         ctx, st = self.ctx, s.settings
+        if ctx is None:
+            raise RequestError("this gateway has no plan yet (the mesh is forming, or this node has just started)")
         drafter = self.pick_drafter() if st["mode"] != "off" else ""
         ready = set(self.ready_replicas())
         s.kv_charge = decode_charge(len(ids), left, bool(drafter), self.model.max_context)
@@ -273,11 +282,16 @@ class Gateway:
         seq = check_seq(msg["seq"])
         with self._lock:
             s = self._streams.get(seq)
-        if s is None:
-            return  # finished or abandoned already
+        if s is None:  # finished or abandoned already; or a request of this gateway's earlier life
+            if seq & ~SEQ_COUNTER_MASK != self._seq_prefix and self.ctx is not None and msg.src in self.ctx.addresses:
+                # (a restart at the same address): no one reads it, so its replica stops running it
+                self.t.send(self.ctx.addresses[msg.src], make(MsgType.RELEASE, seq=seq, reason="gateway: restarted"))
+            return
         idx = msg["index"]
         toks = check_int_list(msg["token_ids"], "token_ids", 0, self.model.vocab - 1 if self.model.vocab else None, MAX_PENDING)
         err = msg.fields.get("error") if msg["finish_reason"] == "error" else None
+        if err is not None and msg.fields.get("refused") == "stale_plan" and self.ctx and msg.src in self.ctx.addresses:
+            self._refused[msg.src] = time.monotonic()  # not ready until its next heartbeat says so
         if err is not None:
             s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", str(err)))
             return

@@ -86,9 +86,9 @@ class RoleHost:
         """I/O thread: a PLAN from the coordinator (it is re-published every second)."""
         if not 0 < msg["version"] <= MAX_PLAN_VERSION:  # a huge one would freeze this node's plans
             raise ProtocolError(f"PLAN version {msg['version']} outside [1, {MAX_PLAN_VERSION}]")
-        self.offer(msg["version"], msg["plan"], msg["addresses"], str(msg["coordinator"]))
+        self.offer(msg["version"], msg["plan"], msg["addresses"], str(msg["coordinator"]), msg["incarnations"])
 
-    def offer(self, version: int, plan_json: Any, addresses: Any, coordinator: str) -> None:
+    def offer(self, version: int, plan_json: Any, addresses: Any, coordinator: str, incarnations: Any) -> None:
         """Take a newer plan (from the network, or from this node's own coordinator) and apply it
         on the compute thread. Only the coordinator this node sees (the lowest live id) is obeyed:
         after a healed partition the other side's coordinator's plans are ignored. Malformed
@@ -111,8 +111,11 @@ class RoleHost:
         missing = {s.node for r in plan.replicas for s in r.stages} - set(addresses)
         if missing:
             raise ProtocolError(f"PLAN v{version}: no address for {sorted(missing)}")
+        if not isinstance(incarnations, dict) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in incarnations.values()):
+            raise ProtocolError(f"PLAN v{version}: incarnations must map node ids to integers")
         self.offered = version
-        ctx = PlanContext(version, plan, addresses, self.me)
+        ctx = PlanContext(version, plan, addresses, self.me, {str(k): v for k, v in incarnations.items()})
         log.info("%s: plan v%d from %s: %s", self.me, version, coordinator, describe(ctx, self.me))
         self.worker.submit(lambda: self._apply_or_report(ctx))
 
