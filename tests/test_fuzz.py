@@ -812,14 +812,16 @@ class Fuzzer:
                   "network_mbps": 100.0} if r.random() < 0.7 else {"memory_gb": "lots"}
         address = r.choice(("127.0.0.1:7301", "127.0.0.1:7302", "127.0.0.1:7201", FRIEND))
         return dict(node=node, incarnation=r.choice((5, 1000, 2000, 77)), address=address, device=device,
-                    roles=r.sample(["decode", "prefill", "gateway", "x"], r.randint(0, 2))), {}, ()
+                    roles=r.sample(["decode", "prefill", "gateway", "x"], r.randint(0, 2)),
+                    plan_seen=r.choice((0, 3, -1, "9", None, 2**62))), {}, ("plan_seen",)
 
     def peers(self, r: random.Random) -> tuple[dict, dict, tuple]:
         device = {"name": "d", "memory_gb": 4.0, "compute_tflops": 1.0, "memory_bandwidth_gbps": 10.0,
                   "network_mbps": 100.0}
         entries = [PeerInfo(f"g{r.randint(0, 5)}", f"127.0.0.1:{7400 + r.randint(0, 5)}", "fog", device, ("decode",),
                             r.randint(1, 3)).to_wire() for _ in range(r.randint(0, 3))]
-        return dict(node=r.choice(("n1", "zz")), peers=entries), {}, ()
+        return dict(node=r.choice(("n1", "zz")), peers=entries, plan_seen=r.choice((0, 4, -2, [1], True))), {}, \
+            ("plan_seen",)
 
     def error(self, r: random.Random) -> tuple[dict, dict, tuple]:
         f = dict(code=r.choice(("bad_request", "internal", "duplicate_id")), message="m")

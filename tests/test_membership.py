@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 
 from meshllm.defaults import FAILURE_TIMEOUT_S
@@ -212,3 +215,68 @@ def test_a_node_restarted_before_it_was_seen_dead_changes_its_replica() -> None:
     after = PlanContext(4, plan, addresses, "a", {"a": 5, "b": 2, "c": 5, "d": 6})  # b and the drafter d restarted
     assert not after.unchanged(before, 0) and after.unchanged(before, 1)
     assert after.unchanged(PlanContext(3, plan, addresses, "a", {"a": 5, "b": 2, "c": 5, "d": 5}), 0)
+
+
+def test_a_heartbeat_from_a_newer_life_of_a_peer_greets_it() -> None:
+    """A restarted seed knows no one (its peers greeted its earlier life), and its peers take its
+    new life's heartbeats for no one's until it says HELLO: it stayed alone until they declared
+    its earlier life dead (2.5 s) and greeted it again. A heartbeat from a newer incarnation of a
+    known peer now makes this node greet it at once; an old or the same life's does not."""
+    from types import SimpleNamespace
+
+    from meshllm.mesh.agent import MeshAgent
+    from meshllm.mesh.protocol import MsgType, make
+
+    m = table()
+    m.observe(info(inc=1), 0.0, first_hand=True)
+    t = SimpleNamespace(on=lambda *a, **k: None, every=lambda *a, **k: None)
+    agent = MeshAgent(t, m, info("a", 1, "127.0.0.1:7701"))
+    greeted: list[str] = []
+    agent.greet = greeted.append
+    for inc in (1, 0, 2):
+        agent._on_heartbeat(make(MsgType.HEARTBEAT, node="b", incarnation=inc, seq=1, load={}), lambda r: None)
+    agent._on_heartbeat(make(MsgType.HEARTBEAT, node="zz", incarnation=9, seq=1, load={}), lambda r: None)
+    assert greeted == ["127.0.0.1:7702"]
+
+
+def test_a_coordinator_s_first_plan_waits_for_every_live_peer_s_heartbeat() -> None:
+    """A coordinator restarted before its peers saw it dead learns them from PEERS, before any
+    heartbeat, and planned at once from plan_seen 0: v1, a version every node already held and
+    ignored (two different plans v1). Peers say their plan_seen in HELLO and PEERS, and the first
+    plan of a life waits for the word of every live peer (their heartbeats, FIRST_PLAN_WAIT_S at
+    most), then numbers itself above what they have seen."""
+    from meshllm.mesh.membership import PeerInfo as Info
+    from meshllm.node_config import parse_node
+    from meshllm.roles import coordinator as co
+
+    dev = {"name": "box", "memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 60, "network_mbps": 1000}
+    cfg = parse_node({"id": "a", "device": dev, "zone": "fog", "listen": "127.0.0.1:7701", "model": "smollm2-135m",
+                      "expect_nodes": ["a", "b", "c"]}, "test")
+    m = table()
+    t = SimpleNamespace(every=lambda *a, **k: None, publish=lambda *a, **k: None, call_soon=lambda f: f())
+    got: list = []
+    c = co.Coordinator(t, m, Info("a", "127.0.0.1:7701", "fog", dev, (), 5), cfg, lambda: 0,
+                       lambda *a: got.append(a[0]), model_args=lambda: None)
+    c.worker = SimpleNamespace(submit=lambda f: f())  # plan inline
+    c.inputs = lambda live: None
+    from meshllm.defaults import Role
+    from meshllm.partition.plan import Plan, Replica, Stage
+
+    plan = Plan("tiny", 4, "fp32", (Replica(0, Role.MIXED, (Stage("b", (0, 4)),), 1.0, 1.0, 1.0),), (), (), 0.0, 1.0)
+    co_plan_for, co.plan_for = co.plan_for, lambda cfg, inp: plan
+    try:
+        for pid, port in (("b", 7702), ("c", 7703)):
+            m.observe(info(pid, address=f"127.0.0.1:{port}"), time.monotonic(), first_hand=False)
+        assert co.unheard(m) == ["b", "c"]
+        c._tick()
+        assert got == [], "no plan before the peers say what they have seen"
+        m.note_plan_seen("b", 1, 7)  # b's own HELLO (or PEERS) says it
+        m.note_plan_seen("c", 0, 9)  # another life's word: not c's
+        assert co.unheard(m) == ["c"]
+        c._tick()
+        assert got == []
+        m.heartbeat("c", 1, time.monotonic(), {"plan_seen": 3})
+        c._tick()
+        assert got == [8], "above every version a live peer has seen"
+    finally:
+        co.plan_for = co_plan_for

@@ -28,6 +28,7 @@ class MeshAgent:
         self._serving = serving or (lambda: {"plan_version": 0, "roles": list(me.roles), "load": {}})
         self._seq = 0
         self._started = time.monotonic()
+        self.greet: Callable[[str], None] | None = None  # say HELLO to an address (Gossip.greet)
         transport.on(MsgType.HEARTBEAT, self._on_heartbeat)
         transport.on(MsgType.LEAVE, self._on_leave)
         transport.on(MsgType.STATUS_REQ, self._on_status)
@@ -81,6 +82,13 @@ class MeshAgent:
         tr = self.members.heartbeat(msg["node"], msg["incarnation"], time.monotonic(), msg["load"])
         if tr is not None:
             self.on_change(tr)
+            return
+        p = self.members.get(msg["node"])
+        if p is not None and self.greet is not None and msg["incarnation"] > p.info.incarnation:
+            # a newer life of a peer, restarted at its address before we saw it dead: greet it (it
+            # learns of us, and we of it, at once; a restarted seed knew no one until its peers
+            # declared its earlier life dead, 2.5 s, and greeted it again)
+            self.greet(p.info.address)
 
     def _on_leave(self, msg: Message, reply: Callable[[Message], None]) -> None:
         tr = self.members.leave(msg["node"], msg["incarnation"], time.monotonic())

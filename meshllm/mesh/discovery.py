@@ -66,9 +66,11 @@ class Gossip:
     """HELLO/PEERS handling and seed joining. Runs on the transport's I/O thread."""
 
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo, seeds: tuple[str, ...],
-                 on_change: Callable[[Transition], None], on_refused: Callable[[str], None]):
+                 on_change: Callable[[Transition], None], on_refused: Callable[[str], None],
+                 plan_seen: Callable[[], int] = lambda: 0):
         self.t, self.members, self.me = transport, members, me
         self.on_change, self.on_refused = on_change, on_refused
+        self.plan_seen = plan_seen  # the newest plan version this node has seen: said in HELLO and PEERS
         now = time.monotonic()
         # seed address -> [next attempt (monotonic s), current backoff (s)]
         self._seeds = {s: [now, JOIN_RETRY_MIN_S] for s in seeds if s != me.address}
@@ -81,7 +83,7 @@ class Gossip:
     def hello_msg(self) -> Message:
         m = self.me
         return make(MsgType.HELLO, node=m.id, incarnation=m.incarnation, address=m.address,
-                    device=dict(m.device), roles=list(m.roles))
+                    device=dict(m.device), roles=list(m.roles), plan_seen=self.plan_seen())
 
     def greet(self, address: str) -> None:
         """Say HELLO to `address` (I/O thread)."""
@@ -90,7 +92,7 @@ class Gossip:
 
     def peers_msg(self) -> Message:
         entries = [self.me.to_wire()] + [p.info.to_wire() for p in self.members.live()]
-        return make(MsgType.PEERS, node=self.me.id, peers=entries)
+        return make(MsgType.PEERS, node=self.me.id, peers=entries, plan_seen=self.plan_seen())
 
     def _retry_seeds(self) -> None:
         now = time.monotonic()
@@ -126,6 +128,7 @@ class Gossip:
                        message=f"node id {info.id!r} is already used by the node at {holder.address}"))
             return
         self._learn(info, first_hand=True)
+        self.members.note_plan_seen(info.id, info.incarnation, msg.fields.get("plan_seen"))
         reply(self.peers_msg())
 
     def _on_peers(self, msg: Message, reply: Callable[[Message], None]) -> None:
@@ -140,6 +143,8 @@ class Gossip:
                     log.warning("%s: %r gossips another node with my id at %s", self.me.id, msg.src, info.address)
                 continue
             self._learn(info, first_hand=info.id == msg.src)
+            if info.id == msg.src:
+                self.members.note_plan_seen(info.id, info.incarnation, msg.fields.get("plan_seen"))
 
     def _on_error(self, msg: Message, reply: Callable[[Message], None]) -> None:
         older = msg.fields.get("holder_incarnation")

@@ -19,6 +19,7 @@ from enum import Enum
 from typing import Any
 
 from meshllm.defaults import FAILURE_TIMEOUT_S, HEARTBEAT_INTERVAL_S
+from meshllm.mesh.fields import is_int
 
 SUSPECT_AFTER_MISSES = 2  # suspect after this many missed heartbeats
 
@@ -124,6 +125,14 @@ class Membership:
             return None
         p.info = replace(info)
         return self._hear(p, now)
+
+    def note_plan_seen(self, peer_id: str, incarnation: int, seen: Any) -> None:
+        """A HELLO or PEERS from the peer itself says the newest plan version it has seen: kept as
+        its load's `plan_seen` until its first heartbeat brings the whole load (a coordinator
+        numbers its plans above every live peer's; coordinator.py)."""
+        p = self._peers.get(peer_id)
+        if p is not None and p.info.incarnation == incarnation and not p.load and is_int(seen, 0):
+            p.load = {"plan_seen": seen}
 
     def heartbeat(self, peer_id: str, incarnation: int, now: float, load: dict | None = None) -> Transition | None:
         p = self._peers.get(peer_id)

@@ -65,7 +65,9 @@ class Node:
         self.host = RoleHost(self.transport, cfg, self.members)
         self.gateway = self.api = None  # built below, after the mesh agent, if the node file has `gateway:`
         self.mesh = MeshAgent(self.transport, self.members, self.me, self._serving)
-        self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse)
+        self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse,
+                             lambda: self.host.max_seen)
+        self.mesh.greet = self.gossip.greet
         self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None
         self.coordinator = Coordinator(self.transport, self.members, self.me, cfg, lambda: self.host.max_seen,
                                        self.host.offer, self.host.weights.args, lambda: self.host.plan_error)

@@ -4,7 +4,11 @@ Election is deterministic and needs no messages: the coordinator is the live nod
 lowest id (every node runs this module; all but one stay quiet). If it dies, the next-lowest
 sees it dead and takes over; plan versions only grow (a new coordinator starts above every
 version it has seen or that a live peer's heartbeat says it has seen: after a healed partition
-the other side may have planned), so nodes never go back to an older plan.
+the other side may have planned), so nodes never go back to an older plan. A peer's HELLO and
+PEERS say its `plan_seen` too, and a coordinator's first plan of its life waits (at most
+FIRST_PLAN_WAIT_S) for the heartbeat of any live peer it has learned second-hand only: one
+restarted before its peers saw it dead would otherwise number its plan from nothing (v1
+again), a version every node already holds and ignores.
 
 When to plan: under `--cluster` every node file lists `expect_nodes`, and the first plan is
 made as soon as all of them are alive; otherwise after membership has been quiet for
@@ -46,6 +50,13 @@ NODE_ROLE_NAMES = {str(r) for r in NODE_ROLES}
 TICK_S = 0.25
 REPLAN_SETTLE_S = 0.5  # after a change of the live set, wait this long for it to settle
 PLAN_REPUBLISH_S = 1.0
+FIRST_PLAN_WAIT_S = 1.0  # for every live peer's first heartbeat (its plan_seen), from the live set's last change
+
+
+def unheard(members: Membership) -> list[str]:
+    """The live peers whose `plan_seen` is not known: learned second-hand (gossip), no heartbeat,
+    HELLO or PEERS of their own yet (a newer life of a peer starts with none)."""
+    return [p.info.id for p in members.peers() if p.state in (PeerState.ALIVE, PeerState.SUSPECT) and not p.load]
 
 
 def newest_plan_seen(members: Membership) -> int:
@@ -123,6 +134,8 @@ class Coordinator:
             return  # the emulated cluster is still starting
         settle = (0.0 if self.cfg.expect_nodes and not started
                   else REPLAN_SETTLE_S if started else self.cfg.plan_settle_s)
+        if self.published is None and unheard(self.members) and now - self._changed_at < FIRST_PLAN_WAIT_S:
+            return  # this life's first plan numbers itself above what the live peers have seen
         if key != self.planned_for and not self._planning and now - self._changed_at >= settle:
             self._planning = True
             left_out = {nid: why for (nid, _), (why, _) in self.refused.items()}
