@@ -714,12 +714,12 @@ def test_a_node_that_refused_a_request_of_this_plan_is_not_ready_until_it_beats_
     was refused at once (stale_plan: the new life has no plan yet), and so were the next four
     attempts, within a second: the request failed ("gave up after 5 attempts"). A refusal now
     makes the node not ready until a heartbeat after it says it is."""
+    from types import SimpleNamespace
+
     from meshllm.mesh.membership import Membership, PeerInfo
     from meshllm.mesh.protocol import MsgType, make
     from meshllm.roles.context import PlanContext
     from meshllm.roles.gateway import Gateway
-    from types import SimpleNamespace
-
     from meshllm.roles.route_view import Stream
     from tests.test_fuzz import GW, NODES, FakeTransport, Net, make_plan, node_cfg
 
