@@ -793,7 +793,8 @@ class Fuzzer:
         newest = max((h.offered for h in self.plan_hosts), default=0)
         version = newest + 1 if r.random() < 0.8 else r.choice((newest, 0, 2**63 - 1))
         incarnations = {n: 1 for n in NODES} if r.random() < 0.9 else r.choice(([], {"a": "1"}, {"a": True}))
-        return dict(version=version, coordinator="pa", plan=plan, addresses=addresses, incarnations=incarnations), {}, ()
+        return dict(version=version, coordinator="pa", plan=plan, addresses=addresses,
+                    incarnations=incarnations), {}, ()
 
     def heartbeat(self, r: random.Random) -> tuple[dict, dict, tuple]:
         node = r.choice(("friend", "ctl", "zz", ""))

@@ -208,8 +208,9 @@ def test_a_node_restarted_before_it_was_seen_dead_changes_its_replica() -> None:
     tr = m.observe(info(inc=2), 1.0, first_hand=True)  # the same address, 1 s later: never suspect
     assert tr is not None and (tr.old, tr.new) == (PeerState.ALIVE, PeerState.ALIVE)
     assert m.get("b").info.incarnation == 2
-    plan = Plan("tiny", 4, "fp32", (Replica(0, Role.MIXED, (Stage("a", (0, 2)), Stage("b", (2, 4))), 1.0, 1.0, 1.0),
-                                    Replica(1, Role.DECODE, (Stage("c", (0, 4)),), 1.0, 1.0, 1.0)), ("d",), (), 0.0, 1.0)
+    reps = (Replica(0, Role.MIXED, (Stage("a", (0, 2)), Stage("b", (2, 4))), 1.0, 1.0, 1.0),
+            Replica(1, Role.DECODE, (Stage("c", (0, 4)),), 1.0, 1.0, 1.0))
+    plan = Plan("tiny", 4, "fp32", reps, ("d",), (), 0.0, 1.0)
     addresses = {n: f"127.0.0.1:{7700 + i}" for i, n in enumerate("abcd")}
     before = PlanContext(3, plan, addresses, "a", {"a": 5, "b": 1, "c": 5, "d": 5})
     after = PlanContext(4, plan, addresses, "a", {"a": 5, "b": 2, "c": 5, "d": 6})  # b and the drafter d restarted

@@ -1,7 +1,8 @@
 """Failures mid-generation, through the public CLI (`--cluster ... --kill NODE@S --restart NODE@S
 --partition ...`): a decode stage, the coordinator, a prefill node and drafters are killed with
-`kill -9` at seeded random points of a workload (or killed and started again at once); every request must still complete with exactly the reference's
-tokens (BRIEF's tie rule): nothing lost, nothing duplicated. The recovery gap (the pause the
+`kill -9` at seeded random points of a workload (or killed and started again at once); every
+request must still complete with exactly the reference's tokens (BRIEF's tie rule): nothing lost,
+nothing duplicated. The recovery gap (the pause the
 client saw) is printed; its goal is <= 5 s with the default failure detection (2.5 s), checked
 by the figures in the README, not asserted here (timing on a shared box)."""
 
