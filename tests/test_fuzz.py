@@ -1170,6 +1170,26 @@ def test_a_sequence_of_a_gateway_s_earlier_life_is_released_at_its_first_tokens(
     assert mine in mx.leader.seqs, "this life's sequence runs on"
 
 
+def test_a_session_moved_to_another_decode_replica_is_followed_by_its_gateway(mesh: Mesh) -> None:
+    """When a decode leader moves a session (roles/decode.py migrate), the gateway's request kept
+    the replica it was sent to: a death or restart of the replica it had moved to left it waiting
+    for the 60 s stall timeout. The leader now tells the gateway (`moved_to`)."""
+    mesh.net.live = True  # (the fixture's `settle` leaves delivery off for the fuzzers)
+    seq, stream = mesh.request([3, 1, 4, 1, 5], 200, decode_rid=1)
+    mesh.run_until(lambda: seq in mesh.hosts["dc"].leader.seqs and mesh.hosts["dc"].leader.seqs[seq].out
+                   and not mesh.hosts["dc"].leader.seqs[seq].busy and seq not in mesh.hosts["dc"].leader.queue)
+    stream.next_index = max(stream.next_index, 1)  # the fake stream: past its first token
+    assert stream.decode_rid == 1
+    dc = mesh.hosts["dc"]
+    dc.balancer.migrate(dc.leader.seqs[seq], 3)
+    mesh.net.deliver_all()  # no step: replica 3 has sent no token yet
+    assert stream.decode_rid == 3
+    mesh.run(1)
+    assert seq in mesh.hosts["dg"].leader.seqs  # the session decodes there
+    mesh.hosts["dg"].leader.abort(seq)
+    mesh.gateway._streams.pop(seq, None)
+
+
 def _has_sample(t: MsgType) -> bool:
     try:
         sample(t)

@@ -743,3 +743,57 @@ def test_a_node_that_refused_a_request_of_this_plan_is_not_ready_until_it_beats_
     assert gw.ready_replicas() == [0, 1, 3], "the mixed replica's node refused: not ready"
     members.heartbeat("mx", 1, time.monotonic() + 0.01, {"plan_version": 5})
     assert gw.ready_replicas() == [0, 1, 2, 3]
+
+
+def test_a_request_whose_session_moved_follows_it_and_resumes_when_that_replica_changes():
+    """A decode leader moves sessions to a replica with capacity; the gateway kept the replica it
+    had sent the request to, so when the replica the session had moved to died or restarted, the
+    re-plan left the request waiting for the 60 s stall timeout (found by `--restart` of the demo's
+    fog-3; `--kill` too). The leader that moves a session now tells the gateway (`moved_to`), and
+    tokens from another decode replica's leader move the request there as well."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from meshllm.mesh.membership import Membership, PeerInfo
+    from meshllm.mesh.protocol import MsgType, make
+    from meshllm.roles.context import PlanContext
+    from meshllm.roles.gateway import Gateway
+    from meshllm.roles.route_view import Stream
+    from meshllm.shapes import model_args
+    from tests.test_fuzz import DEVICE, GW, MODEL, NODES, FakeTransport, Net, make_plan, node_cfg
+
+    members = Membership("gw")
+    device = dataclasses.asdict(DEVICE)
+    for node in NODES:
+        if node != "gw":
+            members.observe(PeerInfo(node, NODES[node], "fog", device, (), 1), time.monotonic(), first_hand=True)
+    gw = Gateway(FakeTransport(Net(), "gw", GW), members, PeerInfo("gw", GW, "fog", device, ("gateway",), 1),
+                 node_cfg("gw"))
+    gw.model.args = model_args(MODEL)
+    lives = {n: 1 for n in NODES}
+    gw.on_plan(PlanContext(5, make_plan(), dict(NODES), "gw", lives))
+    got: list = []
+    s = Stream(77, SimpleNamespace(call_soon_threadsafe=lambda f, x: f(x)), SimpleNamespace(put_nowait=got.append),
+               set(), 0, 1, 3, 8)
+    gw._streams[77] = s
+
+    def tokens(src: str, index: int, **extra) -> None:
+        msg = make(MsgType.TOKENS, seq=77, token_ids=[] if extra else [5], index=index, finished=False,
+                   finish_reason=None, **extra)
+        msg.src = src
+        gw._on_tokens(msg, None)
+
+    tokens("pa", 0)  # the first token, from the prefill leader
+    tokens("dc", 1)  # decoding on replica 1, as sent
+    assert s.decode_rid == 1
+    tokens("dc", 2, moved_to=3)  # replica 1's leader moved the session to replica 3 and says so
+    assert s.decode_rid == 3
+    tokens("dc", 2, moved_to=0)  # not a decode replica: nothing moves
+    tokens("dd", 2)  # not a leader: nothing moves
+    assert s.decode_rid == 3
+    tokens("mx", 3)  # tokens from another decode (mixed) replica's leader: it decodes there now
+    assert s.decode_rid == 2
+    tokens("dg", 4)
+    assert s.decode_rid == 3 and [t for t, *_ in got] == [[5]] * 5
+    gw.on_plan(dataclasses.replace(gw.ctx, version=6, incarnations={**lives, "dg": 2}))  # dg restarted
+    assert got[-1][2] == "error" and "re-planned" in got[-1][3], got[-1]

@@ -172,6 +172,9 @@ class Balancer:
             MsgType.HANDOFF, seq=s.id, prompt_len=s.prompt_len, tokens=list(s.out), max_tokens=s.max_tokens,
             sampling=sampling_map(p.temperature, p.top_k, p.top_p, s.seed), stop_ids=sorted(s.stop_ids),
             gateway=s.gateway, drafter=s.drafter, plan_version=ctx.version, offset=s.offset))
+        # the gateway follows the session (a re-plan that changes replica `rid` resumes the request)
+        self._send(s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=s.offset + len(s.out),
+                                   finished=False, finish_reason=None, moved_to=rid))
         self.moved_out += 1
         lead.stats["migrated_out"] = self.moved_out
         log.info("replica %d: session %d moved to replica %d (%d tokens so far)", lead.rid, s.id, rid, len(s.out))

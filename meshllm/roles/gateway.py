@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from meshllm.defaults import served_name
+from meshllm.defaults import DECODE_TARGETS, served_name
 from meshllm.mesh.fields import check_int_list, check_seq, sampling_map
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
@@ -299,12 +299,18 @@ class Gateway:
             s.queue_ms += msg["queue_ms"]
         if isinstance(msg.fields.get("spec"), dict):
             s.spec = msg["spec"]
+        if "moved_to" in msg.fields and s.next_index > s.offset_at_dispatch:
+            self._follow(s, msg["moved_to"])
         if not toks:
             return
         if self.ctx is not None and msg.src in self.ctx.addresses:
             s.leaders.add(self.ctx.addresses[msg.src])  # a session that moved is released where it is now
         if idx < s.next_index:
             return  # a duplicate, or tokens of an earlier attempt
+        if s.next_index > s.offset_at_dispatch:  # decoding: from the leader of the replica it decodes on
+            led = self.ctx.plan.replica_of(msg.src) if self.ctx is not None else None
+            if led is not None and led[1] == 0:
+                self._follow(s, led[0].id)
         if len(s.pending) >= MAX_PENDING:
             raise ProtocolError(f"seq {seq}: {len(s.pending)} TOKENS messages ahead of index {s.next_index}")
         s.pending[idx] = (toks, msg["finished"], msg["finish_reason"])
@@ -320,6 +326,19 @@ class Gateway:
             if fin:
                 s.pending.clear()
                 break
+
+    def _follow(self, s: Stream, rid: Any) -> None:
+        """A decode leader moves sessions to a replica with capacity (roles/decode.py) and says so
+        (`moved_to` in an empty TOKENS); tokens from another decode replica's leader say it too:
+        the request decodes on replica `rid` now, so a re-plan that changes that replica resumes
+        it (it kept the replica it was sent to, and a death or restart there left it waiting for
+        the 60 s stall timeout)."""
+        ctx = self.ctx
+        if (type(rid) is int and rid != s.decode_rid and ctx is not None and ctx.has_replica(rid)
+                and str(ctx.replica(rid).role) in DECODE_TARGETS):
+            self.view.book(s, "decode", -1)
+            s.decode_rid = rid
+            self.view.book(s, "decode", +1)
 
     def close_stream(self, s: Stream, status: str, release: bool = False, count: bool = True) -> None:
         """The request (or, with count=False, one attempt of it) is over: done, failed, or abandoned
