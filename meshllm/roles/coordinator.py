@@ -50,7 +50,7 @@ NODE_ROLE_NAMES = {str(r) for r in NODE_ROLES}
 TICK_S = 0.25
 REPLAN_SETTLE_S = 0.5  # after a change of the live set, wait this long for it to settle
 PLAN_REPUBLISH_S = 1.0
-FIRST_PLAN_WAIT_S = 1.0  # for every live peer's first heartbeat (its plan_seen), from the live set's last change
+FIRST_PLAN_WAIT_S = 1.0  # for the plan_seen of peers learned second-hand (their heartbeat), from the last change
 
 
 def unheard(members: Membership) -> list[str]:
