@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -240,12 +241,34 @@ def test_a_heartbeat_from_a_newer_life_of_a_peer_greets_it() -> None:
     assert greeted == ["127.0.0.1:7702"]
 
 
-def test_a_coordinator_s_first_plan_waits_for_every_live_peer_s_heartbeat() -> None:
-    """A coordinator restarted before its peers saw it dead learns them from PEERS, before any
-    heartbeat, and planned at once from plan_seen 0: v1, a version every node already held and
-    ignored (two different plans v1). Peers say their plan_seen in HELLO and PEERS, and the first
-    plan of a life waits for the word of every live peer (their heartbeats, FIRST_PLAN_WAIT_S at
-    most), then numbers itself above what they have seen."""
+def test_time_this_node_did_not_run_is_not_its_peers_silence() -> None:
+    """A node stopped (SIGSTOP, swapped out, a paused VM) for longer than the failure timeout
+    took every peer for dead at its first tick back, before their queued heartbeats were read.
+    Its failure detector sees the gap between its own ticks and does not count it; a peer silent
+    that long while this node ran is still dead."""
+    from meshllm.mesh.agent import MeshAgent
+
+    m = table()
+    t = SimpleNamespace(on=lambda *a, **k: None, every=lambda *a, **k: None)
+    agent = MeshAgent(t, m, info("a", 1, "127.0.0.1:7701"))
+    changes: list = []
+    agent.on_change = changes.append
+    now = time.monotonic()
+    m.observe(info(), now - 4.0, first_hand=True)  # heard just before this node stopped for 4 s
+    agent._ticked = now - 4.0
+    agent._tick()
+    assert changes == [] and m.get("b").state is PeerState.ALIVE
+    m.observe(info("c", address="127.0.0.1:7703"), time.monotonic() - 4.0, first_hand=True)
+    agent._tick()  # this node ran all along: c's silence is c's
+    assert [(tr.peer, tr.new) for tr in changes] == [("c", PeerState.DEAD)]
+    m.get("b").last_heard -= 4.0
+    assert [(tr.peer, tr.new) for tr in m.tick(time.monotonic())] == [("b", PeerState.DEAD)]
+
+
+@contextlib.contextmanager
+def coordinator_a(m: Membership):
+    """Node a's Coordinator over the peer table `m`, planning inline (a fixed one-replica plan);
+    yields it and the list of the plan versions it publishes."""
     from meshllm.mesh.membership import PeerInfo as Info
     from meshllm.node_config import parse_node
     from meshllm.roles import coordinator as co
@@ -253,7 +276,6 @@ def test_a_coordinator_s_first_plan_waits_for_every_live_peer_s_heartbeat() -> N
     dev = {"name": "box", "memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 60, "network_mbps": 1000}
     cfg = parse_node({"id": "a", "device": dev, "zone": "fog", "listen": "127.0.0.1:7701", "model": "smollm2-135m",
                       "expect_nodes": ["a", "b", "c"]}, "test")
-    m = table()
     t = SimpleNamespace(every=lambda *a, **k: None, publish=lambda *a, **k: None, call_soon=lambda f: f())
     got: list = []
     c = co.Coordinator(t, m, Info("a", "127.0.0.1:7701", "fog", dev, (), 5), cfg, lambda: 0,
@@ -266,6 +288,21 @@ def test_a_coordinator_s_first_plan_waits_for_every_live_peer_s_heartbeat() -> N
     plan = Plan("tiny", 4, "fp32", (Replica(0, Role.MIXED, (Stage("b", (0, 4)),), 1.0, 1.0, 1.0),), (), (), 0.0, 1.0)
     co_plan_for, co.plan_for = co.plan_for, lambda cfg, inp: plan
     try:
+        yield c, got
+    finally:
+        co.plan_for = co_plan_for
+
+
+def test_a_coordinator_s_first_plan_waits_for_every_live_peer_s_heartbeat() -> None:
+    """A coordinator restarted before its peers saw it dead learns them from PEERS, before any
+    heartbeat, and planned at once from plan_seen 0: v1, a version every node already held and
+    ignored (two different plans v1). Peers say their plan_seen in HELLO and PEERS, and the first
+    plan of a life waits for the word of every live peer (their heartbeats, FIRST_PLAN_WAIT_S at
+    most), then numbers itself above what they have seen."""
+    from meshllm.roles import coordinator as co
+
+    m = table()
+    with coordinator_a(m) as (c, got):
         for pid, port in (("b", 7702), ("c", 7703)):
             m.observe(info(pid, address=f"127.0.0.1:{port}"), time.monotonic(), first_hand=False)
         assert co.unheard(m) == ["b", "c"]
@@ -279,5 +316,32 @@ def test_a_coordinator_s_first_plan_waits_for_every_live_peer_s_heartbeat() -> N
         m.heartbeat("c", 1, time.monotonic(), {"plan_seen": 3})
         c._tick()
         assert got == [8], "above every version a live peer has seen"
-    finally:
-        co.plan_for = co_plan_for
+
+
+def test_a_coordinator_that_learns_of_a_newer_plan_than_its_own_plans_again() -> None:
+    """The coordinator stopped past the failure timeout: the next lowest id planned without it
+    (v9) and, back with the same incarnation and the same live set to itself, it ignored that
+    plan and never planned again; the mesh ran without it. A peer's plan_seen above this
+    coordinator's newest plan now makes it plan again, above it."""
+    from meshllm.roles import coordinator as co
+
+    m = table()
+    with coordinator_a(m) as (c, got):
+        for pid, port in (("b", 7702), ("c", 7703)):
+            m.observe(info(pid, address=f"127.0.0.1:{port}"), time.monotonic(), first_hand=True)
+            m.heartbeat(pid, 1, time.monotonic(), {"plan_seen": 0})
+        c._tick()
+        c._tick()
+        assert got == [1]
+        m.heartbeat("b", 1, time.monotonic(), {"plan_seen": 1})
+        c._tick()
+        assert got == [1], "its own plan: nothing to do"
+        m.heartbeat("c", 1, time.monotonic(), {"plan_seen": 9})
+        c._tick()
+        assert got == [1, 10]
+        m.heartbeat("b", 1, time.monotonic(), {"plan_seen": 12})
+        c._tick()
+        assert got == [1, 10], "at most once in CATCH_UP_S: two coordinators that see each other dead take turns"
+        c._caught_up -= co.CATCH_UP_S
+        c._tick()
+        assert got == [1, 10, 13]

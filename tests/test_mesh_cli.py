@@ -157,6 +157,38 @@ def test_kill_9_is_noticed_within_the_failure_timeout(mesh: Mesh) -> None:
     assert next(p for p in mesh.status("n0")["peers"] if p["id"] == "n2")["incarnation"] > old_inc
 
 
+def test_a_coordinator_stopped_past_the_failure_timeout_comes_back_into_the_plan(mesh: Mesh) -> None:
+    """SIGSTOP on the coordinator (n0, the lowest id) for longer than the failure timeout (a
+    swap storm, a paused VM, a debugger), then SIGCONT. Its peers saw it dead and n1 planned
+    without it. Back, n0 took every peer for dead (all silent while it did not run) and, once they
+    were heard again, was the coordinator of a mesh that ran n1's plan without it: it ignored that
+    plan and never planned again (its live set was unchanged to itself). Now it does not count the
+    time it did not run as its peers' silence, and a coordinator that learns of a plan newer than
+    its own plans again: every node ends on one plan, made by n0."""
+    seed_port = free_port_pair()
+    for i, n in enumerate(("n0", "n1", "n2")):
+        mesh.start(n, seeds=[f"127.0.0.1:{seed_port}"], port=seed_port if i == 0 else None)
+    mesh.wait_up()
+
+    def versions() -> list[int]:
+        return [(mesh.status(n) or {}).get("plan_version", -1) for n in ("n0", "n1", "n2")]
+
+    assert wait_for(lambda: min(v := versions()) > 0 and len(set(v)) == 1, 60.0), (versions(), mesh.logs())
+    before = versions()[0]
+    n0 = next(p for k, p in mesh.procs.items() if k.startswith("n0@"))
+    os.killpg(n0.pid, signal.SIGSTOP)
+    try:
+        time.sleep(FAILURE_TIMEOUT_S + 1.0)
+        assert wait_for(lambda: all(v > before for v in versions()[1:]), 30.0), (versions(), mesh.logs())
+    finally:
+        os.killpg(n0.pid, signal.SIGCONT)
+    by_n1 = max(versions()[1:])
+    assert wait_for(lambda: min(v := versions()) > by_n1 and len(set(v)) == 1, 20.0), (versions(), mesh.logs())
+    log = next(mesh.tmp.glob("n0-*.log")).read_text()
+    assert "-> dead" not in log, log[-3000:]
+    assert "did not run for" in log, log[-3000:]
+
+
 def test_sigterm_is_a_clean_leave_seen_at_once(mesh: Mesh) -> None:
     start_seeded(mesh)
     leaver = next(p for k, p in mesh.procs.items() if k.startswith("n4@"))

@@ -34,7 +34,9 @@ class MeshAgent:
         transport.on(MsgType.STATUS_REQ, self._on_status)
         transport.on(MsgType.PING, lambda msg, reply: reply(make(MsgType.PONG)))
         transport.every(members.heartbeat_interval_s, self._beat)
-        transport.every(min(0.1, members.heartbeat_interval_s / 2), self._tick)
+        self._tick_s = min(0.1, members.heartbeat_interval_s / 2)
+        self._ticked: float | None = None  # the last failure-detection tick (its first comes when the loop runs)
+        transport.every(self._tick_s, self._tick)
 
     def on_change(self, tr: Transition) -> None:
         """Log a peer state change and release the sockets of peers that left."""
@@ -75,7 +77,13 @@ class MeshAgent:
                             load=self.load()))
 
     def _tick(self) -> None:
-        for tr in self.members.tick(time.monotonic()):
+        now = time.monotonic()
+        stalled, self._ticked = now - (self._ticked or now) - self._tick_s, now
+        if stalled >= self.members.suspect_after_s:  # this node did not run: its peers' silence is not theirs
+            log.warning("%s: this node did not run for %.1f s (stopped, swapped out, or its I/O thread starved): "
+                        "that time does not count as its peers' silence", self.me.id, stalled)
+            self.members.discount(stalled)
+        for tr in self.members.tick(now):
             self.on_change(tr)
 
     def _on_heartbeat(self, msg: Message, reply: Callable[[Message], None]) -> None:

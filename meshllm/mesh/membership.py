@@ -3,7 +3,9 @@
 Failure detection follows the ZeroMQ guide's Paranoid Pirate pattern: peers
 publish a HEARTBEAT every `heartbeat_interval_s`; a peer silent for
 SUSPECT_AFTER_MISSES intervals is `suspect`, and one silent for
-`failure_timeout_s` is `dead`. A LEAVE makes it `left` at once.
+`failure_timeout_s` is `dead`. A LEAVE makes it `left` at once. Time this node itself did
+not run (stopped, swapped out; its I/O loop sees the gap between its ticks) is `discount`ed:
+it is not the peers' silence.
 
 Each node process picks an incarnation number when it starts (milliseconds since
 the epoch), so a restarted node is told apart from its previous life: news about
@@ -162,6 +164,14 @@ class Membership:
                 out.append(Transition(p.info.id, p.state, new))
                 p.state = new
         return out
+
+    def discount(self, seconds: float) -> None:
+        """This node itself did not run for `seconds` (stopped, swapped out, a VM or a laptop
+        paused, its I/O thread starved): that time is not its peers' silence. A node back from
+        such a pause longer than the failure timeout declared every peer dead at once."""
+        for p in self._peers.values():
+            if p.state in (PeerState.ALIVE, PeerState.SUSPECT):
+                p.last_heard += seconds
 
     def _hear(self, p: Peer, now: float) -> Transition | None:
         if p.state is PeerState.LEFT:

@@ -4,7 +4,9 @@ Election is deterministic and needs no messages: the coordinator is the live nod
 lowest id (every node runs this module; all but one stay quiet). If it dies, the next-lowest
 sees it dead and takes over; plan versions only grow (a new coordinator starts above every
 version it has seen or that a live peer's heartbeat says it has seen: after a healed partition
-the other side may have planned), so nodes never go back to an older plan. A peer's HELLO and
+the other side may have planned), so nodes never go back to an older plan. A coordinator that
+learns of a plan newer than its own (its peers took it for dead and the next one planned, while it
+was stopped or cut off and, to itself, nothing changed) plans again, or the mesh would run without it. A peer's HELLO and
 PEERS say its `plan_seen` too, and a coordinator's first plan of its life waits (at most
 FIRST_PLAN_WAIT_S) for the heartbeat of any live peer it has learned second-hand only: one
 restarted before its peers saw it dead would otherwise number its plan from nothing (v1
@@ -50,6 +52,8 @@ NODE_ROLE_NAMES = {str(r) for r in NODE_ROLES}
 TICK_S = 0.25
 REPLAN_SETTLE_S = 0.5  # after a change of the live set, wait this long for it to settle
 PLAN_REPUBLISH_S = 1.0
+CATCH_UP_S = 5.0  # at most this often, a peer's newer plan makes the coordinator plan again (two that
+# each see the other dead, a one-way cut, would otherwise out-number each other's plans without end)
 FIRST_PLAN_WAIT_S = 1.0  # for the plan_seen of peers learned second-hand (their heartbeat), from the last change
 
 
@@ -86,6 +90,7 @@ class Coordinator:
         self._seen: tuple = ()
         self._planning = False
         self._last_publish = 0.0
+        self._caught_up = -CATCH_UP_S  # when it last re-planned for a peer's newer plan
         transport.every(TICK_S, self._tick)
 
     def start(self) -> None:
@@ -134,6 +139,13 @@ class Coordinator:
             return  # the emulated cluster is still starting
         settle = (0.0 if self.cfg.expect_nodes and not started
                   else REPLAN_SETTLE_S if started else self.cfg.plan_settle_s)
+        if self.published is not None and self.planned_for is not None and not self._planning \
+                and newest_plan_seen(self.members) > self.published[0] and now - self._caught_up >= CATCH_UP_S:
+            self._caught_up = now
+            log.warning("%s: a peer holds plan v%d, newer than this coordinator's v%d (another node planned while this "
+                        "one was out of its view): re-planning", self.me.id, newest_plan_seen(self.members),
+                        self.published[0])
+            self.planned_for = None
         if self.published is None and unheard(self.members) and now - self._changed_at < FIRST_PLAN_WAIT_S:
             return  # this life's first plan numbers itself above what the live peers have seen
         if key != self.planned_for and not self._planning and now - self._changed_at >= settle:
