@@ -3,7 +3,7 @@
 The cluster file's workload (or `--prompt`s) is checked and the cluster planned before any
 process starts (bad input exits 2); then the emulator spawns the nodes, waits until the mesh
 serves, runs the requests through the gateway's OpenAI API (with `--kill` / `--restart` /
-`--partition` faults injected on their schedule, faults.py) and reports the BRIEF's `--cluster`
+`--pause` / `--partition` faults injected on their schedule, faults.py) and reports the BRIEF's `--cluster`
 JSON: the results, the metrics (METRIC_KEYS and each node's memory and traffic) and the plan the mesh
 served. With `--serve` it keeps serving until Ctrl-C instead. SIGINT and SIGTERM unwind
 through the emulator's `with`, which tears every node down.
@@ -50,7 +50,7 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
     timeout_s = getattr(args, "timeout", None) or FORMATION_TIMEOUT_S
     jobs = workload_jobs(cfg, args)  # bad input -> exit 2 before anything starts
     faults = parse_faults(cfg, getattr(args, "kill", None) or [], getattr(args, "partition", None) or [],
-                          gateway_nodes(cfg), getattr(args, "restart", None) or [])
+                          gateway_nodes(cfg), getattr(args, "restart", None) or [], getattr(args, "pause", None) or [])
     plan = plan_cluster(plan_inputs(cfg), seed=0, log=False)  # infeasible -> exit 2 before any spawn
     log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s%s", len(plan.replicas), len(plan.drafters),
              plan.planner_s, "; the coordinator will judge it and other candidates in the simulator"
@@ -83,9 +83,9 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
 
 
 def healing_watch(cluster: EmulatedCluster, faults: list, time_scale: float) -> tuple:
-    """FaultInjector's (live_plan, in_use, heal_timeout_s) for a run with a partition: the gateway's
-    plan, the nodes it uses now (before the faults), the bound on healing; () without one."""
-    if not any(f.kind == "partition" for f in faults):
+    """FaultInjector's (live_plan, in_use, heal_timeout_s) for a run with a pause or a partition: the
+    gateway's plan, the nodes it uses now (before the faults), the bound on healing; () without one."""
+    if not any(f.kind in ("pause", "partition") for f in faults):
         return ()
 
     def live_plan() -> Any:  # from a gateway that is alive
@@ -94,7 +94,7 @@ def healing_watch(cluster: EmulatedCluster, faults: list, time_scale: float) -> 
     try:
         in_use = Plan.from_json(live_plan()).nodes_in_use()
     except PlanError as e:
-        log.warning("the gateway gave no plan (%s): the partition's healing is not watched", e)
+        log.warning("the gateway gave no plan (%s): the mesh's healing is not watched", e)
         return ()
     return live_plan, in_use, HEAL_TIMEOUT_S * time_scale
 

@@ -309,6 +309,14 @@ class EmulatedCluster:
         self.procs[node_id].wait(timeout=TEARDOWN_GRACE_S)
         self._start_node([n.id for n in self.cfg.nodes].index(node_id), again=True)
 
+    def pause(self, node_id: str) -> None:
+        """SIGSTOP one node's process group (a fault: a node that does not run for a while, a swap
+        storm or a paused VM); `resume` continues it."""
+        _signal_group(self.procs[node_id], signal.SIGSTOP)
+
+    def resume(self, node_id: str) -> None:
+        _signal_group(self.procs[node_id], signal.SIGCONT)
+
     def close(self) -> None:
         """SIGTERM every node's process group, then SIGKILL what is left; reap all. A gateway with
         requests in flight is stopped first, the rest of the mesh still up: it drains them (its
@@ -317,6 +325,7 @@ class EmulatedCluster:
         live = {nid: p for nid, p in self.procs.items() if p.poll() is None}
         for p in live.values():
             _signal_group(p, signal.SIGTERM)
+            _signal_group(p, signal.SIGCONT)  # a stopped one (`pause`) handles its SIGTERM only once continued
         deadline = time.monotonic() + TEARDOWN_GRACE_S
         for p in live.values():
             with contextlib.suppress(subprocess.TimeoutExpired):

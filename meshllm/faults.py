@@ -1,14 +1,17 @@
 """Faults injected into an emulated mesh while its workload runs (`--cluster ... --kill NODE@S
---restart NODE@S --partition ZA:ZB@S1-S2`): a node's whole process group killed with SIGKILL,
-killed so and started again at once from its node file (a crash that a supervisor restarts before
-the failure timeout: its peers see a new incarnation at the same address, not a death), or two
+--restart NODE@S --pause NODE@S1-S2 --partition ZA:ZB@S1-S2`): a node's whole process group
+killed with SIGKILL, killed so and started again at once from its node file (a crash that a
+supervisor restarts before the failure timeout: its peers see a new incarnation at the same
+address, not a death), stopped with SIGSTOP for a while and continued (a node that does not run:
+a swap storm, a paused VM; its peers see it die and come back as the same incarnation), or two
 zones cut apart for a while (a FAULT control message to every live node: each drops the other zone's
 traffic until it ends). Times count from the workload's first request; every fault is checked
 against the cluster file before anything starts (exit 2), and `FaultInjector.done` lists what
-ran, for the report. After a partition the injector watches the mesh heal: from the partition's
-end it polls the gateway's live plan until every node the plan used before the faults (and still
-alive) is in use again, at most HEAL_TIMEOUT_S (x the cluster's time_scale), and reports the
-seconds that took (`healed_after_s`; null if it did not within the bound, with a warning).
+ran, for the report. After a pause or a partition the injector watches the mesh heal: from the
+last one's end it polls the gateway's live plan until every node the plan used before the faults
+(and still alive) is in use again, at most HEAL_TIMEOUT_S (x the cluster's time_scale), and
+reports the seconds that took (`healed_after_s`; null if it did not within the bound, with a
+warning). A node still stopped when the workload ends is continued.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ HEAL_POLL_S = 0.1
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    kind: str  # "kill" | "restart" | "partition"
+    kind: str  # "kill" | "restart" | "pause" | "partition"
     at_s: float  # after the workload's first request
     node: str = ""
     zones: tuple[str, str] = ("", "")
@@ -46,8 +49,8 @@ class Fault:
 
 
 def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], gateways: list[str],
-                 restarts: list[str] = ()) -> list[Fault]:
-    """`--kill NODE@S`, `--restart NODE@S` and `--partition ZA:ZB@S1-S2`, checked against the
+                 restarts: list[str] = (), pauses: list[str] = ()) -> list[Fault]:
+    """`--kill NODE@S`, `--restart NODE@S`, `--pause NODE@S1-S2` and `--partition ZA:ZB@S1-S2`, checked against the
     cluster file (exit 2); `gateways`: the nodes whose APIs the workload's client talks to (not
     every one may be killed: the client goes to the next when one goes away)."""
     ids, zones, out = {n.id for n in cfg.nodes}, {n.zone for n in cfg.nodes}, []
@@ -57,21 +60,35 @@ def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], ga
             if node not in ids:
                 raise InputError(f"--{kind} {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
             out.append(Fault(kind, _seconds(at, f"--{kind} {k!r}"), node=node))
+    for k in pauses:
+        node, _, span = k.rpartition("@")
+        if node not in ids:
+            raise InputError(f"--pause {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
+        s1, s2 = _span(span, f"--pause {k!r}")
+        out.append(Fault("pause", s1, node=node, until_s=s2))
     if gateways and set(gateways) <= {f.node for f in out if f.kind == "kill"}:
         raise InputError(f"--kill: {', '.join(gateways)} run{'s' if len(gateways) == 1 else ''} every gateway the "
                          "workload's client talks to (name another node's roles `gateway` in the cluster file)")
     for p in partitions:
         pair, _, span = p.rpartition("@")
         za, _, zb = pair.partition(":")
-        start, _, end = span.partition("-")
         if za not in zones or zb not in zones or za == zb:
             raise InputError(f"--partition {p!r}: expected ZONE_A:ZONE_B@S1-S2 with two zones of "
                              f"{cfg.source} ({', '.join(sorted(zones))})")
-        s1, s2 = _seconds(start, f"--partition {p!r}"), _seconds(end, f"--partition {p!r}")
-        if s2 <= s1:
-            raise InputError(f"--partition {p!r}: the end {s2:g} s must come after the start {s1:g} s")
+        s1, s2 = _span(span, f"--partition {p!r}")
         out.append(Fault("partition", s1, zones=(za, zb), until_s=s2))
     return sorted(out, key=lambda f: f.at_s)
+
+
+def _span(span: str, what: str) -> tuple[float, float]:
+    """`S1-S2` -> (S1, S2), S2 after S1 (as Fault's at_s and until_s)."""
+    start, dash, end = span.partition("-")
+    if not dash:
+        raise InputError(f"{what}: expected a span of seconds S1-S2 after the @")
+    s1, s2 = _seconds(start, what), _seconds(end, what)
+    if s2 <= s1:
+        raise InputError(f"{what}: the end {s2:g} s must come after the start {s1:g} s")
+    return s1, s2
 
 
 def _seconds(v: str, what: str) -> float:
@@ -86,8 +103,8 @@ def _seconds(v: str, what: str) -> float:
 
 class FaultInjector:
     """Runs the faults on schedule from the workload's first request (a thread; bounded), then
-    watches the mesh heal after a partition. `live_plan`: the gateway's plan JSON now; `in_use`:
-    the nodes the plan used before the faults."""
+    watches the mesh heal after a pause or a partition. `live_plan`: the gateway's plan JSON now;
+    `in_use`: the nodes the plan used before the faults."""
 
     def __init__(self, cluster: EmulatedCluster, faults: list[Fault], live_plan: Callable[[], Any] | None = None,
                  in_use: set[str] | None = None, heal_timeout_s: float = HEAL_TIMEOUT_S):
@@ -95,6 +112,7 @@ class FaultInjector:
         self.live_plan, self.in_use, self.heal_timeout_s = live_plan, set(in_use or ()), heal_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._paused: set[str] = set()  # stopped with SIGSTOP, not continued yet
 
     def start(self) -> None:
         if self.faults and self._thread is None:
@@ -104,19 +122,31 @@ class FaultInjector:
     def stop(self) -> None:
         """The workload is done: no fault still pending runs; a heal being watched is waited for."""
         self._stop.set()
+        for node in sorted(self._paused):
+            self._resume(node, "the workload is done")
         if self._thread is not None:
-            if self._thread.is_alive() and any(d["kind"] == "partition" for d in self.done):
-                log.info("workload done; watching the mesh heal after the partition (at most %.0f s after it ends)",
-                         self.heal_timeout_s)
+            if self._thread.is_alive() and any("until_s" in d for d in self.done):
+                log.info("workload done; watching the mesh heal after the %s (at most %.0f s after it ends)",
+                         self.done[-1]["kind"], self.heal_timeout_s)
             self._thread.join(timeout=self.heal_timeout_s + max((f.until_s for f in self.faults), default=0) + 10)
 
     def _run(self) -> None:
         t0 = time.monotonic()
-        for f in self.faults:
-            if self._stop.wait(max(0.0, t0 + f.at_s - time.monotonic())):
+        events = sorted([(f.at_s, 0, f) for f in self.faults] + [(f.until_s, 1, f) for f in self.faults
+                                                                 if f.kind == "pause"], key=lambda e: e[:2])
+        for when, end, f in events:
+            if self._stop.wait(max(0.0, t0 + when - time.monotonic())):
                 break
             at = round(time.monotonic() - t0, 3)
-            if f.kind == "kill":
+            if end:
+                self._resume(f.node, f"at {at:.1f} s")
+            elif f.kind == "pause":
+                self._paused.add(f.node)
+                self.cluster.pause(f.node)
+                log.warning("fault: stopped %s (SIGSTOP) at %.1f s for %.1f s", f.node, at, f.until_s - f.at_s)
+                self.done.append({"kind": "pause", "node": f.node, "at_s": at,
+                                  "until_s": round(at + f.until_s - f.at_s, 3)})
+            elif f.kind == "kill":
                 self.cluster.kill(f.node)
                 log.warning("fault: killed %s at %.1f s", f.node, at)
                 self.done.append({"kind": "kill", "node": f.node, "at_s": at})
@@ -126,9 +156,16 @@ class FaultInjector:
                 self.done.append({"kind": "restart", "node": f.node, "at_s": at})
             else:
                 self._partition(f, at)
-        parts = [d for d in self.done if d["kind"] == "partition"]
-        if parts and self.live_plan is not None:
-            self._watch_heal(parts[-1], t0 + max(d["until_s"] for d in parts))
+        spans = [d for d in self.done if "until_s" in d]  # pauses and partitions
+        if spans and self.live_plan is not None:
+            last = max(spans, key=lambda d: d["until_s"])
+            self._watch_heal(last, t0 + last["until_s"])
+
+    def _resume(self, node: str, when: str) -> None:
+        if node in self._paused:
+            self._paused.discard(node)
+            self.cluster.resume(node)
+            log.warning("fault: continued %s (SIGCONT) %s", node, when)
 
     def _partition(self, f: Fault, at: float) -> None:
         msg = make(MsgType.FAULT, zones=list(f.zones), seconds=f.until_s - f.at_s)
@@ -141,8 +178,8 @@ class FaultInjector:
                           "until_s": round(at + f.until_s - f.at_s, 3)})
 
     def _watch_heal(self, entry: dict, end: float) -> None:
-        """From the last partition's end, poll the live plan until it uses every node it used before
-        the faults that is still alive; record the seconds that took in `entry`."""
+        """From the last pause's or partition's end, poll the live plan until it uses every node it
+        used before the faults that is still alive; record the seconds that took in `entry`."""
         time.sleep(max(0.0, end - time.monotonic()))
         deadline, missing = end + self.heal_timeout_s, set()
         while True:
@@ -156,8 +193,8 @@ class FaultInjector:
             time.sleep(HEAL_POLL_S)
         entry["healed_after_s"] = None if missing else round(max(0.0, time.monotonic() - end), 3)
         if missing:
-            log.warning("fault: the mesh did not heal within %.0f s of the partition's end: %s not in use again",
-                        self.heal_timeout_s, ", ".join(sorted(missing)))
+            log.warning("fault: the mesh did not heal within %.0f s of the %s's end: %s not in use again",
+                        self.heal_timeout_s, entry["kind"], ", ".join(sorted(missing)))
         else:
-            log.info("fault: the mesh healed %.1f s after the partition ended (every node in use again)",
-                     entry["healed_after_s"])
+            log.info("fault: the mesh healed %.1f s after the %s ended (every node in use again)",
+                     entry["healed_after_s"], entry["kind"])

@@ -5,7 +5,8 @@ Run `python launch.py --help` (or the `meshllm` console script). Modes:
     --node-config NODE.yaml     run one node until SIGINT/SIGTERM
     --cluster CLUSTER.yaml      emulate a whole cluster locally, run its workload, tear down
     --cluster CLUSTER.yaml --serve   emulate it and keep serving the OpenAI API until Ctrl-C
-    --cluster CLUSTER.yaml --kill NODE@S --restart NODE@S --partition ZA:ZB@S1-S2   ... with faults
+    --cluster CLUSTER.yaml --kill NODE@S --restart NODE@S --pause NODE@S1-S2
+                      --partition ZA:ZB@S1-S2   ... with faults
     --cluster CLUSTER.yaml --judge  ... the coordinator plans as --plan --judge does
     --plan CLUSTER.yaml         planner only (--json, --png FILE, --rate R; --judge: the simulator
                                 picks among the search's candidates, as --simulate's meshllm does)
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="append", default=None, metavar="NODE@S",
                    help="cluster: kill -9 NODE S seconds after the workload's first request and start it again "
                         "at once from its node file (repeatable)")
+    p.add_argument("--pause", action="append", default=None, metavar="NODE@S1-S2",
+                   help="cluster: stop NODE (SIGSTOP) from S1 to S2 s after the workload's first request, then "
+                        "continue it (repeatable)")
     p.add_argument("--partition", action="append", default=None, metavar="ZA:ZB@S1-S2",
                    help="cluster: drop all traffic between zones ZA and ZB from S1 to S2 s (repeatable)")
     p.add_argument("--png", metavar="FILE", help="plan: draw the plan to FILE")
@@ -85,7 +89,8 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "model": ("reference",), "draft": ("reference",), "group_size": ("reference",), "dtype": ("reference",),
     "threads": ("reference",), "prompt": GENERATION, "max_tokens": GENERATION, "temperature": GENERATION,
     "top_k": GENERATION, "top_p": GENERATION, "chat": GENERATION, "seed": (*GENERATION, "plan", "simulate"),
-    "serve": ("cluster",), "kill": ("cluster",), "restart": ("cluster",), "partition": ("cluster",),
+    "serve": ("cluster",), "kill": ("cluster",), "restart": ("cluster",), "pause": ("cluster",),
+    "partition": ("cluster",),
     "judge": ("plan", "cluster"),
     "png": ("plan",), "rate": ("plan", "simulate"), "timeout": ("status", "cluster"),
     "json": ("cluster", "plan", "simulate", "reference", "status", "keygen"),

@@ -324,8 +324,8 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def fault_rows(faults: list[dict[str, Any]], m: dict[str, Any]) -> list[tuple[str, str]]:
-    """The report's rows for `--kill` / `--restart` / `--partition` runs: each fault, and what the
-    clients saw."""
+    """The report's rows for `--kill` / `--restart` / `--pause` / `--partition` runs: each fault, and
+    what the clients saw."""
     rows = []
     for f in faults:
         if f["kind"] in ("kill", "restart"):
@@ -335,7 +335,8 @@ def fault_rows(faults: list[dict[str, Any]], m: dict[str, Any]) -> list[tuple[st
             healed = f.get("healed_after_s")
             heal = "" if "healed_after_s" not in f else (
                 f", every node in use again {healed} s after" if healed is not None else ", not healed")
-            rows.append((f"fault: partition {':'.join(f['zones'])}", f"{f['at_s']}-{f['until_s']} s{heal}"))
+            what = f"stop {f['node']}" if f["kind"] == "pause" else f"partition {':'.join(f['zones'])}"
+            rows.append((f"fault: {what}", f"{f['at_s']}-{f['until_s']} s{heal}"))
     if faults:
         rows.append(("resumed requests / recovery gap max (ms)",
                      f"{m.get('resumed_requests', 0)} / {m.get('recovery_gap_ms_max') or '-'}"))

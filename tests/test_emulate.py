@@ -370,3 +370,28 @@ def test_a_node_forked_as_the_emulator_dies_does_not_outlive_it() -> None:
         proc.start()
         proc.join(30)
         assert proc.exitcode == code, wrong
+
+
+def test_a_node_still_stopped_when_the_workload_ends_is_continued():
+    """`--pause NODE@S1-S2` whose end comes after the workload's: the injector continues the
+    node (SIGCONT) when it stops, or teardown would wait on a stopped process group. A real
+    process stands for the node: EmulatedCluster.pause/resume signal its group."""
+    from types import SimpleNamespace
+
+    from meshllm.faults import Fault, FaultInjector
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        cluster = SimpleNamespace(procs={"n": proc})
+        cluster.pause = lambda nid: EmulatedCluster.pause(cluster, nid)
+        cluster.resume = lambda nid: EmulatedCluster.resume(cluster, nid)
+        inj = FaultInjector(cluster, [Fault("pause", 0.0, node="n", until_s=600.0)])
+        inj.start()
+        assert wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 10.0)
+        inj.stop()
+        assert psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED
+        assert [(d["kind"], d["node"], d["at_s"] < 1.0, d["until_s"] > 599) for d in inj.done] == \
+            [("pause", "n", True, True)]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

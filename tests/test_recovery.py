@@ -1,6 +1,7 @@
 """Failures mid-generation, through the public CLI (`--cluster ... --kill NODE@S --restart NODE@S
---partition ...`): a decode stage, the coordinator, a prefill node and drafters are killed with
-`kill -9` at seeded random points of a workload (or killed and started again at once); every
+--pause NODE@S1-S2 --partition ...`): a decode stage, the coordinator, a prefill node and
+drafters are killed with `kill -9` at seeded random points of a workload (or killed and started
+again at once, or stopped for a while); every
 request must still complete with exactly the reference's tokens (BRIEF's tie rule): nothing lost,
 nothing duplicated. The recovery gap (the pause the
 client saw) is printed; its goal is <= 5 s with the default failure detection (2.5 s), checked
@@ -92,9 +93,26 @@ def test_nodes_restarted_before_their_peers_notice_lose_nothing(smollm2, smollm2
     assert all(g < 60_000 for g in gaps), "a pause, not the stall timeout"
 
 
+def test_nodes_stopped_past_the_failure_timeout_lose_nothing_and_come_back(smollm2, smollm2_tokenizer):
+    """`--pause NODE@S1-S2`: SIGSTOP, then SIGCONT (a swap storm, a paused VM): the coordinator
+    (edge-1) and then a decode stage (fog-2) stop running for 3.5 s. Their peers see them dead,
+    edge-2 plans without them and the gateway resumes fog-2's sequences elsewhere; back, fog-2
+    holds sequences it was decoding, which must not reach any client twice. Back, edge-1 took
+    every peer for dead at once (all silent while it did not run), and as coordinator again it
+    ignored edge-2's plan, made without it: the mesh could run without it. Every request must
+    match the reference, and the mesh must use both again."""
+    out = run_with_faults("--pause", "edge-1@0.5-4", "--pause", "fog-2@1-4.5")
+    assert [(f["kind"], f["node"]) for f in out["faults"]] == [("pause", "edge-1"), ("pause", "fog-2")]
+    check(out, smollm2, smollm2_tokenizer)
+    assert out["faults"][-1]["healed_after_s"] is not None, out["plan"]
+    assert sorted(out["plan"]["drafters"]) == ["edge-1", "edge-2"], out["plan"]
+    assert "fog-2" in {st["node"] for r in out["plan"]["replicas"] for st in r["stages"]}, out["plan"]
+
+
 def test_bad_fault_arguments_exit_2_before_anything_starts():
     for args in (["--kill", "nobody@1"], ["--kill", "fog-2@soon"], ["--kill", "fog-1@1", "--kill", "fog-4@2"],
                  ["--restart", "nobody@1"], ["--restart", "fog-2@-1"],
+                 ["--pause", "nobody@1-2"], ["--pause", "fog-2@3-2"], ["--pause", "fog-2@1"],
                  ["--partition", "edge:mars@1-2"], ["--partition", "edge:fog@3-2"]):
         r = subprocess.run([sys.executable, str(REPO / "launch.py"), "--cluster", str(CLUSTER), *args],
                            capture_output=True, text=True, timeout=120, cwd=REPO)
