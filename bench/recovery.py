@@ -12,11 +12,13 @@ the only decode stage and 0.7 s later the coordinator (before it has re-planned,
 coordinator must); then one run with a partition between the zones that heals; then, per seed,
 `--restart NODE@S` of the decode stage and of the first gateway's node (kill -9 and started again
 at once from its node file, as a supervisor restarts a crashed service: its peers see a new
-incarnation at the same address before they would have seen it dead). `--only KIND` runs the
-rows of one kind (kill, takeover, partition, restart). Printed per run:
+incarnation at the same address before they would have seen it dead); then, per seed,
+`--pause NODE@S1-S2` (SIGSTOP for PAUSE_S, then SIGCONT: a node that does not run for a while)
+of the decode stage alone, and of the coordinator with the decode stage 0.5 s later. `--only
+KIND` runs the rows of one kind (kill, takeover, partition, restart, pause). Printed per run:
 requests, resumed requests, whether every output equals the single-process reference (BRIEF's
 tie rule), and the recovery gaps (the longest pause between two tokens a client saw across a
-resume); for the partition, how long after its end the mesh used every node again. Goal: every gap <= 5 s with the
+resume); for a partition or a pause, how long after its end the mesh used every node again. Goal: every gap <= 5 s with the
 default failure detection (heartbeat 0.5 s, dead after 2.5 s). Bounded: each run has a timeout.
 """
 
@@ -47,7 +49,9 @@ TAKEOVER_AFTER_S = 0.7  # under the failure timeout (2.5 s): the next coordinato
 VICTIMS = {"decode stage": "fog-2", "coordinator": "edge-1", "prefill/decode node": "fog-4", "drafter": "edge-2",
            "first gateway (prefill)": "fog-1"}
 RESTARTED = {"decode stage": "fog-2", "first gateway (prefill)": "fog-1"}
-KINDS = ("kill", "takeover", "partition", "restart")
+KINDS = ("kill", "takeover", "partition", "restart", "pause")
+PAUSE_S = 3.5  # longer than the failure timeout: the peers see the node die and come back as the same life
+PAUSED = {"decode stage": ("fog-2",), "coordinator, then the decode stage": ("edge-1", "fog-2")}
 
 
 LINES: list[str] = []  # what was printed, for --out
@@ -94,9 +98,9 @@ def summarize(label: str, out: dict, ref: Reference) -> dict:
     row = dict(label=label, faults=out["faults"], requests=len(results), errors=len(errors), equal=equal,
                resumed=out["metrics"].get("resumed_requests", 0), gaps_s=sorted(gaps), wall_s=out["wall_s"])
     gap = f"max {max(gaps):.2f} s, median {statistics.median(gaps):.2f} s" if gaps else "no request paused"
-    healed = [f.get("healed_after_s", "not watched") for f in out["faults"] if f["kind"] == "partition"]
-    heal = "".join(f"; every node in use again {h} s after the partition ended" if isinstance(h, float)
-                   else f"; mesh healed: {h}" for h in healed)
+    healed = [f.get("healed_after_s", "not watched") for f in out["faults"][-1:] if f["kind"] in ("partition", "pause")]
+    heal = "".join(f"; every node in use again {h} s after the {out['faults'][-1]['kind']} ended" if isinstance(h, float)
+                   else f"; mesh healed: {h or 'NOT within the bound'}" for h in healed)
     emit(f"{label:38s} requests {row['requests']:2d}  errors {row['errors']}  equal to reference "
          f"{equal}/{len(results)}  resumed {row['resumed']:2d}  gaps: {gap}{heal}")
     return row
@@ -129,6 +133,12 @@ def main() -> None:
         for seed in range(1, a.seeds + 1):
             at = round(random.Random(f"restart/{node}/{seed}").uniform(0.5, 3.0), 2)
             rows.append(summarize(f"restart {kind} {node}@{at}", run(["--restart", f"{node}@{at}"]), ref))
+    for kind, nodes in PAUSED.items() if "pause" in kinds else ():
+        for seed in range(1, a.seeds + 1):
+            at = round(random.Random(f"pause/{kind}/{seed}").uniform(0.5, 3.0), 2)
+            faults = [x for k, n in enumerate(nodes)
+                      for x in ("--pause", f"{n}@{at + 0.5 * k:.2f}-{at + 0.5 * k + PAUSE_S:.2f}")]
+            rows.append(summarize(f"pause {kind} {'+'.join(nodes)}@{at} {PAUSE_S} s", run(faults), ref))
     gaps = [g for r in rows for g in r["gaps_s"]]
     lost = sum(r["errors"] for r in rows)
     wrong = sum(r["requests"] - r["errors"] - r["equal"] for r in rows)
