@@ -70,7 +70,8 @@ class Node:
         self.mesh.greet = self.gossip.greet
         self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None
         self.coordinator = Coordinator(self.transport, self.members, self.me, cfg, lambda: self.host.max_seen,
-                                       self.host.offer, self.host.weights.args, lambda: self.host.plan_error)
+                                       self.host.offer, self.host.weights.args, lambda: self.host.plan_error,
+                                       lambda: self.host.ctx.plan if self.host.ctx is not None else None)
         self.host.coordinator_of = self.coordinator.current
         if cfg.fault_injection:  # emulation only: the emulator cuts links between zones on request
             self.transport.on(MsgType.FAULT, self._on_fault)

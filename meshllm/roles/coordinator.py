@@ -12,6 +12,10 @@ FIRST_PLAN_WAIT_S) for the heartbeat of any live peer it has learned second-hand
 restarted before its peers saw it dead would otherwise number its plan from nothing (v1
 again), a version every node already holds and ignores.
 
+A new plan keeps what runs where it can: nodes of one kind (device profile, zone, roles) are
+swapped and replicas renumbered so that as many replicas of the plan in force as possible go on
+unchanged (partition/stable.py).
+
 When to plan: under `--cluster` every node file lists `expect_nodes`, and the first plan is
 made as soon as all of them are alive; otherwise after membership has been quiet for
 `plan_settle_s`. Any later change of the live node set (a join, a death, a leave) re-plans
@@ -30,6 +34,7 @@ newcomer gets it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -45,6 +50,7 @@ from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig, plan_inputs_for_nodes
 from meshllm.partition.inputs import PlanInputs, PlanNode
 from meshllm.partition.plan import Plan, plan_cluster
+from meshllm.partition.stable import keep_running
 
 log = logging.getLogger("meshllm.coordinator")
 
@@ -76,11 +82,13 @@ class Coordinator:
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo, cfg: NodeConfig,
                  current_version: Callable[[], int], deliver: Callable[[int, dict, dict, str, dict], None],
                  model_args: Callable[[], Any] | None = None,
-                 own_error: Callable[[], dict | None] | None = None):
+                 own_error: Callable[[], dict | None] | None = None,
+                 current_plan: Callable[[], Plan | None] | None = None):
         self.t, self.members, self.me, self.cfg = transport, members, me, cfg
         self.model_args = model_args  # the model's shape (None: from this node's model file)
         self.current_version, self.deliver = current_version, deliver  # the local RoleHost
         self.own_error = own_error or (lambda: None)  # this node's own plan_error (RoleHost)
+        self.current_plan = current_plan or (lambda: None)  # the plan in force here (RoleHost's)
         self.refused: dict[tuple[str, int], tuple[str, frozenset]] = {}  # see `refusals`
         self.worker = Worker(f"planner-{me.id}")
         self.published: tuple[int, dict, dict, dict] | None = None  # (version, plan json, addresses, incarnations)
@@ -151,7 +159,8 @@ class Coordinator:
         if key != self.planned_for and not self._planning and now - self._changed_at >= settle:
             self._planning = True
             left_out = {nid: why for (nid, _), (why, _) in self.refused.items()}
-            self.worker.submit(lambda: self._plan(live, key, left_out))
+            current = self.current_plan()
+            self.worker.submit(lambda: self._plan(live, key, left_out, current))
         if self.published is not None and now - self._last_publish >= PLAN_REPUBLISH_S:
             self._publish()
 
@@ -162,10 +171,11 @@ class Coordinator:
                             incarnations=incarnations))
 
     # -- planner thread ------------------------------------------------------------------------
-    def _plan(self, live: list[PeerInfo], key: tuple, left_out: dict[str, str]) -> None:
-        """`left_out`: nodes that could not take their part of a plan: in `unused`, with why."""
+    def _plan(self, live: list[PeerInfo], key: tuple, left_out: dict[str, str], current: Plan | None = None) -> None:
+        """`left_out`: nodes that could not take their part of a plan: in `unused`, with why.
+        `current`: the plan in force, whose replicas the new one keeps where it can (stable.py)."""
         try:
-            plan = plan_for(self.cfg, self.inputs(live))
+            plan = keep_running(plan_for(self.cfg, self.inputs(live)), current, node_kinds(live))
             if left_out:
                 plan = dataclasses.replace(plan, unused=plan.unused + tuple(left_out),
                                            reasons={**plan.reasons, **left_out})
@@ -213,6 +223,12 @@ def refusals(refused: dict[tuple[str, int], tuple[str, frozenset]], live: list[P
                 and (p.id, p.incarnation) not in out:
             out[(p.id, p.incarnation)] = (f"{PLAN_ERROR_REASON} v{version}: {str(err.get('error'))[:300]}", now_live)
     return out
+
+
+def node_kinds(live: list[PeerInfo]) -> dict[str, str]:
+    """node -> its kind for the planner: nodes with the same device profile, zone and roles are
+    interchangeable in its cost model (links are per zone pair)."""
+    return {p.id: json.dumps([p.device, p.zone, sorted(p.roles)], sort_keys=True, default=str) for p in live}
 
 
 def plan_for(cfg: NodeConfig, inp: PlanInputs) -> Plan:

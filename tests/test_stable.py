@@ -1,0 +1,61 @@
+"""A new plan keeps the replicas of the plan in force where nodes of one kind allow it
+(partition/stable.py): the planner's choice among twin nodes, and its replica numbers, must not
+move sequences that could go on."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshllm.config import load_cluster, plan_inputs
+from meshllm.defaults import Role
+from meshllm.partition.plan import Plan, Replica, Stage, plan_cluster
+from meshllm.partition.stable import keep_running
+from meshllm.roles.context import PlanContext
+from tests.conftest import REPO
+
+
+def kept(new: Plan, current: Plan) -> set[int]:
+    """The replicas of `current` that go on unchanged under `new` (PlanContext.unchanged)."""
+    addresses = {n: f"127.0.0.1:{7700 + i}" for i, n in enumerate(sorted(
+        {s.node for p in (new, current) for r in p.replicas for s in r.stages} | set(new.unused) | set(current.unused)))}
+    a, b = PlanContext(2, new, addresses, "x"), PlanContext(1, current, addresses, "x")
+    return {r.id for r in current.replicas if a.unchanged(b, r.id)}
+
+
+def test_a_node_seen_dead_and_back_moves_no_replica_of_the_plans_between():
+    """clusters/failure.yaml: fog-2 decodes, its twin fog-3 is the spare. fog-2 seen dead: the plan
+    without it numbered fog-4's prefill replica 0 (it was 2), which restarted that replica's
+    sequences for nothing; fog-2 back: the plan moved decoding back from fog-3 to fog-2, and every
+    sequence on fog-3 was resumed a second time. Told in the terms of the plan in force, neither
+    re-plan changes a replica that could go on, and what each plan does is the planner's."""
+    cfg = load_cluster(REPO / "clusters" / "failure.yaml")
+    kinds = {n.id: (n.device.name, n.zone, n.roles) for n in cfg.nodes}
+    full = plan_cluster(plan_inputs(cfg), seed=0, log=False)
+    without = plan_cluster(plan_inputs(replace(cfg, nodes=tuple(n for n in cfg.nodes if n.id != "fog-2"))),
+                           seed=0, log=False)
+    assert kept(without, full) == {1}, "the planner's own numbering: fog-4's replica changed id"
+    v2 = keep_running(without, full, {n: k for n, k in kinds.items() if n != "fog-2"})
+    assert kept(v2, full) == {r.id for r in full.replicas if "fog-2" not in {s.node for s in r.stages}}
+    assert kept(full, v2) == {1, 2}, "the planner's own plan for fog-2's return moves decoding back"
+    v3 = keep_running(full, v2, kinds)
+    assert kept(v3, v2) == {r.id for r in v2.replicas}
+    for got, planned in ((v2, without), (v3, full)):  # the same plan, told otherwise
+        assert sorted((r.role, tuple((kinds[s.node], s.layers) for s in r.stages)) for r in got.replicas) == \
+            sorted((r.role, tuple((kinds[s.node], s.layers) for s in r.stages)) for r in planned.replicas)
+        assert (got.capacity_req_s, got.prediction, sorted(got.drafters)) == \
+            (planned.capacity_req_s, planned.prediction, sorted(planned.drafters))
+    assert "fog-2" in v3.unused and v3.reasons.get("fog-2") == full.reasons.get("fog-3")
+
+
+def test_nodes_of_other_kinds_are_never_swapped_and_pipelines_keep_their_stage_order():
+    def rep(rid, role, *nodes):
+        return Replica(rid, role, tuple(Stage(n, (4 * i, 4 * i + 4)) for i, n in enumerate(nodes)), 1.0, 1.0, 1.0)
+
+    current = Plan("m", 8, "fp32", (rep(0, Role.MIXED, "a", "b"), rep(1, Role.DECODE, "c", "d")), (), ("e",), 0.0, 1.0)
+    new = Plan("m", 8, "fp32", (rep(0, Role.DECODE, "e", "d"), rep(1, Role.MIXED, "a", "b")), (), ("c",), 0.0, 1.0)
+    kinds = {"a": "pi", "b": "pi", "c": "orin", "d": "orin", "e": "orin"}
+    got = keep_running(new, current, kinds)
+    assert [(r.id, r.role, [s.node for s in r.stages]) for r in got.replicas] == \
+        [(0, Role.MIXED, ["a", "b"]), (1, Role.DECODE, ["c", "d"])] and got.unused == ("e",)
+    assert keep_running(new, current, {**kinds, "e": "nuc"}).unused == ("c",), "e is no twin of c"
+    assert keep_running(new, None, kinds) is new
