@@ -83,8 +83,9 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
 
 
 def healing_watch(cluster: EmulatedCluster, faults: list, time_scale: float) -> tuple:
-    """FaultInjector's (live_plan, in_use, heal_timeout_s) for a run with a pause or a partition: the
-    gateway's plan, the nodes it uses now (before the faults), the bound on healing; () without one."""
+    """FaultInjector's (live_plan, in_use, heal_timeout_s, kinds) for a run with a pause or a
+    partition: the gateway's plan, the nodes it uses now (before the faults), the bound on healing,
+    each node's kind (device, zone, roles: a twin in use in a node's place counts); () without one."""
     if not any(f.kind in ("pause", "partition") for f in faults):
         return ()
 
@@ -96,7 +97,8 @@ def healing_watch(cluster: EmulatedCluster, faults: list, time_scale: float) -> 
     except PlanError as e:
         log.warning("the gateway gave no plan (%s): the mesh's healing is not watched", e)
         return ()
-    return live_plan, in_use, HEAL_TIMEOUT_S * time_scale
+    kinds = {n.id: (n.device.name, n.zone, n.roles) for n in cluster.cfg.nodes}
+    return live_plan, in_use, HEAL_TIMEOUT_S * time_scale, kinds
 
 
 def workload_jobs(cfg: ClusterConfig, args: Any) -> list[Job]:

@@ -9,7 +9,7 @@ traffic until it ends). Times count from the workload's first request; every fau
 against the cluster file before anything starts (exit 2), and `FaultInjector.done` lists what
 ran, for the report. After a pause or a partition the injector watches the mesh heal: from the
 last one's end it polls the gateway's live plan until every node the plan used before the faults
-(and still alive) is in use again, at most HEAL_TIMEOUT_S (x the cluster's time_scale), and
+(and still alive) is in use again, or a node of its kind in its place, at most HEAL_TIMEOUT_S (x the cluster's time_scale), and
 reports the seconds that took (`healed_after_s`; null if it did not within the bound, with a
 warning). A node still stopped when the workload ends is continued.
 """
@@ -21,7 +21,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from meshllm.config import ClusterConfig
@@ -91,6 +92,16 @@ def _span(span: str, what: str) -> tuple[float, float]:
     return s1, s2
 
 
+def short_of(want: set[str], in_use: set[str], kinds: Mapping[str, Hashable]) -> set[str]:
+    """The nodes of `want` that are not in use and whose kind has fewer nodes in use than in
+    `want` (a new plan may keep a twin where the node was: partition/stable.py)."""
+    def kind(n: str) -> Hashable:
+        return kinds.get(n, n)
+
+    need, have = Counter(kind(n) for n in want), Counter(kind(n) for n in in_use)
+    return {n for n in want - in_use if have[kind(n)] < need[kind(n)]}
+
+
 def _seconds(v: str, what: str) -> float:
     try:
         s = float(v)
@@ -107,9 +118,11 @@ class FaultInjector:
     `in_use`: the nodes the plan used before the faults."""
 
     def __init__(self, cluster: EmulatedCluster, faults: list[Fault], live_plan: Callable[[], Any] | None = None,
-                 in_use: set[str] | None = None, heal_timeout_s: float = HEAL_TIMEOUT_S):
+                 in_use: set[str] | None = None, heal_timeout_s: float = HEAL_TIMEOUT_S,
+                 kinds: Mapping[str, Hashable] | None = None):
         self.cluster, self.faults, self.done = cluster, faults, []
         self.live_plan, self.in_use, self.heal_timeout_s = live_plan, set(in_use or ()), heal_timeout_s
+        self.kinds = dict(kinds or {})  # node -> its kind (a twin in use in its place counts: stable.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._paused: set[str] = set()  # stopped with SIGSTOP, not continued yet
@@ -179,13 +192,14 @@ class FaultInjector:
 
     def _watch_heal(self, entry: dict, end: float) -> None:
         """From the last pause's or partition's end, poll the live plan until it uses every node it
-        used before the faults that is still alive; record the seconds that took in `entry`."""
+        used before the faults that is still alive, or a twin of it (a node of the same kind); record
+        the seconds that took in `entry`."""
         time.sleep(max(0.0, end - time.monotonic()))
         deadline, missing = end + self.heal_timeout_s, set()
         while True:
             want = self.in_use - self.cluster.dead()
             try:
-                missing = want - Plan.from_json(self.live_plan()).nodes_in_use()
+                missing = short_of(want, Plan.from_json(self.live_plan()).nodes_in_use(), self.kinds)
             except (PlanError, OSError, ValueError) as e:  # the gateway busy re-planning: ask again
                 missing = {f"(no plan: {e})"}
             if not missing or time.monotonic() >= deadline:

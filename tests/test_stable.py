@@ -59,3 +59,13 @@ def test_nodes_of_other_kinds_are_never_swapped_and_pipelines_keep_their_stage_o
         [(0, Role.MIXED, ["a", "b"]), (1, Role.DECODE, ["c", "d"])] and got.unused == ("e",)
     assert keep_running(new, current, {**kinds, "e": "nuc"}).unused == ("c",), "e is no twin of c"
     assert keep_running(new, None, kinds) is new
+
+
+def test_the_mesh_has_healed_when_a_twin_holds_a_node_s_place():
+    from meshllm.faults import short_of
+
+    kinds = {"fog-2": "orin", "fog-3": "orin", "fog-4": "nuc"}
+    assert short_of({"fog-2", "fog-4"}, {"fog-3", "fog-4"}, kinds) == set()
+    assert short_of({"fog-2", "fog-3"}, {"fog-3"}, kinds) == {"fog-2"}
+    assert short_of({"fog-2", "fog-4"}, {"fog-2"}, kinds) == {"fog-4"}
+    assert short_of({"edge-1"}, set(), kinds) == {"edge-1"}, "a node of no known kind is its own"
