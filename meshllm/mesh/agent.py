@@ -33,7 +33,7 @@ class MeshAgent:
         transport.on(MsgType.LEAVE, self._on_leave)
         transport.on(MsgType.STATUS_REQ, self._on_status)
         transport.on(MsgType.PING, lambda msg, reply: reply(make(MsgType.PONG)))
-        transport.every(members.heartbeat_interval_s, self._beat)
+        transport.every(members.heartbeat_interval_s, self.beat)
         self._tick_s = min(0.1, members.heartbeat_interval_s / 2)
         self._ticked: float | None = None  # the last failure-detection tick (its first comes when the loop runs)
         transport.every(self._tick_s, self._tick)
@@ -71,7 +71,9 @@ class MeshAgent:
         time.sleep(LEAVE_FLUSH_S)
 
     # -- I/O thread -------------------------------------------------------------------------
-    def _beat(self) -> None:
+    def beat(self) -> None:
+        """I/O thread: publish a heartbeat (every heartbeat interval, and at once when this node
+        applies a plan)."""
         self._seq += 1
         self.t.publish(make(MsgType.HEARTBEAT, node=self.me.id, incarnation=self.me.incarnation, seq=self._seq,
                             load=self.load()))

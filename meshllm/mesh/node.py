@@ -73,6 +73,9 @@ class Node:
                                        self.host.offer, self.host.weights.args, lambda: self.host.plan_error,
                                        lambda: self.host.ctx.plan if self.host.ctx is not None else None)
         self.host.coordinator_of = self.coordinator.current
+        # a plan applied here is said at once, not at the next heartbeat (up to 0.5 s later): gateways
+        # wait for a replica's nodes to say they serve a new plan before they resume a request there
+        self.host.listeners.append(lambda ctx: self.transport.call_soon(self.mesh.beat))
         if cfg.fault_injection:  # emulation only: the emulator cuts links between zones on request
             self.transport.on(MsgType.FAULT, self._on_fault)
         if cfg.gateway:
