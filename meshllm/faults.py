@@ -9,9 +9,9 @@ traffic until it ends). Times count from the workload's first request; every fau
 against the cluster file before anything starts (exit 2), and `FaultInjector.done` lists what
 ran, for the report. After a pause or a partition the injector watches the mesh heal: from the
 last one's end it polls the gateway's live plan until every node the plan used before the faults
-(and still alive) is in use again, or a node of its kind in its place, at most HEAL_TIMEOUT_S (x the cluster's time_scale), and
-reports the seconds that took (`healed_after_s`; null if it did not within the bound, with a
-warning). A node still stopped when the workload ends is continued.
+(and still alive) is in use again, or a node of its kind in its place, at most HEAL_TIMEOUT_S (x
+the cluster's time_scale), and reports the seconds that took (`healed_after_s`; null if it did
+not within the bound, with a warning). A node still stopped when the workload ends is continued.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ class Fault:
 
 def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], gateways: list[str],
                  restarts: list[str] = (), pauses: list[str] = ()) -> list[Fault]:
-    """`--kill NODE@S`, `--restart NODE@S`, `--pause NODE@S1-S2` and `--partition ZA:ZB@S1-S2`, checked against the
-    cluster file (exit 2); `gateways`: the nodes whose APIs the workload's client talks to (not
-    every one may be killed: the client goes to the next when one goes away)."""
+    """`--kill NODE@S`, `--restart NODE@S`, `--pause NODE@S1-S2` and `--partition ZA:ZB@S1-S2`,
+    checked against the cluster file (exit 2); `gateways`: the nodes whose APIs the workload's
+    client talks to (not every one may be killed: the client goes to the next when one goes away)."""
     ids, zones, out = {n.id for n in cfg.nodes}, {n.zone for n in cfg.nodes}, []
     for kind, given in (("kill", kills), ("restart", restarts)):
         for k in given:
@@ -125,7 +125,8 @@ class FaultInjector:
         self.kinds = dict(kinds or {})  # node -> its kind (a twin in use in its place counts: stable.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._paused: set[str] = set()  # stopped with SIGSTOP, not continued yet
+        self._paused: set[str] = set()  # stopped with SIGSTOP, not continued yet (under _lock: two threads)
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         if self.faults and self._thread is None:
@@ -135,12 +136,15 @@ class FaultInjector:
     def stop(self) -> None:
         """The workload is done: no fault still pending runs; a heal being watched is waited for."""
         self._stop.set()
-        for node in sorted(self._paused):
+        with self._lock:
+            paused = sorted(self._paused)
+        for node in paused:
             self._resume(node, "the workload is done")
         if self._thread is not None:
-            if self._thread.is_alive() and any("until_s" in d for d in self.done):
+            spans = [d for d in self.done if "until_s" in d]
+            if self._thread.is_alive() and spans:
                 log.info("workload done; watching the mesh heal after the %s (at most %.0f s after it ends)",
-                         self.done[-1]["kind"], self.heal_timeout_s)
+                         spans[-1]["kind"], self.heal_timeout_s)
             self._thread.join(timeout=self.heal_timeout_s + max((f.until_s for f in self.faults), default=0) + 10)
 
     def _run(self) -> None:
@@ -154,7 +158,8 @@ class FaultInjector:
             if end:
                 self._resume(f.node, f"at {at:.1f} s")
             elif f.kind == "pause":
-                self._paused.add(f.node)
+                with self._lock:
+                    self._paused.add(f.node)
                 self.cluster.pause(f.node)
                 log.warning("fault: stopped %s (SIGSTOP) at %.1f s for %.1f s", f.node, at, f.until_s - f.at_s)
                 self.done.append({"kind": "pause", "node": f.node, "at_s": at,
@@ -175,8 +180,10 @@ class FaultInjector:
             self._watch_heal(last, t0 + last["until_s"])
 
     def _resume(self, node: str, when: str) -> None:
-        if node in self._paused:
+        with self._lock:
+            was = node in self._paused
             self._paused.discard(node)
+        if was:
             self.cluster.resume(node)
             log.warning("fault: continued %s (SIGCONT) %s", node, when)
 

@@ -5,12 +5,13 @@ lowest id (every node runs this module; all but one stay quiet). If it dies, the
 sees it dead and takes over; plan versions only grow (a new coordinator starts above every
 version it has seen or that a live peer's heartbeat says it has seen: after a healed partition
 the other side may have planned), so nodes never go back to an older plan. A coordinator that
-learns of a plan newer than its own (its peers took it for dead and the next one planned, while it
-was stopped or cut off and, to itself, nothing changed) plans again, or the mesh would run without it. A peer's HELLO and
-PEERS say its `plan_seen` too, and a coordinator's first plan of its life waits (at most
-FIRST_PLAN_WAIT_S) for the heartbeat of any live peer it has learned second-hand only: one
-restarted before its peers saw it dead would otherwise number its plan from nothing (v1
-again), a version every node already holds and ignores.
+learns of a plan newer than its own (its peers took it for dead and the next one planned, while
+it was stopped or cut off and, to itself, nothing changed) plans again, at most every CATCH_UP_S,
+or the mesh would run without it. A peer's HELLO and PEERS say its `plan_seen` too, and a
+coordinator's first plan of its life waits (at most FIRST_PLAN_WAIT_S) for the heartbeat of any
+live peer it has learned second-hand only: one restarted before its peers saw it dead would
+otherwise number its plan from nothing (v1 again), a version every node already holds and
+ignores.
 
 A new plan keeps what runs where it can: nodes of one kind (device profile, zone, roles) are
 swapped and replicas renumbered so that as many replicas of the plan in force as possible go on
