@@ -241,6 +241,17 @@ def test_a_heartbeat_from_a_newer_life_of_a_peer_greets_it() -> None:
     assert greeted == ["127.0.0.1:7702"]
 
 
+def test_a_peer_whose_process_is_gone_is_dead_at_once_and_only_at_its_address() -> None:
+    m = table()
+    m.observe(info(), 0.0, first_hand=True)
+    assert m.gone("b", "127.0.0.1:9999") is None, "another address: not that peer's process"
+    tr = m.gone("b", "127.0.0.1:7702")
+    assert tr is not None and (tr.old, tr.new) == (PeerState.ALIVE, PeerState.DEAD) and m.live() == []
+    assert m.gone("b", "127.0.0.1:7702") is None and m.gone("zz", "127.0.0.1:7702") is None
+    tr = m.observe(info(inc=2), 0.5, first_hand=True)  # its next life says HELLO
+    assert tr is not None and tr.new is PeerState.ALIVE
+
+
 def test_time_this_node_did_not_run_is_not_its_peers_silence() -> None:
     """A node stopped (SIGSTOP, swapped out, a paused VM) for longer than the failure timeout
     took every peer for dead at its first tick back, before their queued heartbeats were read.

@@ -88,6 +88,14 @@ class MeshAgent:
         for tr in self.members.tick(now):
             self.on_change(tr)
 
+    def peer_gone(self, address: str) -> None:
+        """I/O thread: the transport saw the process at `address` go (Transport.on_peer_gone)."""
+        for p in self.members.live():
+            if p.info.address == address and (tr := self.members.gone(p.info.id, address)) is not None:
+                log.info("%s: peer %s (%s) closed its connection and refuses a new one: its process is gone",
+                         self.me.id, p.info.id, address)
+                self.on_change(tr)
+
     def _on_heartbeat(self, msg: Message, reply: Callable[[Message], None]) -> None:
         tr = self.members.heartbeat(msg["node"], msg["incarnation"], time.monotonic(), msg["load"])
         if tr is not None:

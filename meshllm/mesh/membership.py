@@ -3,7 +3,9 @@
 Failure detection follows the ZeroMQ guide's Paranoid Pirate pattern: peers
 publish a HEARTBEAT every `heartbeat_interval_s`; a peer silent for
 SUSPECT_AFTER_MISSES intervals is `suspect`, and one silent for
-`failure_timeout_s` is `dead`. A LEAVE makes it `left` at once. Time this node itself did
+`failure_timeout_s` is `dead`. A LEAVE makes it `left` at once; a peer whose process is gone
+(its connection closed and its port refuses a new one: the transport sees it in ~0.2 s) is
+`dead` at once (`gone`): a crash on a host that is up needs no timeout. Time this node itself did
 not run (stopped, swapped out; its I/O loop sees the gap between its ticks) is `discount`ed:
 it is not the peers' silence.
 
@@ -164,6 +166,16 @@ class Membership:
                 out.append(Transition(p.info.id, p.state, new))
                 p.state = new
         return out
+
+    def gone(self, peer_id: str, address: str) -> Transition | None:
+        """The process at `address` is gone (its connection closed and its port refuses a new one:
+        the transport's monitor). A live peer there is dead now, not after the failure timeout; a
+        later life of it, or another node at that address, must HELLO to come back."""
+        p = self._peers.get(peer_id)
+        if p is None or p.info.address != address or p.state not in (PeerState.ALIVE, PeerState.SUSPECT):
+            return None
+        old, p.state = p.state, PeerState.DEAD
+        return Transition(peer_id, old, PeerState.DEAD)
 
     def discount(self, seconds: float) -> None:
         """This node itself did not run for `seconds` (stopped, swapped out, a VM or a laptop

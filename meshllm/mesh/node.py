@@ -65,6 +65,7 @@ class Node:
         self.host = RoleHost(self.transport, cfg, self.members)
         self.gateway = self.api = None  # built below, after the mesh agent, if the node file has `gateway:`
         self.mesh = MeshAgent(self.transport, self.members, self.me, self._serving)
+        self.transport.on_peer_gone = self.mesh.peer_gone
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse,
                              lambda: self.host.max_seen)
         self.mesh.greet = self.gossip.greet

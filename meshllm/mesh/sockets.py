@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from meshllm.mesh.ingress import LinkShaper, RateLimiter, Rejections
 from meshllm.mesh.keys import NodeKeys, UnknownPeerKey
@@ -116,7 +117,9 @@ class PeerSockets:
     replies to this node come back on it) and a SUB per peer's PUB, subscribed to `topics`. Each is
     registered on the I/O thread's `poller`; with CURVE each is pinned to its peer's key, and one
     whose pin changed since it was made (another node now listens there) is closed and made
-    afresh. Used by the I/O thread only."""
+    afresh. Each SUB is watched by a monitor socket (`monitors`, on the poller too): a peer whose
+    connection closed and whose port then refuses a new one has lost its process (`refused`).
+    Used by the I/O thread only."""
 
     def __init__(self, ctx: zmq.Context, keys: NodeKeys | None, poller: zmq.Poller, who: str,
                  topics: set[bytes]):
@@ -125,6 +128,8 @@ class PeerSockets:
         self.dealers: dict[str, zmq.Socket] = {}
         self.subs: dict[str, zmq.Socket] = {}  # peer address -> SUB connected to its PUB
         self.owner: dict[zmq.Socket, tuple[str, str | None, bool]] = {}  # DEALER/SUB -> (address, id, is SUB)
+        self.monitors: dict[zmq.Socket, str] = {}  # a SUB's monitor socket -> the peer address
+        self._retries: dict[str, int] = {}  # address -> reconnects scheduled since its SUB lost its connection
 
     def dealer(self, address: str) -> zmq.Socket | None:
         """The DEALER to `address` (None, logged, if no key is pinned for it)."""
@@ -152,6 +157,29 @@ class PeerSockets:
             sock.setsockopt(zmq.SUBSCRIBE, t)
         self.subs[address], self.owner[sock] = sock, (address, peer, True)
         self.poller.register(sock, zmq.POLLIN)
+        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self.monitors[mon] = address
+        self.poller.register(mon, zmq.POLLIN)
+
+    def refused(self, mon: zmq.Socket) -> str | None:
+        """Read a SUB's monitor events: the peer's address if its connection closed and a new one
+        was then refused (libzmq schedules a reconnect at once, then again after a refused try,
+        ~0.1-0.2 s later: the port is closed, the process that held it is gone), once per loss; else
+        None. A peer that stopped running, or whose host or link went away, closes nothing: the
+        failure timeout finds it."""
+        address, gone = self.monitors[mon], False
+        while True:
+            try:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return address if gone else None
+            if event == zmq.EVENT_DISCONNECTED:
+                self._retries[address] = 0
+            elif event == zmq.EVENT_CONNECTED:
+                self._retries.pop(address, None)
+            elif event == zmq.EVENT_CONNECT_RETRIED and address in self._retries:
+                self._retries[address] += 1
+                gone = gone or self._retries[address] == 2
 
     def forget(self, address: str) -> None:
         """Close the SUB and the DEALER to a peer (the next send or subscription connects afresh)."""
@@ -164,10 +192,11 @@ class PeerSockets:
             sock.setsockopt(zmq.SUBSCRIBE if on else zmq.UNSUBSCRIBE, topic_frame)
 
     def close(self) -> None:
-        for s in (*self.subs.values(), *self.dealers.values()):
+        for address in list(self.subs):
+            self._drop(self.subs, address)
+        for s in self.dealers.values():
             s.close(linger=0)
         self.dealers.clear()
-        self.subs.clear()
         self.owner.clear()
 
     def _fresh(self, socks: dict[str, zmq.Socket], address: str) -> zmq.Socket | None:
@@ -188,6 +217,13 @@ class PeerSockets:
         if sock is not None:
             self.poller.unregister(sock)
             self.owner.pop(sock, None)
+            if socks is self.subs:
+                for mon in [m for m, a in self.monitors.items() if a == address]:
+                    sock.disable_monitor()
+                    self.poller.unregister(mon)
+                    del self.monitors[mon]
+                    mon.close(linger=0)
+                self._retries.pop(address, None)
             sock.close(linger=0)
 
 

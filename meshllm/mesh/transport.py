@@ -83,6 +83,7 @@ class Transport:
         self.peers = PeerSockets(self.ctx, keys, self._poller, node_id, {TOPIC_MESH})
         self._stop = threading.Event()
         self._closed = False
+        self.on_peer_gone: Callable[[str], None] | None = None  # I/O thread: the process at an address is gone
         # ZAP before any CURVE server socket exists: no handshake runs unchecked
         self.admission = Admission(self.ctx, keys, self.inbox.refused) if keys is not None else None
         self.router, self.pub = make_socket(self.ctx, zmq.ROUTER), make_socket(self.ctx, zmq.PUB)
@@ -234,6 +235,10 @@ class Transport:
                 for sock, _ in self._poller.poll(self.loop.timeout_ms()):
                     if sock == self.loop.wake_fd:
                         self.loop.drain_wake()
+                    elif sock in self.peers.monitors:
+                        gone = self.peers.refused(sock)
+                        if gone is not None and self.on_peer_gone is not None:
+                            guard(lambda gone=gone: self.on_peer_gone(gone), self.node_id)
                     else:
                         self.inbox.receive(sock, None if sock is self.router else self.peers.owner[sock],
                                            self._dispatch, self.loop.hold)
