@@ -270,3 +270,56 @@ def test_a_request_larger_than_every_room_goes_to_an_empty_replica_not_a_busy_on
     assert kv_fit({0, 1, 3}, roles, left, 8192, rooms) == {0, 1, 3}  # no empty one ready: unchanged
     assert kv_fit({0, 1, 2, 3}, roles, left, 2000, rooms) == {1, 2, 3}  # room left for it: as before
     assert kv_fit({0, 1, 2, 3}, roles, left, 3000, rooms) == {1, 2, 3}  # 3's room left holds it: not only the empty one
+
+
+def test_what_the_candidates_of_one_pick_share_leaves_every_score_exactly_as_alone():
+    """pick_prefill computes each decode replica's share of the scores once (decode_targets) and
+    each prefill replica's best decode finish once per set of zone links its KV crosses (memo):
+    on bench-mesh-200 (zone links) and tuned Splitwise's replicas, stopped mid-run with loads,
+    promised KV and booked ports, every candidate's score is bit for bit its score alone, with
+    each decode replica in turn the one the others' queues make best."""
+    from meshllm.config import load_cluster, plan_inputs
+    from meshllm.sim.baselines import splitwise
+    from meshllm.sim.sweep import make_trace, requests_at
+    from tests.conftest import REPO
+
+    zin = plan_inputs(load_cluster(REPO / "clusters" / "bench-mesh-200.yaml"))
+    reps = splitwise(zin).replicas
+    assert {r.role for r in reps} >= {"prefill", "decode"} and len({m.zone for r in reps for m in r.members}) > 1
+    sim = Simulator(reps, requests_at(make_trace(zin, 300, 0), 6.0))
+    with pytest.raises(RuntimeError):
+        sim.run(max_events=3_000)  # stopped mid-run
+    router, loads = sim.router, sim.loads
+    for rid, load in loads.items():  # and more KV promised than a short run leaves
+        load.kv_pending_tokens += 300 * (1 + rid % 3)
+    decoders = [r.id for r in reps if r.role == "decode"]
+    shared = 0
+    for best in decoders:
+        for rid in decoders:
+            loads[rid].waiting += 0 if rid == best else 100_000
+        targets, memo, n = router.decode_targets(loads, 256.0, sim.now), {}, 0
+        for r in reps:
+            if r.role == "prefill":
+                alone = router.prefill_score(r, loads, 700, 256.0, sim.now)
+                assert router.prefill_score(r, loads, 700, 256.0, sim.now, True, targets, memo) == alone, (best, r.id)
+                assert router.best_decode_rest(r, loads, 256.0, sim.now) == defined(router, r, loads, sim.now)
+                n += 1
+        shared += n - len(memo)
+        for rid in decoders:
+            loads[rid].waiting -= 0 if rid == best else 100_000
+    assert shared > 0, "no two prefill replicas shared their decode figures: the memo was not exercised"
+
+
+def defined(router: Router, src: SimReplica, loads, now: float, n_out: float = 256.0) -> float:
+    """best_decode_rest as its docstring defines it, term by term for each decode replica."""
+    from meshllm.sim.ports import RX
+
+    best = float("inf")
+    for rep in router.reps.values():
+        if rep.role in ("decode", "mixed"):
+            rest, slot_wait = router.decode_cost(rep, loads[rep.id], n_out)
+            rx = max(max(router.ports.wait_s(m.id, RX, now) for m in rep.members),
+                     router.ports.link_wait_s(router.kv_links(src, rep), now))
+            rx += router.pending_rx_s(rep, loads[rep.id], src)
+            best = min(best, rest + (1 + router.w) * rx + router.w * slot_wait)
+    return best

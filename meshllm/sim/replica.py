@@ -37,11 +37,13 @@ class SimReplica:
     counts: tuple[int, ...]
     inp: PlanInputs
     cache: dict = field(init=False, repr=False, compare=False)
+    plain: dict = field(init=False, repr=False, compare=False)  # decode steps alone: (batch, context bucket) -> s
 
     def __post_init__(self) -> None:
         # the step times depend on the members' keys (device, zone), the counts and `inp` only
         shape = (tuple(m.key for m in self.members), tuple(self.counts))
         self.cache = self.inp.step_caches.setdefault(shape, {})
+        self.plain = self.cache.setdefault("plain", {})  # the simulator's commonest question, asked fast
 
     @property
     def ids(self) -> list[str]:
@@ -76,6 +78,12 @@ class SimReplica:
         micro-batches, or, if `prompts` > 0, as that many more sequences. A chunk between two
         multiples of CHUNK_BUCKET costs the straight line between theirs (above the step time,
         which is convex in the chunk: a maximum of linear terms)."""
+        if not chunk:
+            key = (batch, int(context) // CTX_BUCKET)
+            got = self.plain.get(key)
+            if got is None:
+                got = self.plain[key] = self.step_s(batch, context, 0, 0.0, 0)
+            return got
         lo = chunk // CHUNK_BUCKET * CHUNK_BUCKET
         if lo == chunk:
             return self.step_s(batch, context, chunk, chunk_ctx, prompts)

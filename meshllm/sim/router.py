@@ -92,6 +92,9 @@ class Router:
         self.w = wait_weight
         self._flows: dict[tuple[int, int], list[tuple[Member, Member, float]]] = {}
         self._links: dict[tuple[int, int], dict[tuple, float]] = {}
+        self._crossing: dict[int, tuple] = {}  # prefill replica -> the zone links its KV crosses to each target
+        roles = {r.role for r in replicas}
+        self.ships = "prefill" in roles and bool(roles & set(DECODE_TARGETS))  # a prefill replica's KV has somewhere to go
 
     def kv_flows(self, src: SimReplica, dst: SimReplica, tokens: int) -> list[tuple[Member, Member, float]]:
         """KV transfers of one prompt of `tokens` tokens: every prefill stage to every decode stage
@@ -116,10 +119,21 @@ class Router:
         kept; the prefill replica asking stands for it."""
         if not load.kv_pending_tokens:
             return 0.0
+        rx = self.pending_port_s(rep, load)
+        return rx if src is None else self.pending_from(src, rep, load, rx)
+
+    @staticmethod
+    def pending_port_s(rep: SimReplica, load: ReplicaLoad) -> float:
+        """pending_rx_s's busiest receiving port (0 with nothing promised)."""
+        if not load.kv_pending_tokens:
+            return 0.0
         per = rep.inp.mc.kv_bytes_per_token * load.kv_pending_tokens
-        rx = max(transfer_s(per * n, m.device.network_mbps) for m, n in zip(rep.members, rep.counts))
-        if src is None:
-            return rx
+        return max(transfer_s(per * n, m.device.network_mbps) for m, n in zip(rep.members, rep.counts))
+
+    def pending_from(self, src: SimReplica, rep: SimReplica, load: ReplicaLoad, rx: float) -> float:
+        """pending_rx_s from `src`, given its busiest receiving port's `rx` (pending_port_s)."""
+        if not load.kv_pending_tokens:
+            return 0.0
         return max(rx, max((per_token * load.kv_pending_tokens for per_token in self.kv_links(src, rep).values()),
                            default=0.0))
 
@@ -159,20 +173,50 @@ class Router:
         assert best is not None, "no decode or mixed replica"
         return best[1]
 
-    def best_decode_rest(self, src: SimReplica, loads: Mapping[int, ReplicaLoad], n_out: float, now: float) -> float:
+    def decode_targets(self, loads: Mapping[int, ReplicaLoad], n_out: float, now: float,
+                       ships: bool = True) -> dict[int, tuple[SimReplica, float, float, float]]:
+        """What the candidates' scores share, computed once a pick: {id: (each decode or mixed
+        replica, its `decode_cost`, the wait of its busiest rx port, `pending_port_s` (both 0
+        unless `ships`))}."""
+        return {rep.id: (rep, *self.decode_cost(rep, loads[rep.id], n_out),
+                         max(self.ports.wait_s(m.id, RX, now) for m in rep.members) if ships else 0.0,
+                         self.pending_port_s(rep, loads[rep.id]) if ships else 0.0)
+                for rep in self.reps.values() if rep.role in DECODE_TARGETS}
+
+    def crossing(self, src: SimReplica) -> tuple:
+        """The zone links `src`'s KV crosses to each decode or mixed replica (kv_links, in the
+        replicas' order): two prefill replicas alike in this have the same best_decode_rest."""
+        got = self._crossing.get(src.id)
+        if got is None:
+            got = self._crossing[src.id] = tuple(tuple(self.kv_links(src, rep).items()) for rep in self.reps.values()
+                                                 if rep.role in DECODE_TARGETS)
+        return got
+
+    def best_decode_rest(self, src: SimReplica, loads: Mapping[int, ReplicaLoad], n_out: float, now: float,
+                         targets: dict | None = None, memo: dict | None = None) -> float:
         """Scored seconds from `src`'s KV shipped to done on the best decode replica (the queues
-        of its rx ports and of the zone links from `src` included)."""
+        of its rx ports and of the zone links from `src` included); `targets`: decode_targets';
+        `memo`: the figures of one pick, by `crossing` (most prefill replicas share their zones)."""
+        if memo is not None:
+            key = self.crossing(src)
+            got = memo.get(key)
+            if got is None:
+                got = memo[key] = self.best_decode_rest(src, loads, n_out, now, targets)
+            return got
         best = float("inf")
-        for rep in self.reps.values():
-            if rep.role in DECODE_TARGETS:
-                rest, slot_wait = self.decode_cost(rep, loads[rep.id], n_out)
-                rx = max(max(self.ports.wait_s(m.id, RX, now) for m in rep.members),
-                         self.ports.link_wait_s(self.kv_links(src, rep), now))
-                rx += self.pending_rx_s(rep, loads[rep.id], src)
-                best = min(best, rest + (1 + self.w) * rx + self.w * slot_wait)
+        targets = self.decode_targets(loads, n_out, now) if targets is None else targets
+        for rep, rest, slot_wait, rx_port, pending in targets.values():
+            links = self.kv_links(src, rep)
+            if links:
+                rx = max(rx_port, self.ports.link_wait_s(links, now))
+                rx += self.pending_from(src, rep, loads[rep.id], pending)
+            else:  # within its zone: the ports and the KV promised to them, whichever prefills it
+                rx = rx_port + pending
+            best = min(best, rest + (1 + self.w) * rx + self.w * slot_wait)
         return best
 
-    def mixed_score(self, rep: SimReplica, load: ReplicaLoad, n_in: int, n_out: float, now: float) -> float:
+    def mixed_score(self, rep: SimReplica, load: ReplicaLoad, n_in: int, n_out: float, now: float,
+                    cost: tuple[float, float] | None = None) -> float:
         """A mixed replica prefills its prompts in chunks riding along its decode steps (as many
         tokens per step as `chunk_tokens` gives), or whole (`SimReplica.goes_whole`: once as many
         prompts wait as sequences decode); either way the decoding sequences wait for the steps' extra
@@ -188,17 +232,18 @@ class Router:
             step = rep.decode_iter_s(b, ctx, chunk, n_in)
             ttft, pause = now + steps * step, b * steps * (step - base)
         join = rep.join_wait_s(b, ctx)  # for the next micro-batch launch
-        rest, slot_wait = self.decode_cost(rep, load, n_out)
+        rest, slot_wait = cost if cost is not None else self.decode_cost(rep, load, n_out)
         return ttft + join + rest + self.w * (join + max(0.0, ttft - now - lat) + slot_wait + pause)
 
     def prefill_score(self, rep: SimReplica, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float,
-                      now: float, ships: bool = True) -> float:
+                      now: float, ships: bool = True, targets: dict | None = None, memo: dict | None = None) -> float:
         """A candidate's score for a new prompt; `ships`: a prefill replica's KV has a decode or
-        mixed replica to go to (else its decode is not counted)."""
+        mixed replica to go to (else its decode is not counted); `targets`, `memo`: shared by the
+        candidates of one pick (decode_targets, best_decode_rest)."""
         load = loads[rep.id]
         if rep.role == "mixed":
-            return self.mixed_score(rep, load, n_in, n_out, now)
-        decode_rest = self.best_decode_rest(rep, loads, n_out, now) if ships else 0.0
+            return self.mixed_score(rep, load, n_in, n_out, now, None if targets is None else targets[rep.id][1:3])
+        decode_rest = self.best_decode_rest(rep, loads, n_out, now, targets, memo) if ships else 0.0
         _, lat = rep.prefill_s(n_in)
         start = max(now, load.next_prefill_at) + load.prefill_queued_s
         ttft = start + lat
@@ -217,12 +262,11 @@ class Router:
 
     def pick_prefill(self, loads: Mapping[int, ReplicaLoad], n_in: int, n_out: float, now: float) -> int:
         """The prefill (or mixed) replica for a new request of `n_in` prompt tokens."""
-        roles = {r.role for r in self.reps.values()}
-        ships = "prefill" in roles and bool(roles & set(DECODE_TARGETS))  # a prefill replica's KV has somewhere to go
-        best = None
+        best, ships = None, self.ships
+        targets, memo = self.decode_targets(loads, n_out, now, ships), {}  # what the candidates share, once
         for rep in self.reps.values():
             if rep.role in ("prefill", "mixed"):
-                score = self.prefill_score(rep, loads, n_in, n_out, now, ships)
+                score = self.prefill_score(rep, loads, n_in, n_out, now, ships, targets, memo)
                 if best is None or score < best[0]:
                     best = (score, rep.id)
         assert best is not None, "no prefill or mixed replica"
