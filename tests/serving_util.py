@@ -76,6 +76,14 @@ class Served:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
 
+    def post_stream(self, path: str, body: dict, timeout: float = 120) -> list[dict]:
+        """A streaming POST read to its end: the SSE events' JSON objects, in order."""
+        req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            lines = r.read().decode().splitlines()
+        return [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ") and ln != "data: [DONE]"]
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

@@ -348,6 +348,34 @@ def test_sampling_is_the_references(pipes, smollm2, smollm2_tokenizer):
         assert body["choices"][0]["token_ids"] == ref["token_ids"]
 
 
+def test_a_client_resumes_a_request_after_the_tokens_it_has(pipes, smollm2, smollm2_tokenizer):
+    """`meshllm.resume_token_ids`: a client whose gateway died mid-stream sends the request to
+    another with the output it has; that gateway goes on after it (the workload client of
+    `--cluster` does so, workload.py). Greedy and seeded sampling: the tokens after the resumed
+    ones are the reference's, streamed, with their text only, and a resume point inside a
+    multi-byte character still gives the whole text once."""
+    prompt = "日本語で"  # its output's first token is part of a character (greedy and sampled); the 9th ends one
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 11}):
+        ref = reference(smollm2, smollm2_tokenizer, prompt, 24, **{k: v for k, v in sampling.items()
+                                                                  if k != "temperature" or v})
+        ids = ref["token_ids"]
+        for cut in (1, 9):
+            body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 24, **sampling,
+                    "meshllm": {"resume_token_ids": ids[:cut]}}
+            code, got = pipes.post("/v1/completions", body)
+            assert code == 200, got
+            assert same_up_to_tie(ids[:cut] + got["choices"][0]["token_ids"], ref)[0], (sampling, cut, got)
+            assert got["usage"]["completion_tokens"] == len(got["choices"][0]["token_ids"]) == 24 - cut
+            events = pipes.post_stream("/v1/completions", body)
+            text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+            assert [t for e in events if e.get("choices") for t in e["choices"][0]["token_ids"]] == \
+                got["choices"][0]["token_ids"]
+            whole = smollm2_tokenizer.decode(ids)
+            head = smollm2_tokenizer.decode(ids[:cut]).rstrip("\ufffd")
+            assert whole.startswith(head) and head + text == whole, (head, text)
+            assert head != smollm2_tokenizer.decode(ids[:cut]) or cut == 9  # cut 1: inside a character
+
+
 def test_a_long_generation_through_the_pipeline(pipes, smollm2, smollm2_tokenizer):
     prompt = "Write a long story about a robot who learns to paint."
     code, body = pipes.post("/v1/chat/completions", {"model": "smollm2-135m", "max_tokens": 300, "temperature": 0,
@@ -449,6 +477,11 @@ def test_continuous_batching_short_request_overtakes_a_long_one(disagg):
      "unknown_parameter"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 4, "max_completion_tokens": 5}, 400, "invalid_value"),
     ({"model": "smollm2-135m", "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "invalid_value"),
+    ({"model": "smollm2-135m", "prompt": "hi", "meshllm": {"resume_token_ids": [1, "2"]}}, 400, "invalid_value"),
+    ({"model": "smollm2-135m", "prompt": "hi", "meshllm": {"resume_token_ids": [10 ** 9]}}, 400, "invalid_value"),
+    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "meshllm": {"resume_token_ids": [5, 6]}}, 400,
+     "invalid_value"),  # nothing left to generate
+    ({"model": "smollm2-135m", "prompt": "hi", "meshllm": {"resume_token_ids": [5, 2]}}, 400, "invalid_value"),  # EOS
 ])
 def test_bad_input_is_a_4xx_and_the_mesh_keeps_serving(disagg, body, status, code, smollm2, smollm2_tokenizer):
     path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"

@@ -64,6 +64,7 @@ class Params:
     gamma: int | None = None
     decode_replica: int | None = None
     adaptive: bool | None = None
+    resume: tuple[int, ...] = ()  # meshllm extension: the output a client already has (from a gateway that died)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
@@ -122,18 +123,40 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
                              or not isinstance(opts.get("include_usage", False), bool)):
         raise ApiError(400, "'stream_options' is {include_usage: bool}, with stream: true", "stream_options",
                        "invalid_value")
-    mode, gamma, pin, adaptive = _extension({} if body.get("meshllm") is None else body["meshllm"])
-    return Params(ids, min(max_tokens, gw.model.max_context - len(ids)), float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),
+    ext = {} if body.get("meshllm") is None else body["meshllm"]
+    mode, gamma, pin, adaptive = _extension(ext)
+    max_tokens = min(max_tokens, gw.model.max_context - len(ids))
+    return Params(ids, max_tokens, float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),
                   _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
                   _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
-                  bool((opts or {}).get("include_usage")), mode, gamma, pin, adaptive)
+                  bool((opts or {}).get("include_usage")), mode, gamma, pin, adaptive,
+                  _resume(ext.get("resume_token_ids"), gw, max_tokens))
+
+
+def _resume(ids: Any, gw: Gateway, max_tokens: int) -> tuple[int, ...]:
+    """`meshllm.resume_token_ids`: the output tokens a client already has of this request (its
+    gateway died mid-stream); the request goes on after them, as the gateway's own resume does
+    (seeded sampling included): only the tokens after them are generated and sent."""
+    if ids is None:
+        return ()
+    vocab, eos = gw.model.vocab, set(gw.model.tokenizer.eos_ids)
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < (vocab or 1 << 31) for t in ids):
+        raise ApiError(400, "meshllm.resume_token_ids must be a list of token ids of this model's vocabulary",
+                       "meshllm.resume_token_ids", "invalid_value")
+    if len(ids) >= max_tokens:
+        raise ApiError(400, f"meshllm.resume_token_ids has {len(ids)} tokens: max_tokens ({max_tokens} here) leaves "
+                            "none to generate after them", "meshllm.resume_token_ids", "invalid_value")
+    if eos & set(ids):
+        raise ApiError(400, "meshllm.resume_token_ids holds an end-of-sequence token: that output is complete",
+                       "meshllm.resume_token_ids", "invalid_value")
+    return tuple(ids)
 
 
 def _extension(ext: Any) -> tuple[str | None, int | None, int | None, bool | None]:
     """The `meshllm` field: (speculation mode, gamma, decode replica, adaptive), None where not given."""
-    if not isinstance(ext, dict) or set(ext) - {"speculation", "gamma", "adaptive", "decode_replica"}:
-        raise ApiError(400, "'meshllm' takes speculation, gamma, adaptive and decode_replica", "meshllm",
-                       "invalid_value")
+    if not isinstance(ext, dict) or set(ext) - {"speculation", "gamma", "adaptive", "decode_replica", "resume_token_ids"}:
+        raise ApiError(400, "'meshllm' takes speculation, gamma, adaptive, decode_replica and resume_token_ids",
+                       "meshllm", "invalid_value")
     adaptive = ext.get("adaptive")
     if adaptive is not None and not isinstance(adaptive, bool):
         raise ApiError(400, "meshllm.adaptive must be true or false", "meshllm.adaptive", "invalid_value")

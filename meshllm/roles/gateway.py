@@ -27,7 +27,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -134,13 +134,16 @@ class Gateway:
     # -- requests ---------------------------------------------------------------------------------
     async def submit(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
                      seed: int, spec_mode: str | None = None, gamma: int | None = None,
-                     decode_replica: int | None = None, adaptive: bool | None = None) -> Stream:
+                     decode_replica: int | None = None, adaptive: bool | None = None,
+                     resume: Sequence[int] = ()) -> Stream:
+        """Send a request into the mesh; `resume`: output tokens the client already has (from a
+        gateway that died): the request goes on after them, as a resumed attempt does."""
         sp = self.cfg.speculation
         settings = {"sampling": sampling_map(temperature, top_k, top_p, seed), "mode": spec_mode or sp.mode,
                     "gamma": gamma or sp.gamma, "adaptive": sp.adaptive if adaptive is None else adaptive,
                     "pin": decode_replica}
         s = Stream(0, asyncio.get_running_loop(), asyncio.Queue(), set(), -1, -1, len(ids), max_tokens,
-                   prompt=list(ids), settings=settings)
+                   prompt=list(ids), settings=settings, emitted=list(resume), next_index=len(resume))
         self.metrics.started(len(ids))
         status = "abandoned"  # the client went away (the handler cancelled) before it was sent
         try:

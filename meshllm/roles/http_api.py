@@ -12,8 +12,10 @@ Request fields: model, max_tokens (or max_completion_tokens), temperature, top_p
 (string or up to 4), stream, stream_options.include_usage, n (1 only); the OpenAI fields this API
 does not implement (penalties, logprobs, logit_bias, echo, tools, ...: `api_params.NO_OP`) are a 400 unless
 at their no-op value, never silently ignored; `top_k` is accepted as an extension, and so is `meshllm`: {"speculation": "async" |
-"sync" | "off", "gamma": 1-16, "adaptive": bool, "decode_replica": id} (per-request controls for operators and
-benchmarks; by default the cluster's settings and the router decide). Every choice carries `token_ids` (extension)
+"sync" | "off", "gamma": 1-16, "adaptive": bool, "decode_replica": id, "resume_token_ids": [ids]} (per-request
+controls for operators and benchmarks; by default the cluster's settings and the router decide;
+`resume_token_ids`: the output a client already has from a gateway that died mid-stream, which
+this gateway goes on from instead of starting over: only the tokens after them are sent). Every choice carries `token_ids` (extension)
 so clients can compare against `--reference`. Bad input is a 4xx with an OpenAI-style JSON
 error (`{"error": {"message", "type", "param", "code"}}`) and the node keeps serving. A client
 that disconnects mid-stream has its sequence released on every node that holds it.
@@ -51,10 +53,10 @@ class TextStream:
     """Incremental detokenization with stop strings: `push(tokens)` returns the text that is safe
     to show (never half a UTF-8 character, never a possible prefix of a stop string)."""
 
-    def __init__(self, gw: Gateway, stop: tuple[str, ...]):
+    def __init__(self, gw: Gateway, stop: tuple[str, ...], shown: tuple[int, ...] = ()):
         self.tok, self.eos, self.stop = gw.model.tokenizer, gw.model.tokenizer.eos_ids, stop
-        self.ids: list[int] = []
-        self.shown = 0
+        self.ids: list[int] = list(shown)  # tokens whose text the client has (a resumed request's)
+        self.shown = len(self.tok.decode(self.ids).rstrip("\ufffd")) if shown else 0
         self.stopped = False
 
     def push(self, tokens: list[int], final: bool) -> str:
@@ -116,7 +118,7 @@ async def _generate(request: web.Request, gw: Gateway, chat: bool, body_s: float
         try:
             s = await gw.submit(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
                                 spec_mode=p.spec_mode, gamma=p.gamma, decode_replica=p.decode_replica,
-                                adaptive=p.adaptive)
+                                adaptive=p.adaptive, resume=p.resume)
         except RequestError as e:
             return ApiError(503, str(e), None, e.code).response()
         kind, rid = ("chat", f"chatcmpl-{uuid.uuid4().hex}") if chat else ("text", f"cmpl-{uuid.uuid4().hex}")
@@ -129,8 +131,8 @@ class Run:
 
     def __init__(self, gw: Gateway, s: Stream, p: Params, kind: str, rid: str):
         self.gw, self.s, self.p, self.kind, self.rid = gw, s, p, kind, rid
-        self.text = TextStream(gw, p.stop)
-        self.ids: list[int] = []
+        self.text = TextStream(gw, p.stop, p.resume)
+        self.ids: list[int] = []  # the tokens of this response (after any the client resumed from)
         self.last_at: float | None = None
 
     async def events(self):
