@@ -13,6 +13,13 @@ newcomer logs the refusal and stops (exit code 1). The node that started first
 (smaller incarnation) keeps the id, whoever greets whom: a newcomer greeted by
 the older holder (mDNS finds both ways) refuses itself, and a refusal naming a
 holder younger than us is ignored. zeroconf's own name probe is a third check.
+The holder may be this node's own former life, killed or on a host that hung, not
+yet seen dead (a node restarted at another address: a container's new IP, another
+port): so for the failure timeout and two heartbeats after its start (`wait_s`) a
+newcomer takes a peer's refusal as "not yet", says so once, and greets its seeds again
+every JOIN_RETRY_MIN_S; once its former life is seen dead it joins. A holder still
+alive then refuses it for good, as does a holder that greets it (alive, then). (It
+used to stop at the first refusal: the restart failed, and the node stayed out.)
 
 mDNS. With `mdns: true` a node registers `<id>._meshllm._tcp.local.` (address,
 port, and a TXT record with id/zone) with zeroconf and browses the same type;
@@ -67,8 +74,10 @@ class Gossip:
 
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo, seeds: tuple[str, ...],
                  on_change: Callable[[Transition], None], on_refused: Callable[[str], None],
-                 plan_seen: Callable[[], int] = lambda: 0):
+                 plan_seen: Callable[[], int] = lambda: 0, wait_s: float = 0.0):
         self.t, self.members, self.me = transport, members, me
+        self.refuse_after = time.monotonic() + wait_s  # till then a refusal may name our own former life
+        self._told_waiting = False
         self.on_change, self.on_refused = on_change, on_refused
         self.plan_seen = plan_seen  # the newest plan version this node has seen: said in HELLO and PEERS
         now = time.monotonic()
@@ -152,9 +161,25 @@ class Gossip:
             log.warning("%s: %r calls us a duplicate, but the other holder started later: ignored", self.me.id,
                         msg.src)
         elif msg["code"] == "duplicate_id":
-            self.on_refused(f"refused by {msg.src!r}: {msg['message']}")
+            why = f"refused by {msg.src!r}: {msg['message']}"
+            if not self._maybe_former_life(why):
+                self.on_refused(why)
         else:
             log.warning("%s: error from %r: %s: %s", self.me.id, msg.src, msg["code"], msg["message"])
+
+    def _maybe_former_life(self, why: str) -> bool:
+        """Within `refuse_after`, a refusal may name this node's former life not yet seen dead
+        (module docstring): say so once, greet the seeds again soon, and go on waiting."""
+        now = time.monotonic()
+        if now >= self.refuse_after:
+            return False
+        if not self._told_waiting:
+            log.warning("%s: %s; if that is this node's former life, its peers will see it dead: trying again "
+                        "for up to %.1f s", self.me.id, why, self.refuse_after - now)
+            self._told_waiting = True
+        for slot in self._seeds.values():
+            slot[0], slot[1] = min(slot[0], now + JOIN_RETRY_MIN_S), JOIN_RETRY_MIN_S
+        return True
 
     def _learn(self, info: PeerInfo, first_hand: bool) -> None:
         if not self.t.pin(info.id, info.address, first_hand):  # CURVE: only admitted ids, pinned to their key

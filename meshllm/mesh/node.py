@@ -67,7 +67,7 @@ class Node:
         self.mesh = MeshAgent(self.transport, self.members, self.me, self._serving)
         self.transport.on_peer_gone = self.mesh.peer_gone
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse,
-                             lambda: self.host.max_seen)
+                             lambda: self.host.max_seen, cfg.failure_timeout_s + 2 * cfg.heartbeat_interval_s)
         self.mesh.greet = self.gossip.greet
         self.mdns = MdnsDiscovery(self.me, self._mdns_found, self._refuse) if cfg.mdns else None
         self.coordinator = Coordinator(self.transport, self.members, self.me, cfg, lambda: self.host.max_seen,
