@@ -405,16 +405,25 @@ class Simulator:
         st.busy, st.chunk = False, ()
         keep, made, floor, gaps = [], 0, math.floor, self.gaps  # the hot loop of the simulator: per sequence per run
         stretch = iters * (step - base) if chunk else 0.0  # the prompt riding along made these steps longer
+        # a sequence with no progress towards its next token (part 0.0, most of them) gets these;
+        # the same floats as the general case below gives it (0.0 + x and x * 1.0 are x exactly)
+        tokens0 = floor(iters + 1e-9)
+        first0 = start + step
+        last0 = first0 + step * (tokens0 - 1) if tokens0 > 1 else first0
         for item in st.active:
             req, left, part = item
-            tokens = floor(part + iters + 1e-9)  # whole tokens this run completed
-            if tokens:
+            if part == 0.0:
+                tokens, first, last = tokens0, first0, last0
+            else:
+                tokens = floor(part + iters + 1e-9)  # whole tokens this run completed
                 first = start + step * (1.0 - part)
+                last = first + step * (tokens - 1) if tokens > 1 else first
+            if tokens:
                 if gaps:
                     req.gaps.append((first - req.last_token, 1))
                     if tokens > 1:
                         req.gaps.append((step, tokens - 1))
-                req.last_token = first + step * (tokens - 1) if tokens > 1 else first
+                req.last_token = last
                 made += tokens
                 left -= tokens
             if chunk:
