@@ -374,6 +374,11 @@ def test_a_client_resumes_a_request_after_the_tokens_it_has(pipes, smollm2, smol
             head = smollm2_tokenizer.decode(ids[:cut]).rstrip("\ufffd")
             assert whole.startswith(head) and head + text == whole, (head, text)
             assert head != smollm2_tokenizer.decode(ids[:cut]) or cut == 9  # cut 1: inside a character
+    ref = reference(smollm2, smollm2_tokenizer, "Name a color.", 12, chat=True)  # chat: after the assistant's turn began
+    code, got = pipes.post("/v1/chat/completions", {"model": "smollm2-135m", "max_tokens": 12, "temperature": 0,
+                                                    "messages": [{"role": "user", "content": "Name a color."}],
+                                                    "meshllm": {"resume_token_ids": ref["token_ids"][:5]}})
+    assert code == 200 and same_up_to_tie(ref["token_ids"][:5] + got["choices"][0]["token_ids"], ref)[0], got
 
 
 def test_a_long_generation_through_the_pipeline(pipes, smollm2, smollm2_tokenizer):
