@@ -835,3 +835,29 @@ def test_a_request_whose_session_moved_follows_it_and_resumes_when_that_replica_
     assert s.decode_rid == 3 and [t for t, *_ in got] == [[5]] * 5
     gw.on_plan(dataclasses.replace(gw.ctx, version=6, incarnations={**lives, "dg": 2}))  # dg restarted
     assert got[-1][2] == "error" and "re-planned" in got[-1][3], got[-1]
+
+
+def test_a_request_waiting_for_a_ready_replica_looks_again_on_news_not_at_the_next_poll(monkeypatch):
+    """A request waiting for a ready replica (a new one, or one resumed after a failure) slept
+    RESUME_POLL_S between looks, 0.1 s of every resume's pause on average; a plan applied or a
+    peer's heartbeat saying which plan it has loaded now wakes it at once (`Gateway.wake`, from
+    the I/O thread). With the poll made 60 s, only the wake can end the wait in time."""
+    import asyncio
+
+    from meshllm.roles import gateway
+
+    monkeypatch.setattr(gateway, "RESUME_POLL_S", 60.0)
+    gw = gateway.Gateway.__new__(gateway.Gateway)  # the waiting alone: no transport, no mesh
+    gw._lock, gw._waiting = threading.Lock(), []
+
+    async def wait_and_wake() -> float:
+        t0 = time.monotonic()
+        waiters = [asyncio.create_task(gw._until_news()) for _ in range(3)]
+        while len(gw._waiting) < 3:
+            await asyncio.sleep(0.01)
+        threading.Thread(target=gw.wake).start()
+        await asyncio.wait_for(asyncio.gather(*waiters), 30.0)
+        return time.monotonic() - t0
+
+    assert asyncio.run(wait_and_wake()) < 30.0 and gw._waiting == []
+    gw.wake()  # nothing waiting: nothing to do

@@ -29,6 +29,7 @@ class MeshAgent:
         self._seq = 0
         self._started = time.monotonic()
         self.greet: Callable[[str], None] | None = None  # say HELLO to an address (Gossip.greet)
+        self.on_beat: Callable[[], None] | None = None  # a heartbeat changed a peer's state or loaded plan
         transport.on(MsgType.HEARTBEAT, self._on_heartbeat)
         transport.on(MsgType.LEAVE, self._on_leave)
         transport.on(MsgType.STATUS_REQ, self._on_status)
@@ -97,7 +98,12 @@ class MeshAgent:
                 self.on_change(tr)
 
     def _on_heartbeat(self, msg: Message, reply: Callable[[Message], None]) -> None:
+        before = self.members.get(msg["node"])
+        loaded = before.load.get("plan_version") if before is not None else None
         tr = self.members.heartbeat(msg["node"], msg["incarnation"], time.monotonic(), msg["load"])
+        after = self.members.get(msg["node"])
+        if self.on_beat is not None and (tr is not None or (after is not None and after.load.get("plan_version") != loaded)):
+            self.on_beat()  # only news: a peer's state or the plan it has loaded changed
         if tr is not None:
             self.on_change(tr)
             return

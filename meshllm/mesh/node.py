@@ -86,6 +86,7 @@ class Node:
             self.gateway = Gateway(self.transport, self.members, self.me, cfg)
             self.gateway.local_load = self.mesh.load
             self.host.listeners.append(self.gateway.on_plan)
+            self.mesh.on_beat = self.gateway.wake
             self.api = ApiServer(self.gateway, cfg.gateway, cfg.api_token, cfg.drain_s)
 
     def start(self) -> Node:

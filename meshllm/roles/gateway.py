@@ -51,7 +51,7 @@ log = logging.getLogger("meshllm.gateway")
 STALL_TIMEOUT_S = 60.0  # no token for this long (x time_scale): the attempt is resumed, then fails
 MAX_ATTEMPTS = 5  # a request is resumed at most 4 times (a partition may cost two re-plans)
 RESUME_WAIT_S = 60.0  # x time_scale: how long a resumed request waits for a ready replica
-RESUME_POLL_S = 0.2
+RESUME_POLL_S = 0.2  # a request waiting for a ready replica looks again this often, and at once on news (`wake`)
 READY_WAIT_S = 15.0  # x time_scale: a new request waits this long for a ready replica, then 503
 SEND_POOL_THREADS = 1
 MAX_PENDING = 4096  # TOKENS held out of order per request (and token ids per TOKENS message)
@@ -80,6 +80,7 @@ class Gateway:
         self._seq_prefix = random.SystemRandom().getrandbits(30) << 32  # this life's requests (no other's)
         self._seq_counter = itertools.count(1)
         self._send_pool = ThreadPoolExecutor(SEND_POOL_THREADS, thread_name_prefix=f"gw-send-{self.me}")
+        self._waiting: list[asyncio.Future] = []  # requests waiting for a ready replica (`_until_news`)
         transport.on(MsgType.TOKENS, self._on_tokens)
 
     # -- plan and readiness ----------------------------------------------------------------------
@@ -100,6 +101,31 @@ class Gateway:
         for s in stale:  # their replicas changed: resume them on the new plan (tokens() does it)
             s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"the mesh was re-planned "
                                         f"(plan v{ctx.version}) while this request ran"))
+        self.wake()
+
+    def wake(self) -> None:
+        """Any thread: news that may make a replica ready (a plan applied here, a peer's heartbeat
+        saying which plan it has loaded): requests waiting for one look again at once, not at
+        their next RESUME_POLL_S (on average 0.1 s of every resume's pause)."""
+        with self._lock:
+            if not self._waiting:
+                return
+            waiting, self._waiting = self._waiting, []
+        for fut in waiting:
+            with contextlib.suppress(RuntimeError):  # its loop has closed: no one waits any more
+                fut.get_loop().call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+
+    async def _until_news(self) -> None:
+        """Wait for `wake` or RESUME_POLL_S, whichever comes first."""
+        fut = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._waiting.append(fut)
+        try:
+            await asyncio.wait_for(fut, RESUME_POLL_S)
+        except asyncio.TimeoutError:
+            with self._lock:
+                if fut in self._waiting:
+                    self._waiting.remove(fut)
 
     def node_version(self, node: str) -> int:
         """The plan version `node` has loaded, as its last heartbeat says (-1: none, or it refused a
@@ -162,7 +188,7 @@ class Gateway:
                 except RequestError:  # (no plan yet, too: a gateway that has just started gets one soon)
                     if time.monotonic() > deadline:
                         raise
-                    await asyncio.sleep(RESUME_POLL_S)
+                    await self._until_news()
         except RequestError:
             status = "error"
             raise
@@ -242,7 +268,7 @@ class Gateway:
                 if time.monotonic() > deadline:
                     self.metrics.finished("error")  # this request left the books with its last attempt
                     raise RequestError(f"{why}; no replica could take the request again: {e}") from None
-                await asyncio.sleep(RESUME_POLL_S)
+                await self._until_news()
 
     def pick_drafter(self) -> str:
         """The ready drafter with the fewest sessions from this gateway ("" when none is ready).
