@@ -68,13 +68,12 @@ class Outcome:
     done: float = 0.0
     last_at: float | None = None  # when its last token came
     failed_at: float | None = None  # its gateway went away: the last token before that (or then)
-    resume_from: int = 0  # tokens it had then: the pause lasts until the next gateway passes them
-    resumed_after: list[int] = field(default_factory=list)  # at each failover, the tokens it went on after
+    resumed_after: list[int] = field(default_factory=list)  # at each failover, the tokens it had (and went on after)
 
     def restart(self) -> None:
         """Its gateway went away: the next gateway goes on from the tokens it has (all of them
         sent as `meshllm.resume_token_ids`)."""
-        self.failed_at, self.resume_from = self.last_at or time.monotonic(), len(self.token_ids)
+        self.failed_at = self.last_at or time.monotonic()
         self.finish_reason = None
         self.resumed_after.append(len(self.token_ids))
         self.attempts += 1
@@ -146,7 +145,7 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
                     out.itl_ms.append(round(1000 * (now - last), 3) if i == 0 else 0.0)
                 last = out.last_at = now
             out.token_ids.extend(ids)
-            if out.failed_at is not None and (len(out.token_ids) > out.resume_from or ch.get("finish_reason")):
+            if out.failed_at is not None and (len(out.token_ids) > out.resumed_after[-1] or ch.get("finish_reason")):
                 out.recovery_gaps_ms.append(round(1000 * (now - out.failed_at), 3))  # past where it had got
                 out.failed_at = None
             out.text += ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content") or ""

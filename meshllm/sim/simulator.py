@@ -407,7 +407,7 @@ class Simulator:
         stretch = iters * (step - base) if chunk else 0.0  # the prompt riding along made these steps longer
         # a sequence with no progress towards its next token (part 0.0, most of them) gets these;
         # the same floats as the general case below gives it (0.0 + x and x * 1.0 are x exactly)
-        tokens0 = floor(iters + 1e-9)
+        tokens0 = floor(iters + 1e-9) if st.active else 0  # (no sequence decoding: nothing to count)
         first0 = start + step
         last0 = first0 + step * (tokens0 - 1) if tokens0 > 1 else first0
         for item in st.active:
