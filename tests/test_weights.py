@@ -237,4 +237,12 @@ def test_a_node_gives_freed_heap_back_once_it_holds_no_sequence() -> None:
     now[0] += TRIM_IDLE_S
     trim.tick(False)
     assert len(calls) == 2
+    # a prefill stage never holds a sequence at a tick: the rows it computed say it worked
+    for work in (0, 512, 512):
+        now[0] += TRIM_IDLE_S / 2
+        trim.tick(False, work)
+    assert len(calls) == 2  # half a spell since the last work
+    now[0] += TRIM_IDLE_S / 2
+    trim.tick(False, 512)
+    assert len(calls) == 3
     IdleTrim().trim()  # the real one (malloc_trim where glibc has it) runs here

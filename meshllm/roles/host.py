@@ -262,8 +262,9 @@ class RoleHost:
 
     def _step(self) -> bool:
         self.figures.refresh()
-        self.trim.tick(self.stage is not None and len(self.stage.cache) > 0
-                       or self.drafter is not None and bool(self.drafter.sessions))
+        st = self.stage
+        self.trim.tick(st is not None and len(st.cache) > 0 or self.drafter is not None and bool(self.drafter.sessions),
+                       sum(st.tokens_computed.values()) if st is not None else 0)
         if self.leader is not None:
             if self.balancer is not None:
                 self.balancer.rebalance()
@@ -291,7 +292,7 @@ class HostFigures:
         """This node's serving figures, from any thread: the compute thread's latest snapshot."""
         h = self.host
         return {**self._snapshot, "plan_version": h.ready_version, "plan_seen": h.max_seen,
-                "rss_mb": round(rss_mb(), 1), **h.weights.announce(),
+                "rss_mb": round(rss_mb(), 1), "heap_trims": h.trim.trims, **h.weights.announce(),
                 **({"plan_error": h.plan_error} if h.plan_error else {})}
 
     def refresh(self, force: bool = False) -> None:
