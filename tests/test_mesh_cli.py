@@ -215,22 +215,31 @@ def test_duplicate_id_is_refused(mesh: Mesh) -> None:
     assert entry["state"] == "alive" and entry["address"] == mesh.addrs["n3"]
 
 
-def test_a_node_restarted_at_another_address_before_its_former_life_is_seen_dead_joins(mesh: Mesh) -> None:
+@pytest.mark.parametrize("find", ["seeds", "mdns"])
+def test_a_node_restarted_at_another_address_before_its_former_life_is_seen_dead_joins(mesh: Mesh,
+                                                                                        find: str) -> None:
     """A node restarted at another address (a container's new IP, another port) while its former
     life is not yet seen dead (here stopped: silent, its port still accepting, as a hung host):
     its peers refuse the id at first. It used to stop at that refusal (exit 1) and stay out of
-    the mesh; now it tries again until its former life is seen dead, and joins at its new address."""
+    the mesh; now it tries again until its former life is seen dead, and joins at its new address.
+    With mDNS only it has no seeds to try again: a peer that greeted it (found by mDNS) and
+    refused it stayed alive in its table, so it never greeted that peer again, and the peer,
+    once it saw the former life dead, did not know the new one: the node stayed out for good.
+    Now a node greets a live peer whose gossip leaves it out."""
     trio = ["n0", "n1", "n2"]
     seed_port = free_port_pair()
+    mdns = find == "mdns"
     for i, n in enumerate(trio):  # a failure timeout longer than the newcomer's start-up: it is refused first
-        mesh.start(n, seeds=[f"127.0.0.1:{seed_port}"], port=seed_port if i == 0 else None, failure_timeout_s=6.0)
+        mesh.start(n, seeds=[] if mdns else [f"127.0.0.1:{seed_port}"], mdns=mdns,
+                   port=seed_port if i == 0 else None, failure_timeout_s=6.0)
     mesh.wait_up()
     assert wait_for(lambda: fully_formed(mesh, trio), 30.0), mesh.logs()
     old = next(p for k, p in mesh.procs.items() if k.startswith("n2@"))
     os.killpg(old.pid, signal.SIGSTOP)
     try:
         port = free_port_pair()
-        new = mesh.start("n2", seeds=[mesh.addrs["n0"]], port=port, failure_timeout_s=6.0)
+        new = mesh.start("n2", seeds=[] if mdns else [mesh.addrs["n0"]], mdns=mdns, port=port,
+                         failure_timeout_s=6.0)
 
         def joined() -> bool:
             st = mesh.status("n0")
@@ -238,6 +247,9 @@ def test_a_node_restarted_at_another_address_before_its_former_life_is_seen_dead
                                           and p["address"] == f"127.0.0.1:{port}" for p in st["peers"])
 
         assert wait_for(joined, 30.0), mesh.logs()
+        assert wait_for(lambda: all(any(p["id"] == "n2" and p["state"] == "alive" and p["address"].endswith(f":{port}")
+                                        for p in (mesh.status(n) or {}).get("peers", [])) for n in ("n0", "n1")),
+                        15.0), mesh.logs()
         assert new.poll() is None
         log = (mesh.tmp / "n2-3.log").read_text()
         assert "already used by the node at " + mesh.addrs["n2"] in log and "trying again" in log, log[-2000:]

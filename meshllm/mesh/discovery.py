@@ -21,6 +21,13 @@ every JOIN_RETRY_MIN_S; once its former life is seen dead it joins. A holder sti
 alive then refuses it for good, as does a holder that greets it (alive, then). (It
 used to stop at the first refusal: the restart failed, and the node stayed out.)
 
+Left out. A node greets a live peer whose PEERS broadcast does not list it (at this address),
+at most every GOSSIP_INTERVAL_S / 2 a peer. With mDNS only, a node restarted at another
+address had no seeds to greet again: a peer that found it, greeted it and refused it stayed
+alive in its table, and that peer, once it saw the former life dead, knew nothing of the new
+one: the node stayed out for good, though it had the peer's plans. The same greeting heals a
+view that lost a live node one way (a peer that declared it dead hears it again).
+
 mDNS. With `mdns: true` a node registers `<id>._meshllm._tcp.local.` (address,
 port, and a TXT record with id/zone) with zeroconf and browses the same type;
 each service found is greeted with a HELLO, so the seed path above does the rest.
@@ -83,6 +90,8 @@ class Gossip:
         now = time.monotonic()
         # seed address -> [next attempt (monotonic s), current backoff (s)]
         self._seeds = {s: [now, JOIN_RETRY_MIN_S] for s in seeds if s != me.address}
+        self._left_out: dict[str, float] = {}  # live peer -> when we last greeted it for leaving us out
+        self._told_twin: set[tuple[str, str]] = set()  # (peer, address) that gossiped another node with our id
         transport.on(MsgType.HELLO, self._on_hello)
         transport.on(MsgType.PEERS, self._on_peers)
         transport.on(MsgType.ERROR, self._on_error)
@@ -141,6 +150,7 @@ class Gossip:
         reply(self.peers_msg())
 
     def _on_peers(self, msg: Message, reply: Callable[[Message], None]) -> None:
+        listed = False  # this node, at its address, is among the sender's live peers
         for entry in msg["peers"]:
             try:
                 info = check_peer(PeerInfo.from_wire(entry))
@@ -148,12 +158,31 @@ class Gossip:
                 log.warning("%s: ignoring a gossip entry from %r: %s", self.me.id, msg.src, e)
                 continue
             if info.id == self.me.id:
-                if info.address != self.me.address:
+                listed = listed or info.address == self.me.address
+                if info.address != self.me.address and (msg.src, info.address) not in self._told_twin:
+                    if len(self._told_twin) >= 64:  # from the network: keep it bounded
+                        self._told_twin.clear()
+                    self._told_twin.add((msg.src, info.address))
                     log.warning("%s: %r gossips another node with my id at %s", self.me.id, msg.src, info.address)
                 continue
             self._learn(info, first_hand=info.id == msg.src)
             if info.id == msg.src:
                 self.members.note_plan_seen(info.id, info.incarnation, msg.fields.get("plan_seen"))
+        if not listed:
+            self._greet_left_out(msg.src)
+
+    def _greet_left_out(self, peer_id: str) -> None:
+        """A live peer's gossip leaves this node out: greet it (module docstring, "Left out")."""
+        p = self.members.get(peer_id)
+        if p is None or p.state not in (PeerState.ALIVE, PeerState.SUSPECT):
+            return
+        now = time.monotonic()
+        if now - self._left_out.get(peer_id, -1e9) < GOSSIP_INTERVAL_S / 2:
+            return
+        if len(self._left_out) >= 4 * len(self.members.live()) + 16:  # peers come and go: keep it bounded
+            self._left_out.clear()
+        self._left_out[peer_id] = now
+        self.greet(p.info.address)
 
     def _on_error(self, msg: Message, reply: Callable[[Message], None]) -> None:
         older = msg.fields.get("holder_incarnation")
