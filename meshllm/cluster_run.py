@@ -48,10 +48,12 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
     from meshllm.partition.plan import plan_cluster
 
     timeout_s = getattr(args, "timeout", None) or FORMATION_TIMEOUT_S
-    jobs = workload_jobs(cfg, args)  # bad input -> exit 2 before anything starts
+    serve = getattr(args, "serve", False)
+    plan = plan_cluster(plan_inputs(cfg), seed=0, log=False)  # infeasible -> exit 2 before any spawn
+    # bad input -> exit 2 before anything starts (a served mesh takes its requests from the API)
+    jobs = [] if serve else workload_jobs(cfg, args)
     faults = parse_faults(cfg, getattr(args, "kill", None) or [], getattr(args, "partition", None) or [],
                           gateway_nodes(cfg), getattr(args, "restart", None) or [], getattr(args, "pause", None) or [])
-    plan = plan_cluster(plan_inputs(cfg), seed=0, log=False)  # infeasible -> exit 2 before any spawn
     log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s%s", len(plan.replicas), len(plan.drafters),
              plan.planner_s, "; the coordinator will judge it and other candidates in the simulator"
              if getattr(args, "judge", False) else "")
@@ -67,7 +69,7 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
             log.info("mesh of %d nodes formed in %.2f s; loading the plan's layers", len(cfg.nodes), formed_s)
             cluster.wait_serving(max(timeout_s, READY_TIMEOUT_S))
             log.info("serving after %.1f s", time.monotonic() - t0)
-            if getattr(args, "serve", False):
+            if serve:
                 return serve_until_interrupted(cluster)
             injector = FaultInjector(cluster, faults, *healing_watch(cluster, faults, cfg.time_scale))
             outs = run_jobs(cluster.gateway_urls(), served_name(cfg.model), jobs,

@@ -9,6 +9,7 @@ problem (the CLI turns it into one line and exit code 2).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from meshllm.defaults import (
 )
 from meshllm.device import load_device
 from meshllm.errors import ConfigError, InputError
+from meshllm.mesh.fields import MAX_TEMPERATURE
 from meshllm.partition.inputs import LengthDist, PlanInputs, PlanLink, PlanNode
 
 if TYPE_CHECKING:
@@ -118,12 +120,39 @@ def read_text_file(path: str | Path, src: str, fld: str, what: str = "a YAML fil
         raise ConfigError(src, fld, f"{name}cannot be read: {e.strerror or e}") from None
 
 
+def _strict_loader():
+    """yaml's SafeLoader, but a key given twice in one mapping is an error: YAML takes the last
+    silently (a second `nodes:` list would drop the first list's nodes from the plan)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen: dict = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        first = seen.get(key)
+                    except TypeError:  # an unhashable key: construct_mapping says so itself
+                        continue
+                    seen.setdefault(key, key_node.start_mark.line + 1)
+                    if first is not None:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {key!r} (first on line {first}): YAML would keep only "
+                            "the last", key_node.start_mark)
+            return super().construct_mapping(node, deep)
+
+    return StrictLoader
+
+
 def read_yaml(path: str | Path) -> dict:
     import yaml
 
     text = read_text_file(path, str(path), "(file)")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_strict_loader())  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "(file)"
@@ -160,7 +189,14 @@ def _links(d: dict, src: str, zones: set[str] | None) -> tuple[LinkSpec, ...]:
     links = given(d, "links", [])
     if not isinstance(links, list):
         raise ConfigError(src, "links", f"must be a list of {{zones, rtt_ms, bandwidth_mbps}}, got {links!r:.60}")
-    return tuple(_link(ln, i, src, zones) for i, ln in enumerate(links))
+    out = tuple(_link(ln, i, src, zones) for i, ln in enumerate(links))
+    first: dict[frozenset, int] = {}
+    for i, ln in enumerate(out):
+        j = first.setdefault(frozenset(ln.zones), i)
+        if j != i:  # the planner would take one of them, silently
+            raise ConfigError(src, f"links[{i}].zones", f"{list(ln.zones)}: links[{j}] already describes that "
+                              "pair of zones (one link per pair)")
+    return out
 
 
 def _check_keys(d: Any, allowed: set[str], required: set[str], src: str, prefix: str) -> dict:
@@ -176,10 +212,13 @@ def _check_keys(d: Any, allowed: set[str], required: set[str], src: str, prefix:
     return d
 
 
-def _num(v: Any, src: str, fld: str, *, lo: float = 0.0, integer: bool = False, strict: bool = False) -> float:
+def _num(v: Any, src: str, fld: str, *, lo: float = 0.0, integer: bool = False, strict: bool = False,
+         hi: float | None = None) -> float:
     ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and math.isfinite(v)  # not .nan / .inf
-    if isinstance(v, bool) or not ok or v < lo or (strict and v == lo):
+    if isinstance(v, bool) or not ok or v < lo or (strict and v == lo) or (hi is not None and v > hi):
         kind = "an integer" if integer else "a finite number"
+        if hi is not None:
+            raise ConfigError(src, fld, f"must be {kind} in [{lo:g}, {hi:g}], got {v!r}")
         raise ConfigError(src, fld, f"must be {kind} {'>' if strict else '>='} {lo:g}, got {v!r}")
     return v
 
@@ -197,6 +236,19 @@ def _roles(v: Any, src: str, fld: str) -> tuple[Role, ...] | None:
         raise ConfigError(src, fld, "must be a non-empty list")
     names = tuple(str(r) for r in NODE_ROLES)
     return tuple(Role(_choice(r, names, src, f"{fld}[{i}]")) for i, r in enumerate(v))
+
+
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+def node_id(v: Any, src: str, fld: str) -> str:
+    """A node id: 1 to 63 letters, digits, '_', '-' or '.', from a letter or digit. It names the
+    node's files in an emulated cluster, its mDNS service and a `NODE_ID KEY` line of
+    authorized_keys, and `ID@HOST:PORT` names it in seeds and --status."""
+    if not isinstance(v, str) or not NODE_ID.fullmatch(v):
+        raise ConfigError(src, fld, f"must be 1 to 63 letters, digits, '_', '-' or '.' (from a letter or digit), "
+                          f"got {v!r:.80}")
+    return v
 
 
 def _model(v: Any, src: str) -> str:
@@ -220,13 +272,11 @@ def parse_cluster(data: dict, src: str) -> ClusterConfig:
     for i, n in enumerate(nodes_raw):
         p = f"nodes[{i}]."
         _check_keys(n, {"id", "device", "zone", "roles"}, {"id", "device", "zone"}, src, p)
-        nid = n["id"]
-        if not isinstance(nid, str) or not nid:
-            raise ConfigError(src, p + "id", "must be a non-empty string")
+        nid = node_id(n["id"], src, p + "id")
         if nid in seen:
             raise ConfigError(src, p + "id", f"duplicate node id {nid!r}")
         seen.add(nid)
-        dev = load_device(n["device"], f"{src}: {p}device")
+        dev = load_device(n["device"], f"{src}: {p.rstrip('.')}")
         nodes.append(NodeSpec(nid, dev, _zone(n["zone"], src, p + "zone"), _roles(n.get("roles"), src, p + "roles")))
     zones = {n.zone for n in nodes}
     return ClusterConfig(
@@ -303,7 +353,7 @@ def _workload(d: Any, src: str) -> Workload:
         prompts=tuple(prompts),
         max_tokens=int(_num(d.get("max_tokens", DEFAULT_MAX_TOKENS), src, "workload.max_tokens", lo=1,
                             integer=True)),
-        temperature=float(_num(d.get("temperature", 0.0), src, "workload.temperature")),
+        temperature=float(_num(d.get("temperature", 0.0), src, "workload.temperature", hi=MAX_TEMPERATURE)),
         arrival_rate_per_s=float(_num(d.get("arrival_rate_per_s", 0.0), src, "workload.arrival_rate_per_s")),
         requests=int(_num(d.get("requests", 0), src, "workload.requests", integer=True)),
         input_tokens=_dist(d.get("input_tokens"), src, "workload.input_tokens", 512),
@@ -332,6 +382,18 @@ def resolve_args(model: str):
         raise InputError(f"model: {e}") from None
 
 
+def file_model_args(model: str, src: str):
+    """resolve_args for the `model:` of file `src`: a path that is no model is a ConfigError naming
+    the file and the field."""
+    try:
+        return resolve_args(model)
+    except ConfigError:
+        raise
+    except InputError as e:
+        problem = str(e).removeprefix("model: ").removeprefix("model ")
+        raise ConfigError(src, "model", problem if model in problem else f"{model!r}: {problem}") from None
+
+
 def plan_inputs(cfg: ClusterConfig) -> PlanInputs:
     """The planner's and simulator's plain inputs for a cluster file; ConfigError for a draft group
     size the model's layers do not split into (its drafters would fail to build the draft, and the
@@ -357,7 +419,8 @@ def _plan_inputs(cfg: ClusterConfig | NodeConfig, nodes: tuple[PlanNode, ...], s
     wl = cfg.workload
     spec_on = cfg.speculation.mode != "off" and cfg.draft.quant != "none"
     return PlanInputs(
-        source=source, args=args if args is not None else resolve_args(cfg.model), dtype=cfg.weights_dtype, nodes=nodes,
+        source=source, args=args if args is not None else file_model_args(cfg.model, cfg.source), dtype=cfg.weights_dtype,
+        nodes=nodes,
         links=tuple(cfg.links),
         input_tokens=wl.input_tokens, output_tokens=wl.output_tokens, rate_per_s=wl.arrival_rate_per_s,
         requests=wl.requests, n_prompts=len(wl.prompts), draft_quant=cfg.draft.quant if spec_on else None,

@@ -68,7 +68,8 @@ def load_device(spec: str | dict, where: str = "<config>", devices_dir: Path = D
     if spec == "auto":
         return probe_this_machine()
     path = devices_dir / f"{spec}.yaml"
-    if not isinstance(spec, str) or not path.is_file():
+    # a name, not a path: devices/../clusters/demo.yaml is no profile (its keys were reported as one's)
+    if not isinstance(spec, str) or "/" in spec or "\\" in spec or spec.startswith(".") or not path.is_file():
         raise ConfigError(where, "device", f"unknown device {spec!r}; known: {', '.join(known_devices(devices_dir))}, "
                                            "auto, or an inline mapping")
     from meshllm.config import read_yaml  # (config imports this module)

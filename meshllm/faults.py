@@ -58,11 +58,15 @@ def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], ga
     for kind, given in (("kill", kills), ("restart", restarts)):
         for k in given:
             node, _, at = k.rpartition("@")
+            if "@" not in k:
+                raise InputError(f"--{kind} {k!r}: expected NODE@S (S: seconds after the workload's first request)")
             if node not in ids:
                 raise InputError(f"--{kind} {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
             out.append(Fault(kind, _seconds(at, f"--{kind} {k!r}"), node=node))
     for k in pauses:
         node, _, span = k.rpartition("@")
+        if "@" not in k:
+            raise InputError(f"--pause {k!r}: expected NODE@S1-S2 (seconds after the workload's first request)")
         if node not in ids:
             raise InputError(f"--pause {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
         s1, s2 = _span(span, f"--pause {k!r}")

@@ -33,8 +33,15 @@ from meshllm.errors import InputError
 log = logging.getLogger("meshllm")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but bad usage is one line too (exit 2), as every other input error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshllm", description="Serve an LLM on a ZeroMQ mesh of edge/fog devices.")
+    p = Parser(prog="meshllm", description="Serve an LLM on a ZeroMQ mesh of edge/fog devices.")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--node-config", metavar="NODE.yaml", help="run one node until SIGINT/SIGTERM")
     mode.add_argument("--cluster", metavar="CLUSTER.yaml", help="emulate a cluster locally and run its workload")
@@ -49,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="reference: run the quantized draft instead (w4a16|w8a16)")
     p.add_argument("--group-size", type=int, default=64, help="draft quantization group size (default 64)")
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 48)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate (reference: 48; cluster: the file's workload.max_tokens)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability mass")
@@ -95,6 +103,9 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "png": ("plan",), "rate": ("plan", "simulate"), "timeout": ("status", "cluster"),
     "json": ("cluster", "plan", "simulate", "reference", "status", "keygen"),
 }
+# --cluster --serve takes its requests from the HTTP API: the options of a workload run are not read
+NOT_SERVED = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "chat", "seed", "kill", "restart", "pause",
+              "partition", "json")
 WHY_NOT = {"rate": " (a cluster's load is its workload: arrival_rate_per_s)",
            "model": " (cluster and node files name their model: model:)",
            "draft": " (a cluster file sets draft: {quant, group_size})", "group_size": " (a cluster file's draft:)"}
@@ -118,6 +129,14 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) 
             listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
             raise InputError(f"{flag(dest)} applies to {listed} only{WHY_NOT.get(dest, '')}; "
                              f"it was given with {flag(mode)}")
+    if mode == "cluster" and a.serve:
+        for dest in NOT_SERVED:
+            if getattr(a, dest) != p.get_default(dest):
+                raise InputError(f"{flag(dest)} applies to a --cluster run of a workload; with --serve the mesh takes "
+                                 "its requests (and their parameters) from the HTTP API until Ctrl-C")
+    if mode == "reference" and a.group_size != p.get_default("group_size") and a.draft is None:
+        raise InputError("--group-size applies to --draft (the reference runs the target model unless --draft "
+                         "w4a16|w8a16 is given)")
     inf = float("inf")
     checks = [("max_tokens", is_int(a.max_tokens, 1), ">= 1"),
               ("threads", is_int(a.threads, 1), "a number of threads >= 1"),

@@ -31,7 +31,9 @@ from meshllm.config import (
     _workload,
     _zone,
     check_draft_groups,
+    file_model_args,
     given,
+    node_id,
     read_text_file,
     read_yaml,
     split_hostport,
@@ -120,8 +122,7 @@ NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "mo
 
 def parse_node(data: dict, src: str) -> NodeConfig:
     _check_keys(data, NODE_KEYS, {"id", "device", "listen"}, src, "")
-    if not isinstance(data["id"], str) or not data["id"]:
-        raise ConfigError(src, "id", "must be a non-empty string")
+    node_id(data["id"], src, "id")
     split_hostport(data["listen"], src, "listen")
     if data.get("advertise") is not None:
         split_hostport(data["advertise"], src, "advertise")
@@ -141,7 +142,7 @@ def parse_node(data: dict, src: str) -> NodeConfig:
     if not weights["fetch_weights"] and (why := not_here(model)):
         raise ConfigError(src, "model", f"{model!r}: {why}, and fetch_weights is false (no peer may send it)")
     cfg = NodeConfig(
-        source=src, id=data["id"], device=load_device(data["device"], f"{src}: device"),
+        source=src, id=data["id"], device=load_device(data["device"], src),
         zone=_zone(data.get("zone", "default"), src, "zone"), listen=data["listen"], advertise=data.get("advertise"),
         seeds=seeds, seed_ids=seed_ids, mdns=mdns, model=model,
         roles=_roles(data.get("roles"), src, "roles"), node_key=security.get("node_key"),
@@ -152,6 +153,8 @@ def parse_node(data: dict, src: str) -> NodeConfig:
     )
     if model in transformer_configs:  # a model file's shape is read only when the node runs (or fetched)
         check_draft_groups(cfg, transformer_configs[model])
+    elif Path(model).exists():  # here, yet no model (/etc/passwd, a truncated file): exit 2, not a node that never plans
+        check_draft_groups(cfg, file_model_args(model, src))
     return cfg
 
 
@@ -207,16 +210,16 @@ def _seeds(v: Any, src: str, authorized: dict | None) -> tuple[tuple[str, ...], 
         raise ConfigError(src, "seeds", "must be a list of HOST:PORT or ID@HOST:PORT")
     addresses, ids = [], []
     for i, s in enumerate(v):
-        node_id, at, address = str(s).rpartition("@") if isinstance(s, str) else ("", "", s)
+        nid, at, address = str(s).rpartition("@") if isinstance(s, str) else ("", "", s)
         split_hostport(address, src, f"seeds[{i}]")
-        if at and not node_id:
+        if at and not nid:
             raise ConfigError(src, f"seeds[{i}]", f"expected ID@HOST:PORT, got {s!r}")
-        if authorized is not None and node_id not in authorized:
+        if authorized is not None and nid not in authorized:
             raise ConfigError(src, f"seeds[{i}]", f"with CURVE a seed is ID@HOST:PORT with ID in authorized_keys, "
                                                   f"got {s!r}")
         addresses.append(address)
-        if node_id:
-            ids.append((address, node_id))
+        if nid:
+            ids.append((address, nid))
     return tuple(addresses), tuple(ids)
 
 

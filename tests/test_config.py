@@ -59,6 +59,19 @@ def test_valid_cluster_defaults():
     ({"workload": {"max_tokens": 0}}, "workload.max_tokens", ">= 1"),
     ({"workload": {"input_tokens": {"mean": 5, "dist": "zipf"}}}, "workload.input_tokens.dist", "zipf"),
     ({"nodes": []}, "nodes", "non-empty"),
+    # a node id names the node's file in an emulation (x/y crashed --cluster, exit 1), its mDNS
+    # service, an authorized_keys line and ID@HOST:PORT seeds
+    ({"nodes__0__id": "x/y"}, "nodes[0].id", "letters, digits"),
+    ({"nodes__0__id": "a b"}, "nodes[0].id", "letters, digits"),
+    ({"nodes__0__id": "n@1"}, "nodes[0].id", "letters, digits"),
+    ({"nodes__0__id": "-a"}, "nodes[0].id", "letters, digits"),
+    ({"nodes__0__id": "a" * 64}, "nodes[0].id", "letters, digits"),
+    # the planner took the last of two links for one pair of zones, silently
+    ({"links": [{"zones": ["edge", "fog"], "rtt_ms": 80, "bandwidth_mbps": 50},
+                {"zones": ["fog", "edge"], "rtt_ms": 5, "bandwidth_mbps": 500}]}, "links[1].zones", "links[0]"),
+    # the API refuses more than 2 (every request of the run was a 400, after the mesh started)
+    ({"workload": {"temperature": 5}}, "workload.temperature", "in [0, 2]"),
+    ({"nodes__0__device": "../clusters/demo"}, "nodes[0]: device", "unknown device '../clusters/demo'"),
 ])
 def test_cluster_errors_name_field(changes, field, problem):
     with pytest.raises(ConfigError) as e:
@@ -78,6 +91,57 @@ def test_a_draft_group_size_the_model_does_not_split_into_is_a_config_error():
     assert plan_inputs(parse_cluster(_with(draft={"quant": "w8a16", "group_size": 128}), "c.yaml"))  # no groups
     assert plan_inputs(parse_cluster(_with(draft={"quant": "w4a16", "group_size": 128},
                                            speculation={"mode": "off"}), "c.yaml"))  # no draft built
+
+
+def test_ids_links_and_temperatures_in_range_are_taken():
+    c = parse_cluster(_with(nodes__0__id="fog-1.a_B", workload={"temperature": 2},
+                            links=[{"zones": ["edge", "fog"], "rtt_ms": 80, "bandwidth_mbps": 50},
+                                   {"zones": ["fog", "fog"], "rtt_ms": 1, "bandwidth_mbps": 1000}]), "c.yaml")
+    assert c.nodes[0].id == "fog-1.a_B" and c.workload.temperature == 2 and len(c.links) == 2
+
+
+def test_a_key_given_twice_is_a_config_error(tmp_path):
+    """YAML keeps the last of two equal keys: a second `nodes:` list silently dropped the first
+    list's nodes from the plan (not even in `unused`), a second `model:` replaced the first."""
+    p = tmp_path / "c.yaml"
+    p.write_text("model: smollm2-135m\nnodes:\n  - {id: a, device: raspberry-pi-5-8gb, zone: fog}\n"
+                 "nodes:\n  - {id: c, device: raspberry-pi-5-8gb, zone: fog}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: line 4: invalid YAML: duplicate key 'nodes' \(first on line 2\)"):
+        load_cluster(p)
+    p.write_text("model: smollm2-135m\nnodes:\n  - {id: a, device: raspberry-pi-5-8gb, zone: fog, zone: edge}\n")
+    with pytest.raises(ConfigError, match="duplicate key 'zone'"):
+        load_cluster(p)
+    p.write_text("model: smollm2-135m\nnodes:\n  - {id: a, device: raspberry-pi-5-8gb, zone: fog}\n"
+                 "  - {id: b, device: raspberry-pi-5-8gb, zone: fog}\n")  # the same key in two mappings
+    assert [n.id for n in load_cluster(p).nodes] == ["a", "b"]
+    p.write_text("model: smollm2-135m\nnodes:\n  - &pi {id: a, device: raspberry-pi-5-8gb, zone: fog}\n"
+                 "  - {<<: *pi, id: b, zone: edge}\n")  # a merge's keys may be overridden
+    assert [(n.id, n.zone) for n in load_cluster(p).nodes] == [("a", "fog"), ("b", "edge")]
+    n = tmp_path / "n.yaml"
+    n.write_text("id: a\ndevice: raspberry-pi-5-8gb\nlisten: 127.0.0.1:7700\nlisten: 127.0.0.1:7800\n")
+    with pytest.raises(ConfigError, match="n.yaml: line 4: invalid YAML: duplicate key 'listen'"):
+        load_node(n)
+
+
+def test_a_model_path_that_is_no_model_is_a_config_error_naming_the_file(tmp_path):
+    """A node file whose model was /etc/passwd started a node whose coordinator logged "not a GGUF
+    file" every plan and never served (not an exit 2); a cluster file's said no file or field."""
+    from meshllm.config import plan_inputs
+
+    for model, problem in [("/etc/passwd", "/etc/passwd: not a GGUF file"),
+                           (str(tmp_path), "no config.json"),
+                           (str(tmp_path / "none.gguf"), f"'{tmp_path / 'none.gguf'}': no such file")]:
+        with pytest.raises(ConfigError, match=f"^c.yaml: model: .*{problem}"):
+            plan_inputs(parse_cluster(_with(model=model), "c.yaml"))
+    n = tmp_path / "n.yaml"
+    for model, fetch in [("/etc/passwd", True), ("/etc/passwd", False), (str(tmp_path), True)]:
+        n.write_text(yaml.safe_dump({"id": "a", "device": DEV, "listen": "127.0.0.1:7700", "model": model,
+                                     "fetch_weights": fetch}))
+        with pytest.raises(ConfigError, match=f"n.yaml: model: {model}: not"):
+            load_node(n)
+    n.write_text(yaml.safe_dump({"id": "a", "device": DEV, "listen": "127.0.0.1:7700",
+                                 "model": str(tmp_path / "later.gguf")}))  # fetched from a peer
+    assert load_node(n).model.endswith("later.gguf")
 
 
 def test_bare_off_means_speculation_off(tmp_path):
@@ -172,7 +236,7 @@ def test_node_file(tmp_path):
     for bad, field in [({"listen": "nowhere"}, "listen"), ({"seeds": ["x:99999"]}, "seeds[0]"),
                        ({"mdns": "yes"}, "mdns"), ({"node_key": str(tmp_path / "k")}, "authorized_keys"),
                        ({"busy_poll_ms": -1}, "busy_poll_ms"), ({"busy_poll_ms": 5000}, "busy_poll_ms"),
-                       ({"busy_poll_ms": True}, "busy_poll_ms")]:
+                       ({"busy_poll_ms": True}, "busy_poll_ms"), ({"id": "x/y"}, "id"), ({"id": ""}, "id")]:
         p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700", **bad}))
         with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
             load_node(p)

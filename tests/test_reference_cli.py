@@ -48,6 +48,7 @@ def test_reference_tiny_hf_model_end_to_end(tmp_path):
 def _one_line_error(r, *needles):
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr  # one line naming the problem (argparse printed its usage block too)
     assert "Traceback" not in r.stderr
     assert any(all(n in ln for n in needles) for ln in lines), r.stderr
     assert r.stdout == ""
@@ -91,6 +92,18 @@ def test_bad_inputs_exit_2(tmp_path):
     (["--plan", "clusters/demo.yaml", "--temperature", "0.5"], "--temperature applies to --reference and --cluster only"),
     (["--node-config", "node.yaml", "--json"], "--json applies to"),
     (["--status", "127.0.0.1:9", "--seed", "3"], "--seed applies to --reference, --cluster, --plan and --simulate only"),
+    # --serve takes its requests from the API: a fault or workload option was silently not applied
+    (["--cluster", "clusters/demo.yaml", "--serve", "--kill", "fog-2@1"], "--kill applies to a --cluster run of a workload"),
+    (["--cluster", "clusters/demo.yaml", "--serve", "--prompt", "hi"], "--prompt applies to a --cluster run"),
+    (["--cluster", "clusters/demo.yaml", "--serve", "--json"], "--json applies to a --cluster run"),
+    (["--cluster", "clusters/demo.yaml", "--serve", "--max-tokens", "5"], "--max-tokens applies to a --cluster run"),
+    (["--reference", "--group-size", "128"], "--group-size applies to --draft"),  # was ignored
+    (["--cluster", "clusters/demo.yaml", "--kill", "fog-1"], "--kill 'fog-1': expected NODE@S"),  # was: no node ''
+    (["--cluster", "clusters/demo.yaml", "--restart", "fog-1"], "--restart 'fog-1': expected NODE@S"),
+    (["--cluster", "clusters/demo.yaml", "--pause", "fog-1"], "--pause 'fog-1': expected NODE@S1-S2"),
+    (["--plan", "clusters/demo.yaml", "--rate", "abc"], "argument --rate: invalid float value: 'abc' (see --help)"),
+    (["--plan", "a", "--simulate", "b"], "not allowed with argument --plan"),  # argparse's usage block was 10 lines
+    (["--cluster", "clusters/impossible.yaml"], "short"),  # the shortfall before "no prompts to run"
 ])
 def test_an_option_out_of_range_or_that_its_mode_ignores_exits_2(args, problem):
     """Sampling options the API would refuse, options the chosen mode never reads (--png with

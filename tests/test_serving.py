@@ -38,11 +38,14 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def disagg(tmp_path_factory):
-    """Two 1-stage replicas: a prefill replica shipping KV to a decode replica."""
+    """Two 1-stage replicas: a prefill replica shipping KV to a decode replica. Its file lists no
+    prompts: a served mesh takes its requests from the API (`--serve` refused such a file: exit 2)."""
     d = tmp_path_factory.mktemp("disagg")
     dev = small_device("nuc-like", 8.0)
     path = write_cluster(d / "disagg.yaml", [{"id": "p1", "device": dev, "zone": "fog", "roles": ["prefill"]},
-                                             {"id": "d1", "device": dev, "zone": "fog", "roles": ["decode"]}])
+                                             {"id": "d1", "device": dev, "zone": "fog", "roles": ["decode"]}],
+                         workload={"input_tokens": {"mean": 32, "dist": "fixed"},
+                                   "output_tokens": {"mean": 32, "dist": "fixed"}})
     s = Served(path, d / "serve.log")
     yield s
     assert s.stop() == 0, s.log.read_text()[-2000:]
