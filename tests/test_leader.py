@@ -20,9 +20,10 @@ from meshllm.roles.stage import Stage
 NODES = {"a": "127.0.0.1:7001", "b": "127.0.0.1:7003", "gw": "127.0.0.1:7005"}
 
 
-def two_stage_leader(kv_room: int | None = None, time_scale: float = 1.0) -> tuple[Leader, list[tuple[str, Message]]]:
+def two_stage_leader(kv_room: int | None = None, time_scale: float = 1.0,
+                     prefill_tok_s: float = 1.0) -> tuple[Leader, list[tuple[str, Message]]]:
     plan = Plan("tiny", 4, "fp32", (Replica(0, Role.MIXED, (PlanStage("a", (0, 2)), PlanStage("b", (2, 4))),
-                                            1.0, 1.0, 1.0),), (), (), 0.0, 1.0)
+                                            prefill_tok_s, 1.0, 1.0),), (), (), 0.0, 1.0)
     ctx = PlanContext(1, plan, dict(NODES), "a")
     sent: list[tuple[str, Message]] = []
 
@@ -109,6 +110,26 @@ def test_a_short_prompt_is_not_queued_behind_a_long_one() -> None:
     spans = {sp[0]: sp for sp in sent[0][1]["spans"]}
     assert spans[2][2] == 20 and spans[2][3] == SpanKind.PREFILL_LAST  # all of the short prompt
     assert spans[1][2] == TOKEN_BUDGET - 20 and spans[1][3] == SpanKind.PREFILL
+
+
+def test_a_long_prompt_on_a_slow_replica_does_not_age_past_every_new_short_one() -> None:
+    """Aging at a fixed 1000 prompt tokens a second of waiting: on the demo's prefill node (~150
+    tokens/s here) a 4000-token prompt outranked a 1-token request 3 s after it came, which then
+    waited 25 s for the whole prefill. A replica ages its prompts at a tenth of its predicted
+    prefill speed (at most the simulator's constant): a 240-token prompt that waited 5 s on a
+    150 tokens/s replica still lets a 20-token one go first; on a fast replica it goes first."""
+    from meshllm.sim.router import PROMPT_AGING_TOKENS_PER_S, prompt_aging
+
+    assert prompt_aging(150.0) == 15.0 and prompt_aging(1e6) == PROMPT_AGING_TOKENS_PER_S
+    for prefill_tok_s, first in ((150.0, 2), (20000.0, 1)):
+        leader, sent = two_stage_leader(prefill_tok_s=prefill_tok_s)
+        long, short = seq(1), seq(2)
+        long.prompt, long.prompt_len, long.arrived = [5] * 240, 240, time.monotonic() - 5.0
+        short.prompt, short.prompt_len = [6] * 20, 20
+        leader.batch.admit(long)
+        leader.batch.admit(short)
+        assert leader.step()
+        assert sent[0][1]["spans"][0][0] == first, prefill_tok_s
 
 
 def test_tokens_go_out_before_a_launch_that_carries_a_prompt() -> None:
@@ -315,3 +336,29 @@ def test_the_leader_s_timeouts_scale_with_an_emulated_mesh_s_time_scale():
         acks._early[7] = (time.monotonic() - EARLY_ACK_TTL_S - 10, acks._early[7][1])
         acks.on_ack(8, "b", 3)
         assert (7 not in acks._early) == fails, time_scale
+
+
+def test_a_sequence_waiting_for_its_first_token_tells_its_gateway_it_is_alive():
+    """A long prompt prefills in chunks for minutes on slow devices; the gateway's 60 s no-token
+    timeout restarted it from scratch. Each returned micro-batch lets every sequence that has had
+    no token for KEEPALIVE_S send an empty TOKENS at the index it waits for (at most once a
+    second a leader); a sequence with output, or one heard from lately, sends none."""
+    from meshllm.roles import leader as leader_mod
+
+    leader, sent = two_stage_leader()
+    long, short = seq(1, prompt_len=250), seq(2, prompt_len=200)
+    leader.batch.admit(long)
+    leader.batch.admit(short)
+    assert leader.step()  # all of the short prompt, the first chunk of the long one
+    assert [(sp[0], sp[3]) for sp in sent[0][1]["spans"]] == [(2, SpanKind.PREFILL_LAST), (1, SpanKind.PREFILL)]
+    stale = time.monotonic() - leader_mod.KEEPALIVE_S - 1
+    long.alive_at = short.alive_at = stale
+    leader.on_results(results(1, [[2, [9], [1.0]]]))  # the short one's first token; no token of the long one
+    assert leader.step()
+    tokens = [(m["seq"], m["token_ids"], m["index"], m["finished"]) for _, m in sent if m.type is MsgType.TOKENS]
+    assert tokens == [(2, [9], 0, False), (1, [], 0, False)]  # a token, and a keepalive
+    assert sent[-1][1].type is MsgType.ACTIVATIONS and long.alive_at > stale
+    long.alive_at = short.alive_at = stale
+    leader.on_results(results(2, [[2, [10], [1.0]], [1, [11], [1.0]]]))  # within a second of the last look
+    leader.step()
+    assert [m["token_ids"] for _, m in sent if m.type is MsgType.TOKENS][2:] == [[10], [11]]  # tokens only

@@ -13,6 +13,8 @@ import json
 import re
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -544,7 +546,65 @@ def test_a_meshllm_field_that_is_not_a_mapping_is_a_400_even_when_falsy(smollm2_
     assert parse_params({**body, "meshllm": {"speculation": "off"}}, gw, chat=False).spec_mode == "off"
 
 
-def test_a_bad_integer_field_s_message_gives_its_range_in_whole_numbers():
+def test_n_and_best_of_are_not_true_a_missing_seed_is_a_fresh_one_and_a_pinned_replica_exists(smollm2_tokenizer):
+    """`"n": true` passed as n=1 (True == 1); a request without a seed was always seeded 0, so two
+    sampled requests gave the same text; `meshllm.decode_replica` naming no decode replica of the
+    plan waited 15 s for a 503."""
+    from types import SimpleNamespace
+
+    from meshllm.roles.api_params import ApiError, parse_params
+    from meshllm.roles.context import PlanContext
+    from tests.test_fuzz import NODES, make_plan
+
+    ctx = PlanContext(5, make_plan(), dict(NODES), "gw")
+    gw = SimpleNamespace(model_name="m", ctx=ctx, model=SimpleNamespace(
+        tokenizer=smollm2_tokenizer, max_context=8192, vocab=smollm2_tokenizer.vocab_size))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+    for bad, code in [({"n": True}, "invalid_value"), ({"n": 2}, "invalid_value"),
+                      ({"best_of": True}, "unsupported_parameter"), ({"presence_penalty": False}, "unsupported_parameter")]:
+        with pytest.raises(ApiError) as e:
+            parse_params({**body, **bad}, gw, chat=False)
+        assert (e.value.status, e.value.code) == (400, code), bad
+    assert parse_params({**body, "n": 1, "best_of": 1.0}, gw, chat=False).max_tokens == 4
+    seeds = {parse_params({**body, "temperature": 1}, gw, chat=False).seed for _ in range(4)}
+    assert len(seeds) == 4  # 63 random bits each
+    assert parse_params({**body, "seed": 7}, gw, chat=False).seed == 7
+    decoders = [r.id for r in ctx.plan.replicas if str(r.role) in ("decode", "mixed")]
+    prefill = [r.id for r in ctx.plan.replicas if str(r.role) == "prefill"]
+    assert decoders and prefill
+    for pin in (prefill[0], 999):
+        with pytest.raises(ApiError) as e:
+            parse_params({**body, "meshllm": {"decode_replica": pin}}, gw, chat=False)
+        assert (e.value.status, e.value.param) == (400, "meshllm.decode_replica") and "has no decode" in str(e.value)
+    assert parse_params({**body, "meshllm": {"decode_replica": decoders[0]}}, gw, chat=False).decode_replica == decoders[0]
+
+
+def test_a_stop_string_inside_a_verified_block_keeps_only_the_tokens_up_to_it(smollm2_tokenizer):
+    """A verified draft block brings several tokens at once: with `stop: [", 5"]` the text was
+    right but token_ids and usage held the block's tokens after the stop (16 tokens with
+    speculation, 14 without). They are cut to what one-by-one decoding gives."""
+    from types import SimpleNamespace
+
+    from meshllm.roles.http_api import TextStream
+
+    gw = SimpleNamespace(model=SimpleNamespace(tokenizer=smollm2_tokenizer))
+    ids = smollm2_tokenizer.encode(" 1, 2, 3, 4, 5, 6, 7, 8")
+
+    def run(block: int) -> tuple[str, list[int], int]:
+        ts, text, n = TextStream(gw, (", 5",)), "", 0
+        for i in range(0, len(ids), block):
+            text += ts.push(ids[i:i + block], False)
+            if ts.stopped:
+                n += len(ids[i:i + block]) - ts.excess
+                break
+            n += len(ids[i:i + block])
+        return text, ts.ids, n
+
+    one = run(1)
+    assert one[0] == " 1, 2, 3, 4" and one[1] == ids[:one[2]]
+    for block in (2, 3, 5, 16):
+        assert run(block) == one, block
+
     """It said "must be an integer in [1, 2.14748e+09]" and "[-9.22337e+18, 9.22337e+18]"."""
     from meshllm.roles.api_params import ApiError, _number
 
@@ -591,7 +651,24 @@ def test_aiohttp_s_own_errors_are_the_api_s_json_errors(disagg):
         assert status == want and json.loads(raw)["error"]["code"] == code, raw
     status, got = disagg.post("/v1/completions", b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}')
     assert status == 413 and got["error"]["code"] == "body_too_large", got
+    # bodies that were a plain-text 500 (RecursionError, LookupError, a payload error)
+    body = json.dumps({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 1}).encode()
+    for data, headers, code, says in [
+            (b'{"model": "smollm2-135m", "metadata": ' + b"[" * 100000 + b"]" * 100000 + b"}", {}, "invalid_json",
+             "too deeply"),
+            (body, {"Content-Type": "application/json; charset=foobar"}, "invalid_json", "unknown charset"),
+            (body, {"Content-Encoding": "gzip"}, "invalid_body", "cannot be read")]:
+        req = urllib.request.Request(disagg.url + "/v1/completions", data=data,
+                                     headers={"Content-Type": "application/json", **headers})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400 and err["code"] == code and says in err["message"], (headers, err)
     assert disagg.get("/health")[0] == 200
+    status, raw = disagg.get("/v1/models/smollm2-135m")  # the OpenAI SDK's models.retrieve
+    assert status == 200 and json.loads(raw)["id"] == "smollm2-135m"
+    status, raw = disagg.get("/v1/models/gpt-4")
+    assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
 
 
 def test_a_client_that_disconnects_is_released_everywhere(disagg):
@@ -857,6 +934,66 @@ def test_a_request_whose_session_moved_follows_it_and_resumes_when_that_replica_
     assert s.decode_rid == 3 and [t for t, *_ in got] == [[5]] * 5
     gw.on_plan(dataclasses.replace(gw.ctx, version=6, incarnations={**lives, "dg": 2}))  # dg restarted
     assert got[-1][2] == "error" and "re-planned" in got[-1][3], got[-1]
+
+
+def test_a_keepalive_from_the_replica_holds_off_the_no_token_timeout():
+    """A prompt near the context limit prefills for minutes on slow devices: with no token for the
+    gateway's stall timeout (60 s) the request was resumed from scratch, again and again, and
+    never served (a 503 after 5 attempts). The leader's empty TOKENS at the index the gateway
+    waits for (roles/leader.py, `_keepalive`) now restart that wait; silence still resumes it."""
+    import asyncio
+
+    from meshllm.mesh.membership import Membership, PeerInfo
+    from meshllm.mesh.protocol import MsgType, make
+    from meshllm.roles.context import PlanContext
+    from meshllm.roles.gateway import Gateway
+    from meshllm.roles.route_view import Stream
+    from tests.test_fuzz import GW, NODES, FakeTransport, Net, make_plan, node_cfg
+
+    gw = Gateway(FakeTransport(Net(), "gw", GW), Membership("gw"), PeerInfo("gw", GW, "fog", {}, ("gateway",), 1),
+                 node_cfg("gw"))
+    gw.ctx = PlanContext(5, make_plan(), dict(NODES), "gw")
+    gw.model.vocab = 256
+    gw.stall_s = 0.4
+    resumed: list[str] = []
+
+    async def resume(s, why: str) -> None:
+        resumed.append(why)
+        s.queue.put_nowait(([], True, "error", None) if len(resumed) > 1 else ([9], True, "length", None))
+
+    gw._resume = resume
+
+    def message(index: int, toks: list[int], finished: bool = False, **extra):
+        msg = make(MsgType.TOKENS, seq=77, token_ids=toks, index=index, finished=finished,
+                   finish_reason="length" if finished else None, **extra)
+        msg.src = "pa"
+        return msg
+
+    async def run(keepalives: int) -> list:
+        loop = asyncio.get_running_loop()
+        s = Stream(77, loop, asyncio.Queue(), set(), 0, 1, 3, 8)
+        gw._streams[77] = s
+        got = []
+
+        async def feed() -> None:
+            for _ in range(keepalives):  # 1.2 s of keepalives, three times the stall timeout
+                await asyncio.sleep(0.1)
+                gw._on_tokens(message(0, []), None)
+            gw._on_tokens(message(0, [5, 6], finished=True), None)
+
+        feeder = asyncio.ensure_future(feed())
+        async for toks, finish in gw.tokens(s):
+            got.append((toks, finish))
+        await feeder
+        return got
+
+    assert asyncio.run(run(12)) == [([5, 6], "length")] and resumed == []
+
+    async def silent() -> list:  # no keepalive: the stall timeout resumes it
+        s = Stream(78, asyncio.get_running_loop(), asyncio.Queue(), set(), 0, 1, 3, 8)
+        return [item async for item in gw.tokens(s)]
+
+    assert asyncio.run(silent()) == [([9], "length")] and resumed == ["no token for 0.4 s"]
 
 
 def test_a_request_waiting_for_a_ready_replica_looks_again_on_news_not_at_the_next_poll(monkeypatch):

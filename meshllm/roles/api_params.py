@@ -4,11 +4,13 @@ roles/http_api.py serves the API with them."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from meshllm.defaults import DECODE_TARGETS
 from meshllm.mesh.fields import MAX_TEMPERATURE
 
 if TYPE_CHECKING:
@@ -16,19 +18,26 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP = 4
+
+
+def _number_at(value: float):
+    """A no-op check: absent, null or the number `value` (true and false are not 1 and 0 here)."""
+    return lambda v: v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and v == value)
+
+
 # OpenAI request fields not implemented here -> whether a value asks for nothing (else a 400)
 NO_OP = {
-    "presence_penalty": lambda v: v in (None, 0), "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: not v, "logprobs": lambda v: v in (None, False), "top_logprobs": lambda v: v in (None, 0),
-    "echo": lambda v: v in (None, False), "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
+    "presence_penalty": _number_at(0), "frequency_penalty": _number_at(0),
+    "logit_bias": lambda v: not v, "logprobs": lambda v: v in (None, False), "top_logprobs": _number_at(0),
+    "echo": lambda v: v in (None, False), "best_of": _number_at(1), "suffix": lambda v: not v,
     "tools": lambda v: not v, "functions": lambda v: not v, "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"), "response_format": lambda v: v in (None, {"type": "text"}),
     "modalities": lambda v: v in (None, ["text"]), "audio": lambda v: v is None,
     "prediction": lambda v: v is None, "reasoning_effort": lambda v: v is None, "verbosity": lambda v: v is None,
     "web_search_options": lambda v: v is None,
     # vLLM's sampling extensions, at their defaults
-    "min_tokens": lambda v: v in (None, 0), "ignore_eos": lambda v: v in (None, False),
-    "repetition_penalty": lambda v: v in (None, 1), "min_p": lambda v: v in (None, 0),
+    "min_tokens": _number_at(0), "ignore_eos": lambda v: v in (None, False),
+    "repetition_penalty": _number_at(1), "min_p": _number_at(0),
 }
 # what a request may carry that asks nothing of the output (OpenAI's bookkeeping), taken and dropped
 BOOKKEEPING = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
@@ -108,7 +117,7 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", key, "invalid_value")
     max_tokens = _number(body, key, DEFAULT_MAX_TOKENS if not chat else gw.model.max_context, 1, 1 << 31,
                          integer=True)
-    if body.get("n") not in (None, 1):
+    if not _number_at(1)(body.get("n")):
         raise ApiError(400, "only n=1 is supported", "n", "invalid_value")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
@@ -125,9 +134,16 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
                        "invalid_value")
     ext = {} if body.get("meshllm") is None else body["meshllm"]
     mode, gamma, pin, adaptive = _extension(ext)
+    ctx = gw.ctx
+    if pin is not None and ctx is not None and (not ctx.has_replica(pin) or ctx.replica(pin).role not in DECODE_TARGETS):
+        decoders = [r.id for r in ctx.plan.replicas if r.role in DECODE_TARGETS]
+        raise ApiError(400, f"meshllm.decode_replica {pin}: plan v{ctx.version} has no decode or mixed replica "
+                            f"{pin} (those it has: {decoders})", "meshllm.decode_replica", "invalid_value")
     max_tokens = min(max_tokens, gw.model.max_context - len(ids))
     return Params(ids, max_tokens, float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),
                   _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
+                  # no seed: a fresh one, so two such requests are two samples (OpenAI's behaviour)
+                  secrets.randbits(63) if body.get("seed") is None else
                   _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
                   bool((opts or {}).get("include_usage")), mode, gamma, pin, adaptive,
                   _resume(ext.get("resume_token_ids"), gw, max_tokens))

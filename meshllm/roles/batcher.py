@@ -38,7 +38,7 @@ from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import AcceptanceStats
 from meshllm.mesh.protocol import SpanKind, WireSpan
 from meshllm.roles.verifier import WAIT, Block, Verifier
-from meshllm.sim.router import prompt_priority
+from meshllm.sim.router import PROMPT_AGING_TOKENS_PER_S, prompt_priority
 
 log = logging.getLogger("meshllm.leader")
 
@@ -77,6 +77,7 @@ class Seq:
     block_interval_s: float | None = None
     kv_charge: int = 0  # KV positions reserved for it on every stage while it runs (Batcher.admit)
     kv_waited: bool = False  # it waited in the queue for KV room
+    alive_at: float = field(default_factory=time.monotonic)  # last word to its gateway (a token or a keepalive)
 
     @property
     def context(self) -> int:
@@ -164,8 +165,10 @@ class Batcher:
     queue (the same objects)."""
 
     def __init__(self, seqs: dict[int, Seq], queue: list[int], n_stages: int, rid: int = 0,
-                 max_context: int = 1 << 30, kv_room: int | None = None, time_scale: float = 1.0):
+                 max_context: int = 1 << 30, kv_room: int | None = None, time_scale: float = 1.0,
+                 aging: float = PROMPT_AGING_TOKENS_PER_S):
         self.seqs, self.queue, self.n_stages = seqs, queue, n_stages
+        self.aging = aging / time_scale  # prompt tokens a second of waiting counts for (sim/router.prompt_aging)
         self.rid, self.max_context = rid, max_context
         self.kv_room = kv_room  # KV positions every stage holds (None: not known, no KV limit)
         self.kv_held = 0  # positions reserved by the running sequences
@@ -223,7 +226,7 @@ class Batcher:
         """Running sequences with prompt tokens left, in the order they get the step's prompt budget
         (the simulator's order: sim/router.prompt_priority)."""
         todo = [s for s in self.seqs.values() if s.fed < s.prompt_len and not s.busy and s.id not in self.queue]
-        return sorted(todo, key=lambda s: prompt_priority(s.prompt_len - s.fed, now - s.arrived))
+        return sorted(todo, key=lambda s: prompt_priority(s.prompt_len - s.fed, now - s.arrived, self.aging))
 
     def _start_queued(self) -> None:
         """Move queued sequences into the running set, in arrival order, while there is room: a

@@ -48,7 +48,7 @@ from meshllm.sim.replica import from_plan
 
 log = logging.getLogger("meshllm.gateway")
 
-STALL_TIMEOUT_S = 60.0  # no token for this long (x time_scale): the attempt is resumed, then fails
+STALL_TIMEOUT_S = 60.0  # no token nor keepalive (roles/leader.py) for this long (x time_scale): resumed, then fails
 MAX_ATTEMPTS = 5  # a request is resumed at most 4 times (a partition may cost two re-plans)
 RESUME_WAIT_S = 60.0  # x time_scale: how long a resumed request waits for a ready replica
 RESUME_POLL_S = 0.2  # a request waiting for a ready replica looks again this often, and at once on news (`wake`)
@@ -293,6 +293,8 @@ class Gateway:
                 await self._resume(s, f"no token for {self.stall_s:g} s")
                 continue
             toks, finished, reason, error = item
+            if not toks and not finished and not error:  # a keepalive: the replica works on it
+                continue
             if error and self.closing:
                 raise RequestError(self.closing, "shutting_down")
             if error:
@@ -331,6 +333,8 @@ class Gateway:
         if "moved_to" in msg.fields and s.next_index > s.offset_at_dispatch:
             self._follow(s, msg["moved_to"])
         if not toks:
+            if idx == s.next_index and not msg["finished"] and "moved_to" not in msg.fields:  # a keepalive:
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], False, None, None))  # queued or prefilling
             return
         if self.ctx is not None and msg.src in self.ctx.addresses:
             s.leaders.add(self.ctx.addresses[msg.src])  # a session that moved is released where it is now

@@ -2,7 +2,7 @@
 
     POST /v1/completions        prompt (string, [string] or [token ids]); stream or not
     POST /v1/chat/completions   messages rendered with the model's chat template
-    GET  /v1/models             the served model
+    GET  /v1/models             the served model (GET /v1/models/NAME: its card, or 404)
     GET  /health                200 when every replica of the current plan is loaded, else 503
     GET  /metrics               Prometheus text (TTFT / ITL / latency histograms, queue depth, tokens)
     GET  /v1/plan               meshllm extension: the plan being served and its version
@@ -29,6 +29,7 @@ and readiness probes: it tells only whether the plan's replicas are loaded.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import logging
@@ -58,13 +59,29 @@ class TextStream:
         self.ids: list[int] = list(shown)  # tokens whose text the client has (a resumed request's)
         self.shown = len(self.tok.decode(self.ids).rstrip("\ufffd")) if shown else 0
         self.stopped = False
+        self.excess = 0  # tokens of the last push after the one that completed a stop string
+
+    def _stop_at(self, text: str) -> int:
+        return min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode([t for t in ids if t not in self.eos])
 
     def push(self, tokens: list[int], final: bool) -> str:
         self.ids.extend(tokens)
-        text = self.tok.decode([t for t in self.ids if t not in self.eos])
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        text = self._decode(self.ids)
+        cut = self._stop_at(text)
         if cut >= 0:
             self.stopped, final, text = True, True, text[:cut]
+            # a verified draft block brings several tokens at once: those after the one that
+            # completed the stop string are not output (token_ids and usage say what one-by-one
+            # decoding would have)
+            first = len(self.ids) - len(tokens)
+            for k in range(first + 1, len(self.ids)):
+                if self._stop_at(self._decode(self.ids[:k])) >= 0:
+                    self.excess = len(self.ids) - k
+                    del self.ids[k:]
+                    break
         end = len(text)
         if not final:
             while end > self.shown and text[end - 1] == "\ufffd":
@@ -88,16 +105,38 @@ def _chunk(kind: str, rid: str, model: str, text: str, ids: list[int], finish: s
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice]}
 
 
+def _json_body(raw: bytes, charset: str | None) -> object:
+    """The request's JSON, or an ApiError 400 naming what is wrong with it (an unknown charset and
+    nesting deeper than the parser's stack were a plain-text 500)."""
+    try:
+        codecs.lookup(charset or "utf-8")
+    except LookupError:
+        raise ApiError(400, f"Content-Type names an unknown charset {charset!r:.40} (JSON is UTF-8)", None,
+                       "invalid_json") from None
+    try:
+        return json.loads(raw.decode(charset or "utf-8"))
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON arrays or objects too deeply", None,
+                       "invalid_json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise ApiError(400, "the request body is not valid JSON", None, "invalid_json") from None
+
+
 async def _generate(request: web.Request, gw: Gateway, chat: bool, body_s: float) -> web.StreamResponse:
     try:  # a body trickled in (slowloris) holds a connection and a handler no longer than body_s
-        body = await asyncio.wait_for(request.json(loads=json.loads), body_s)
+        raw = await asyncio.wait_for(request.read(), body_s)
+        body = _json_body(raw, request.charset)
     except asyncio.TimeoutError:
         resp = ApiError(408, f"the request body did not arrive within {body_s:g} s", None,
                         "request_timeout").response()
         resp.force_close()
         return resp
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-        return ApiError(400, "the request body is not valid JSON", None, "invalid_json").response()
+    except web.RequestPayloadError as e:  # Content-Encoding: gzip on a body that is not
+        resp = ApiError(400, f"the request body cannot be read: {e}", None, "invalid_body").response()
+        resp.force_close()  # the rest of the stream is not a request
+        return resp
+    except ApiError as e:
+        return e.response()
     try:  # a lone surrogate escape ("\ud800") is valid JSON but no text: the tokenizer cannot take it
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
@@ -149,6 +188,9 @@ class Run:
             self.ids.extend(toks)
             delta = self.text.push(toks, finish is not None)
             if self.text.stopped:
+                if self.text.excess:  # tokens after the stop string's (a verified block's)
+                    toks = toks[:len(toks) - self.text.excess]
+                    del self.ids[len(self.ids) - self.text.excess:]
                 yield delta, toks, "stop"
                 return
             yield delta, toks, finish
@@ -282,9 +324,18 @@ def build_app(gw: Gateway, token: str | None = None, idle_s: float = HTTP_IDLE_S
     async def chat(request: web.Request) -> web.StreamResponse:
         return await _generate(request, gw, True, body_s)
 
+    def model_card() -> dict:
+        return {"id": gw.model_name, "object": "model", "created": 0, "owned_by": "meshllm"}
+
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": gw.model_name, "object": "model",
-                                                               "created": 0, "owned_by": "meshllm"}]})
+        return web.json_response({"object": "list", "data": [model_card()]})
+
+    async def model(request: web.Request) -> web.Response:  # the OpenAI SDK's models.retrieve
+        name = request.match_info["name"]
+        if name != gw.model_name:
+            return ApiError(404, f"model {name!r} is not served here; this mesh serves {gw.model_name!r}", "model",
+                            "model_not_found").response()
+        return web.json_response(model_card())
 
     async def health(request: web.Request) -> web.Response:
         ctx = gw.ctx
@@ -307,6 +358,7 @@ def build_app(gw: Gateway, token: str | None = None, idle_s: float = HTTP_IDLE_S
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{name:.+}", model)  # a name may hold '/' (a model served by its path)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     async def mesh(request: web.Request) -> web.Response:

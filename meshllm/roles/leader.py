@@ -40,11 +40,16 @@ from meshllm.roles.batcher import MAX_ACTIVE_SEQS, Batcher, InFlight, Seq
 from meshllm.roles.context import PlanContext
 from meshllm.roles.stage import Send, Stage, results_of
 from meshllm.roles.verifier import Block, Verifier
+from meshllm.sim.router import prompt_aging
 
 log = logging.getLogger("meshllm.leader")
 
 RESULT_TIMEOUT_S = 120.0  # x time_scale: a micro-batch whose RESULTS never come back fails its sequences
 KV_TIMEOUT_S = 120.0  # x time_scale: a handed-off sequence whose KV has not all arrived by then fails
+# x time_scale: a sequence with no output yet (queued, or its long prompt prefilling) tells its gateway
+# it is alive this often, an empty TOKENS (a prompt of 8k tokens prefills for minutes on slow devices;
+# the gateway's 60 s no-token timeout restarted it from scratch, for ever)
+KEEPALIVE_S = 10.0
 
 
 class Leader:
@@ -63,7 +68,8 @@ class Leader:
         self.seqs: dict[int, Seq] = {}
         self.queue: list[int] = []  # sequences not yet started, in arrival order
         # what goes into the next micro-batch; `kv_room`: KV positions each stage holds (KV admission)
-        self.batch = Batcher(self.seqs, self.queue, self.n_stages, self.rid, max_context, kv_room, time_scale)
+        self.batch = Batcher(self.seqs, self.queue, self.n_stages, self.rid, max_context, kv_room, time_scale,
+                             prompt_aging(stage.replica.prefill_tok_s))
         self.in_flight: dict[int, InFlight] = {}
         self._batch_ids = itertools.count(1)
         self.stats = {"micro_batches": 0, "rows": 0, "finished": 0, "aborted": 0}
@@ -73,6 +79,7 @@ class Leader:
         self.handoffs: deque[tuple[float, float]] = deque(maxlen=64)
         self.verifier: Verifier | None = None  # decode and mixed replicas (roles/host.py sets it)
         self.outbox = Outbox(send)  # TOKENS for the gateways, sent when `step` says
+        self._keepalive_at = 0.0
 
     # -- the scheduler --------------------------------------------------------------------------
     def step(self) -> bool:
@@ -162,6 +169,7 @@ class Leader:
                         self.verifier.started(s)  # a mixed replica's first token: the drafter may start
                 else:
                     self.verifier.committed(s, block, s.out[n0:], finished is not None)
+        self._keepalive()
 
     def _handoff(self, s: Seq, token: int) -> None:
         del self.seqs[s.id]
@@ -171,6 +179,19 @@ class Leader:
         self.outbox.tokens(s, [token], finished)
         if self.on_prefilled is not None:
             self.on_prefilled(self.ctx, s, finished is not None)
+
+    def _keepalive(self) -> None:
+        """A micro-batch came back, so this replica works: each sequence that has waited
+        KEEPALIVE_S for its first token (queued behind others, or a long prompt in chunks) tells
+        its gateway so, with an empty TOKENS at the index it waits for."""
+        now, every = time.monotonic(), KEEPALIVE_S * self.time_scale
+        if now - self._keepalive_at < 1.0:
+            return
+        self._keepalive_at = now
+        for s in self.seqs.values():
+            if not s.out and now - s.alive_at >= every:
+                s.alive_at = now
+                self.outbox.keepalive(s)
 
     def emit(self, s: Seq, tokens: list[int]) -> str | None:
         """New output tokens of `s` (several after a verified block): keep those up to the first stop
@@ -258,7 +279,13 @@ class Outbox:
                  finished=finished is not None, finish_reason=finished, queue_ms=round(1000 * s.queued_s, 3),
                  **extra)
         s.queued_s = 0.0
+        s.alive_at = time.monotonic()
         self.items.append((s.gateway, m))
+
+    def keepalive(self, s: Seq) -> None:
+        """No token yet, but `s` is queued or prefilling here (not stalled)."""
+        self.items.append((s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=s.offset + len(s.out),
+                                           finished=False, finish_reason=None)))
 
     def error(self, s: Seq, why: str) -> None:
         self.items.append((s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=s.offset + len(s.out),

@@ -51,16 +51,28 @@ from meshllm.sim.ports import RX, TX, PortBook
 from meshllm.sim.replica import SimReplica
 
 PROMPT_AGING_TOKENS_PER_S = 1000.0  # see prompt_priority
+PROMPT_AGING_SHARE = 0.1  # see prompt_aging
 
 
-def prompt_priority(tokens_left: int, waited_s: float) -> float:
+def prompt_aging(prefill_tok_s: float) -> float:
+    """The aging of a replica that prefills `prefill_tok_s` tokens a second: PROMPT_AGING_TOKENS_PER_S,
+    at most PROMPT_AGING_SHARE of its own speed. The constant suits the simulator's GPU replicas
+    (thousands of tokens a second); on a replica of small devices (the demo's prefill node: ~150
+    tokens/s) a long prompt aged faster than it was prefilled, so within seconds it outranked
+    every new prompt and a 1-token request waited 25 s behind a 4000-token one. At a tenth of its
+    speed, a prompt of L tokens is overtaken by a waiting longer one after about 10x its own
+    prefill time. (The leader's order, roles/batcher.py; the simulator keeps the constant.)"""
+    return min(PROMPT_AGING_TOKENS_PER_S, PROMPT_AGING_SHARE * max(prefill_tok_s, 0.0)) or PROMPT_AGING_TOKENS_PER_S
+
+
+def prompt_priority(tokens_left: int, waited_s: float, aging: float = PROMPT_AGING_TOKENS_PER_S) -> float:
     """The order in which a replica takes its queued prompts (the simulator and roles/batcher.py):
     lowest first. Fewest prompt tokens left first, so a short prompt does not queue behind a long
     one (shortest-first minimises the mean wait), with aging: every second a prompt has waited
     counts as PROMPT_AGING_TOKENS_PER_S tokens fewer, so a long prompt is never starved. On
     bench-fog-40-8b at 9.5 / 13.3 req/s it cut meshllm's mean wait by 12 % / 10 % against
     arrival order (aging 300 tokens/s: 10 % / 15 %, with a longer p99 wait)."""
-    return tokens_left - PROMPT_AGING_TOKENS_PER_S * waited_s
+    return tokens_left - aging * waited_s
 
 
 def prompt_rank(tokens_left: int, arrival_s: float) -> float:
