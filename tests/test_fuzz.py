@@ -643,11 +643,7 @@ class Fuzzer:
             spans.append([seq, start, n, int(kind), r.randint(0, 5), r.choice((0.0, 0.8)), r.choice((0, 4)),
                           r.choice((1.0, 0.9)), r.randint(0, 99)])
             if kind is p.SpanKind.VERIFY:
-                draft = self.tokens(r, n - 1, n - 1)
-                sampled = r.random() < 0.3
-                q_ids = [[r.randrange(self.m.vocab) for _ in range(3)] for _ in draft] if sampled else []
-                q_p = [[r.random() for _ in range(3)] for _ in draft] if sampled else []
-                verify.append([seq, draft, q_ids, q_p])
+                verify.append([seq, self.tokens(r, n - 1, n - 1)])
             rows += n
         ship = [[s[0], r.choice((1, 3, 0, 2, 9))] for s in spans if r.random() < 0.3]
         hidden = tensor_like(r, (rows, self.m.model.args.dim), r.choice(("float32", "float32", "uint16")))
@@ -725,16 +721,10 @@ class Fuzzer:
         start = s.context if s is not None else r.randint(0, 30)
         start = start if r.random() < 0.6 else start + r.choice((-1, 1, 2, -5))
         tenant = s.drafter if s is not None and s.drafter and r.random() < 0.85 else r.choice(("dr", "", "zz"))
-        sampled = s is not None and not s.params.greedy
-        g = len(tokens) if sampled else 0
-        q_ids = tensor_like(r, (g, 4), "int32") if sampled else np.zeros((0, 0), np.int32)
-        if sampled and q_ids.dtype == np.int32:
-            q_ids = np.abs(q_ids) % (self.m.vocab + (5 if r.random() < 0.1 else 0))
-        q_p = np.abs(tensor_like(r, q_ids.shape if r.random() < 0.9 else (g, 3), "float16"))
         f = dict(tenant=tenant, seq=seq, block=r.randint(0, 30) if r.random() < 0.9 else -1, start=start,
                  after=r.randrange(self.m.vocab), hash=s.hash if s is not None and r.random() < 0.7 else r.getrandbits(61),
                  tokens=tokens, plan_version=self.version(r))
-        return f, {"q_ids": q_ids, "q_p": q_p}, ()
+        return f, {}, ()
 
     def verdict(self, r: random.Random) -> tuple[dict, dict, tuple]:
         d = self.m.hosts["dr"].drafter

@@ -64,19 +64,34 @@ def test_verify_greedy():
 
 
 def test_verify_sampled_is_lossless_in_distribution():
-    """The first emitted token follows the target distribution p whatever the draft q is."""
+    """The first emitted token follows the target distribution p whatever the draft is."""
     V = 4
     p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
-    q = torch.tensor([[0.7, 0.1, 0.1, 0.1]])
+    q = torch.tensor([0.7, 0.1, 0.1, 0.1])
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(V)
     n = 20000
-    for _ in range(n):
-        x = torch.multinomial(q[0], 1, generator=g)
-        k, nxt = verify_sampled(x, q, p, g)
+    for seed in range(n):
+        x = torch.multinomial(q, 1, generator=g)
+        k, nxt = verify_sampled(x, p, seed, 0)
         counts[int(x[0]) if k == 1 else nxt] += 1
     freq = counts / n
     assert (freq - p[0]).abs().max() < 0.015, freq
+
+
+def test_a_sampled_token_is_the_gumbel_max_draw_of_its_seed_and_index():
+    """sample() for one row and seeded_token() are the one draw (the reference's, the last
+    stage's, the verifier's): argmax(log p + G) with G from token_generator(seed, index)."""
+    from meshllm.engine.sampling import choose_tokens, gumbel, seeded_token, token_generator
+
+    lg = torch.randn(3, 30, generator=torch.Generator().manual_seed(2))
+    p = SamplingParams(temperature=0.8, top_p=0.95)
+    pr = probs(lg, p)
+    toks, _ = choose_tokens(lg, p, 11, 5)
+    for i in range(3):
+        want = int((pr[i].log() + gumbel((1, 30), token_generator(11, 5 + i))[0]).argmax())
+        assert toks[i] == seeded_token(pr[i], 11, 5 + i) == want == int(sample(lg[i:i + 1], p, token_generator(11, 5 + i)))
+        assert pr[i, want] > 0
 
 
 def test_token_generator_depends_only_on_seed_and_index():

@@ -535,7 +535,7 @@ def test_a_meshllm_field_that_is_not_a_mapping_is_a_400_even_when_falsy(smollm2_
 
     from meshllm.roles.api_params import ApiError, parse_params
 
-    gw = SimpleNamespace(model_name="m", model=SimpleNamespace(tokenizer=smollm2_tokenizer, max_context=8192,
+    gw = SimpleNamespace(model_name="m", ctx=None, model=SimpleNamespace(tokenizer=smollm2_tokenizer, max_context=8192,
                                                                vocab=smollm2_tokenizer.vocab_size))
     body = {"model": "m", "prompt": "hi", "max_tokens": 4}
     for bad in (0, False, "", [], 5, {"gama": 2}):

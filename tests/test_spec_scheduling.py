@@ -96,7 +96,7 @@ def test_the_last_block_counts_only_the_drafts_the_output_reaches():
     assert block_counts(seq(6, [7, 7], 4), 4, [9, 5], 64) == (2, 1)
     v = Verifier.__new__(Verifier)
     v.stats, v.verify_ms = AcceptanceStats(), None
-    block = Block(0, 3, s.hash, [9, 9, 9, 9], None, None, 0.0)
+    block = Block(0, 3, s.hash, [9, 9, 9, 9], 0.0)
     v.record(s, block, *block_counts(s, len(block.tokens), [9, 9, 9, 9, 9], 64), 0.01)
     assert (s.spec.drafted, s.spec.accepted, s.spec.blocks) == (2, 2, 1)
     assert (v.stats.drafted, v.stats.accepted) == (2, 2)
@@ -130,9 +130,7 @@ def test_a_session_counts_its_look_ahead_blocks_that_stood_and_those_that_went_s
     v = Verifier(leader, lambda *a: None, lambda node: True)
 
     def draft(no: int, start: int, branch: bool = False) -> None:
-        v.on_draft(make(MsgType.DRAFT, tensors={"q_ids": torch.zeros((0, 0), dtype=torch.int32),
-                                                "q_p": torch.zeros((0, 0), dtype=torch.float16)},
-                        tenant="edge", seq=1, block=no, start=start, after=5, hash=s.hash, tokens=[7, 7],
+        v.on_draft(make(MsgType.DRAFT, tenant="edge", seq=1, block=no, start=start, after=5, hash=s.hash, tokens=[7, 7],
                         plan_version=0, branch=branch), ARGS.vocab_size)
 
     draft(0, s.context)  # drafted after the committed prefix: not ahead

@@ -1,19 +1,25 @@
 """Logits -> tokens, and the speculative acceptance rules. Pure functions.
 
 Greedy is argmax (ties -> lowest id, torch's rule). Sampling applies
-temperature, then top-k, then top-p, and draws with a torch.Generator seeded
-from (request seed, index of the token in the output): `token_generator`. So a
-token depends only on its logits, the seed and its index, never on how the
-tokens before it were batched, split across stages or recovered after a
-failure: the mesh reproduces the reference's sampled output exactly.
+temperature, then top-k, then top-p, and draws by the Gumbel-max rule,
+argmax(log p + G), with the noise G from a torch.Generator seeded from (request
+seed, index of the token in the output): `token_generator`. So a token depends
+only on its logits, the seed and its index, never on how the tokens before it
+were batched, split across stages, drafted or recovered after a failure: the
+mesh reproduces the reference's sampled output exactly.
 
-Speculative verification (Leviathan et al. / Chen et al.), lossless:
+Speculative verification, lossless and identical:
 - greedy: accept draft tokens while they equal the target's argmax; the first
   mismatch is replaced by the target's token; if all γ match, the target's
   token after the block is a bonus.
-- sampled: accept token x with probability min(1, p(x)/q(x)); on rejection
-  draw from normalize(max(0, p - q)). The output has exactly the target's
-  distribution p.
+- sampled: the same rule on the target's own seeded draws: accept draft tokens
+  while they equal the token the target draws at that index (what it would
+  emit without a draft), then emit that draw. The output is the reference's,
+  token for token, for every draft. (Rejection sampling, accept x with
+  probability min(1, p(x)/q(x)), is lossless only in distribution: the same
+  seed gave different text as drafts and their timing differed.) A drafter
+  that draws its tokens with the same noise (roles/drafter.py) proposes the
+  target's draw wherever its distribution is close: the Gumbel-max coupling.
 """
 
 from __future__ import annotations
@@ -78,11 +84,23 @@ def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x.softmax(-1)
 
 
+def gumbel(shape: tuple[int, ...], gen: torch.Generator | None) -> torch.Tensor:
+    """Standard Gumbel noise, -log(-log U): argmax(log p + G) is a draw from p."""
+    return -torch.log(-torch.log(torch.rand(shape, generator=gen)))
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None = None) -> torch.Tensor:
-    """(R, V) -> (R,) token ids."""
+    """(R, V) -> (R,) token ids (sampled: the Gumbel-max draw, noise from `gen`)."""
     if p.greedy:
         return logits.argmax(-1)
-    return torch.multinomial(probs(logits, p), 1, generator=gen).squeeze(-1)
+    pr = probs(logits, p)
+    return (pr.log() + gumbel(tuple(pr.shape), gen)).argmax(-1)
+
+
+def seeded_token(prob: torch.Tensor, seed: int, index: int) -> int:
+    """(V,) probabilities -> output token `index` of a request seeded `seed`: the one draw of
+    the reference (choose_tokens), of every last stage and of the sampled verification."""
+    return int((prob.log() + gumbel((1, prob.shape[-1]), token_generator(seed, index))[0]).argmax())
 
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -96,20 +114,17 @@ def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int
     return n, int(tgt[n])
 
 
-def verify_sampled(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                   gen: torch.Generator | None = None) -> tuple[int, int]:
-    """Lossless rejection sampling. draft_probs: (γ, V) = q; target_probs: (γ+1, V) = p."""
+def verify_sampled(draft: torch.Tensor, target_probs: torch.Tensor, seed: int, index: int) -> tuple[int, int]:
+    """draft: (γ,) ids of output tokens index .. index+γ-1; target_probs: (γ+1, V), row i the
+    target's distribution after draft[:i]. Returns (n_accepted, next_token): the drafts that
+    equal the target's own seeded draws, then its draw at the first one that does not (or the
+    bonus after all γ), so the output extends exactly as the reference's does."""
     g = draft.shape[0]
     for i in range(g):
-        x = int(draft[i])
-        px, qx = float(target_probs[i, x]), float(draft_probs[i, x])
-        u = float(torch.rand((), generator=gen))
-        if qx > 0 and u < min(1.0, px / qx):
-            continue
-        resid = (target_probs[i] - draft_probs[i]).clamp(min=0)
-        resid = resid / resid.sum() if resid.sum() > 0 else target_probs[i]
-        return i, int(torch.multinomial(resid, 1, generator=gen))
-    return g, int(torch.multinomial(target_probs[g], 1, generator=gen))
+        tok = seeded_token(target_probs[i], seed, index + i)
+        if tok != int(draft[i]):
+            return i, tok
+    return g, seeded_token(target_probs[g], seed, index + g)
 
 
 def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -132,6 +147,5 @@ def choose_tokens(logits: torch.Tensor, p: SamplingParams, seed: int, first_inde
     of every last stage of the mesh."""
     if p.greedy:
         return greedy_tokens(logits)
-    marg = margins(logits).tolist()
-    toks = [int(sample(logits[i:i + 1], p, token_generator(seed, first_index + i))[0]) for i in range(logits.shape[0])]
-    return toks, marg
+    marg, pr = margins(logits).tolist(), probs(logits, p)
+    return [seeded_token(pr[i], seed, first_index + i) for i in range(logits.shape[0])], marg

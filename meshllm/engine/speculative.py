@@ -5,11 +5,11 @@ Verification of one block (Leviathan et al., lossless): the target ran over
 [last committed token, d_1 .. d_g]; row i of its logits predicts the token after d_i.
 - greedy: accept d_i while it equals the target's argmax; then emit the target's token (the
   correction, or the bonus when all g are accepted);
-- sampled: accept d_i with probability min(1, p(d_i) / q(d_i)); on rejection emit a sample of
-  norm(max(0, p - q)); after g acceptances a sample of p. q is the draft's distribution, sent
-  sparsely (the drafter samples from that same truncated q, so the rule stays exact), p the
-  target's after the request's temperature / top-k / top-p. The draws are seeded by (request
-  seed, output index of the block), so a block verified twice gives the same answer.
+- sampled: accept d_i while it equals the target's own draw at its output index (the Gumbel-max
+  draw from p, the target's distribution after the request's temperature / top-k / top-p, with
+  noise seeded by (request seed, output index): engine/sampling.py); then emit that draw. The
+  output is the reference's token for token, whatever was drafted, so a block verified twice
+  gives the same answer and the same seed the same text.
 
 The committed prefix hash lets a verifier tell whether a block was drafted after exactly the
 tokens committed so far (an asynchronous drafter drafts block k+1 before block k's verdict).
@@ -23,18 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshllm.engine.sampling import (
-    SamplingParams,
-    margins,
-    probs,
-    token_generator,
-    verify_greedy,
-    verify_sampled,
-)
+from meshllm.engine.sampling import SamplingParams, margins, probs, verify_greedy, verify_sampled
 
 HASH_MOD = (1 << 61) - 1  # a Mersenne prime: the rolling hash stays in 61 bits (msgpack-friendly)
 HASH_BASE = 1_000_003
-VERIFY_SALT = 0x5EED  # verification draws use their own generators (not the plain sampling ones)
 
 
 def extend_hash(h: int, tokens: list[int]) -> int:
@@ -44,14 +36,8 @@ def extend_hash(h: int, tokens: list[int]) -> int:
     return h
 
 
-def dense_q(ids: torch.Tensor, p: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Sparse draft distributions (g, K) ids + probs -> dense (g, vocab)."""
-    q = torch.zeros(ids.shape[0], vocab, dtype=torch.float32)
-    return q.scatter_(1, ids.long(), p.float())
-
-
-def verify_block(logits: torch.Tensor, draft: list[int], params: SamplingParams, seed: int, index: int,
-                 q_ids: torch.Tensor | None = None, q_p: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+def verify_block(logits: torch.Tensor, draft: list[int], params: SamplingParams, seed: int,
+                 index: int) -> tuple[list[int], list[float]]:
     """logits: (g+1, V) for [last committed, d_1..d_g]. Returns (tokens to commit, margins): the
     accepted draft tokens and then the target's own token. `index` is the output index of d_1."""
     marg = margins(logits).tolist()
@@ -59,9 +45,7 @@ def verify_block(logits: torch.Tensor, draft: list[int], params: SamplingParams,
     if params.greedy:
         n, tok = verify_greedy(d, logits)
     else:
-        gen = token_generator(seed ^ VERIFY_SALT, index)
-        q = dense_q(q_ids, q_p, logits.shape[-1])
-        n, tok = verify_sampled(d, q, probs(logits, params), gen)
+        n, tok = verify_sampled(d, probs(logits, params), seed, index)
     return draft[:n] + [tok], marg[:n + 1]
 
 

@@ -113,11 +113,10 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     MsgType.KV_TRANSFER: ({"seq": _INT, "layers": _LIST, "length": _INT, "replica": _INT,
                            "plan_version": _INT}, ("k", "v")),
     # a block of drafts for `seq`, drafted after the committed prefix of length `start` whose hash is
-    # `hash` and whose last token is `after`; q_ids, q_p: (gamma, K) the draft's truncated
-    # distribution of each drafted token (shape (0, 0) for greedy blocks); optional `branch`: true when
-    # drafted in a proactive branch (after one of the draft's other choices, roles/branches.py)
+    # `hash` and whose last token is `after`; optional `branch`: true when drafted in a proactive
+    # branch (after one of the draft's other choices, roles/branches.py)
     MsgType.DRAFT: ({"tenant": _STR, "seq": _INT, "block": _INT, "start": _INT, "after": _INT, "hash": _INT,
-                     "tokens": _LIST, "plan_version": _INT}, ("q_ids", "q_p")),
+                     "tokens": _LIST, "plan_version": _INT}, ()),
     # the outcome of block `block` (-1: a step without a draft): `tokens` were committed, the
     # committed prefix now has length `context` and hash `hash`; `replica` now verifies the session
     MsgType.VERDICT: ({"tenant": _STR, "seq": _INT, "block": _INT, "accepted": _INT, "tokens": _LIST,

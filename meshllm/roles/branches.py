@@ -106,7 +106,6 @@ class Branches:
         self.cache.free(s.slot)
         s.slot, s.fed = br.slot, br.fed
         s.stream, s.runner = br.tokens[br.base:], list(br.runner)
-        s.qs = [([], [])] * len(s.stream)
         s.blocks = [br.block] if br.block is not None else []
         self.stats["branch_hits"] += 1
         self.stats["branch_hits_ready"] += br.block is not None  # its block already out: no redrafting at all

@@ -30,8 +30,9 @@ again (ZeroMQ's slow joiner and high-water mark can drop PUB messages). With ada
 session's draft length follows its measured acceptance and round trip, and an async session
 drafts ahead only while the model says the look-ahead pays (engine/speculative.py: a look-ahead
 block stands only after a fully accepted block whose bonus was guessed right).
-For sampled requests the drafter samples from the draft's top-K distribution and sends exactly
-that distribution, so the verifier's rejection rule stays lossless.
+For sampled requests the drafter draws each token from the draft's top-K distribution with the
+Gumbel noise the target draws that output index with (engine/sampling.py): where the two
+distributions are close it proposes the target's own draw, which the verifier accepts.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshllm.engine.model import SeqSpan, Transformer
-from meshllm.engine.sampling import SamplingParams, probs, token_generator
+from meshllm.engine.sampling import SamplingParams, gumbel, probs, token_generator
 from meshllm.engine.speculative import (
     ASYNC_OUTSTANDING,
     Choices,
@@ -60,10 +61,9 @@ from meshllm.roles.pacer import Pacer
 
 log = logging.getLogger("meshllm.drafter")
 
-Q_TOP_K = 32  # draft distribution support sent with sampled blocks
+Q_TOP_K = 32  # the draft's most likely tokens a sampled draft is drawn among
 MAX_OUTSTANDING = {"async": ASYNC_OUTSTANDING, "sync": 1}  # blocks in flight per session
 RESEND_MIN_S = 2.0  # x time_scale: a block with no verdict this long is published again
-DRAFT_SALT = 0xD7AF7  # the drafter's sampling generators differ from the target's
 SESSION_IDLE_S = 120.0  # x time_scale: a session with no verdict this long is dropped
 PREFILL_CHUNK = 256
 LOOKAHEAD_SLACK = 1.1  # look-ahead rows may stretch a draft step by at most this factor
@@ -75,7 +75,6 @@ class OutBlock:
     start: int
     hash: int
     tokens: list[int]
-    qs: list[tuple[list[int], list[float]]]
     sent: float
     branch: bool = False  # drafted in a proactive branch
 
@@ -96,7 +95,6 @@ class Session:
     hash: int = 0
     started: bool = False  # the first VERDICT came
     stream: list[int] = field(default_factory=list)  # drafted tokens after `committed`
-    qs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # their draft distributions
     fed: int = 0  # tokens of prompt + committed + stream in the draft KV
     blocks: list[OutBlock] = field(default_factory=list)  # published, no verdict yet
     next_no: int = 0
@@ -147,25 +145,21 @@ class BlockSender:
         while len(s.stream) - s.block_start() >= s.gamma:
             start = s.block_start()
             s.blocks.append(self.send(s, len(s.prompt) + len(s.committed) + start,
-                                      extend_hash(s.hash, s.stream[:start]), s.stream[start:start + s.gamma],
-                                      s.qs[start:start + s.gamma]))
+                                      extend_hash(s.hash, s.stream[:start]), s.stream[start:start + s.gamma]))
 
-    def send(self, s: Session, start: int, h: int, tokens: list[int], qs: list,
+    def send(self, s: Session, start: int, h: int, tokens: list[int],
              branch_tokens: list[int] | None = None) -> OutBlock:
         """Number and publish a block of `s` drafted after its first `start` tokens (hash `h` of
         their output part): of its stream, or of a branch whose whole sequence is `branch_tokens`."""
-        b = OutBlock(s.next_no, start, h, tokens, qs, time.monotonic(), branch=branch_tokens is not None)
+        b = OutBlock(s.next_no, start, h, tokens, time.monotonic(), branch=branch_tokens is not None)
         s.next_no += 1
         self.stats["blocks"] += 1
         self.publish(self.message(s, b, branch_tokens), s.rid)
         return b
 
     def message(self, s: Session, b: OutBlock, tokens: list[int] | None = None) -> Message:
-        greedy = s.params.greedy
-        q_ids = torch.zeros((0, 0), dtype=torch.int32) if greedy else torch.tensor([q[0] for q in b.qs], dtype=torch.int32)
-        q_p = torch.zeros((0, 0), dtype=torch.float16) if greedy else torch.tensor([q[1] for q in b.qs]).half()
         after = (tokens or s.tokens)[b.start - 1]
-        return make(MsgType.DRAFT, tensors={"q_ids": q_ids, "q_p": q_p}, tenant=self.me, seq=s.seq, block=b.no,
+        return make(MsgType.DRAFT, tenant=self.me, seq=s.seq, block=b.no,
                     start=b.start, after=after, hash=b.hash, tokens=b.tokens, plan_version=0, branch=b.branch)
 
     def resend(self, sessions: Iterable[Session], now: float) -> None:
@@ -252,7 +246,7 @@ class Drafter:
         s.hash = extend_hash(s.hash, tokens)
         branch = self.branches.after_verdict(s, kept, done is not None)
         if kept:  # later blocks were drafted after exactly this: they stand
-            s.stream, s.qs, s.runner = s.stream[len(tokens):], s.qs[len(tokens):], s.runner[len(tokens):]
+            s.stream, s.runner = s.stream[len(tokens):], s.runner[len(tokens):]
             s.blocks = [b for b in s.blocks if b.no != done.no]
         elif branch is not None:  # a choice it branched to came true: that branch is the stream now
             self.branches.adopt(s, branch)
@@ -270,7 +264,7 @@ class Drafter:
 
     def _rollback(self, s: Session, keep: int) -> None:
         """Drop the speculative stream, its blocks and branches; the draft KV keeps `keep` positions at most."""
-        s.stream, s.qs, s.runner, s.blocks = [], [], [], []
+        s.stream, s.runner, s.blocks = [], [], []
         self.branches.drop(s)
         s.fed = min(s.fed, keep)
         self.cache.truncate(s.slot, min(self.cache.length(s.slot), s.fed))
@@ -280,7 +274,7 @@ class Drafter:
         br.runner.append(choices(logits, br.tokens[-1]))
         if len(br.tokens) - br.base == br.gamma:
             br.block = self.sender.send(s, br.base, extend_hash(0, br.tokens[len(s.prompt):br.base]),
-                                        br.tokens[br.base:], [([], [])] * br.gamma, br.tokens)
+                                        br.tokens[br.base:], br.tokens)
 
     def replan(self, unchanged: Callable[[int], bool]) -> None:
         """A new plan: sessions whose decode replica changed are over (their requests failed)."""
@@ -367,15 +361,13 @@ class Drafter:
         """Append one drafted token; publish the block when it is complete."""
         index = len(s.committed) + len(s.stream)
         if s.params.greedy:
-            tok, q = int(logits.argmax(-1)[0]), ([], [])
-        else:
+            tok = int(logits.argmax(-1)[0])
+        else:  # the target's noise at this index: its own draw, wherever the draft is close to it
             p = probs(logits, s.params)[0]
             top = p.topk(min(Q_TOP_K, p.shape[-1]))
-            qp = top.values / top.values.sum()
-            pick = int(torch.multinomial(qp, 1, generator=token_generator(s.seed ^ DRAFT_SALT, index))[0])
-            tok, q = int(top.indices[pick]), (top.indices.tolist(), qp.tolist())
+            noise = gumbel((1, p.shape[-1]), token_generator(s.seed, index))[0]
+            tok = int(top.indices[int((top.values.log() + noise[top.indices]).argmax())])
         s.stream.append(tok)
-        s.qs.append(q)
         s.runner.append(choices(logits, tok) if s.params.greedy else (1.0, ()))
         self.sender.ready(s)
 

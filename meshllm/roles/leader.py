@@ -113,7 +113,7 @@ class Leader:
         spans = fl.spans
         ship = {s.seq: self.seqs[s.seq].decode_rid for s in spans
                 if s.kind is SpanKind.PREFILL_LAST and self.seqs[s.seq].decode_rid != self.rid}
-        verify = {seq: (b.tokens, b.q_ids, b.q_p) for seq, b in fl.blocks.items()}
+        verify = {seq: b.tokens for seq, b in fl.blocks.items()}
         out = self.stage.compute(torch.tensor(ids, dtype=torch.long), spans)
         self.stats["micro_batches"] += 1
         self.stats["rows"] += len(ids)
@@ -123,8 +123,7 @@ class Leader:
             self._apply(fl, results_of(out, spans, verify))
             return
         self.in_flight[batch] = fl
-        wire_verify = [[seq, b.tokens, [] if b.q_ids is None else b.q_ids.tolist(),
-                        [] if b.q_p is None else b.q_p.tolist()] for seq, b in fl.blocks.items()]
+        wire_verify = [[seq, b.tokens] for seq, b in fl.blocks.items()]
         self._send(self.ctx.next_stage(self.rid, 0),
                    make(MsgType.ACTIVATIONS, tensors={"hidden": out}, replica=self.rid, batch=batch,
                         plan_version=self.ctx.version, spans=[s.to_wire() for s in spans],

@@ -50,11 +50,11 @@ def logit_rows(spans: Sequence[WireSpan]) -> list[int]:
     return rows
 
 
-def results_of(logits: torch.Tensor, spans: Sequence[WireSpan], verify: dict[int, tuple] | None = None,
+def results_of(logits: torch.Tensor, spans: Sequence[WireSpan], verify: dict[int, list[int]] | None = None,
                skip: set[int] = frozenset()) -> list[list]:
     """RESULTS entries [seq, tokens, margins] from the logits of `logit_rows(spans)`, in order.
     A VERIFY span's tokens are the ones its block commits (accepted drafts + the target's token);
-    `verify` maps its sequence to (draft tokens, q ids, q probs) (engine/speculative.py). Spans whose
+    `verify` maps its sequence to its draft tokens (engine/speculative.py). Spans whose
     index is in `skip` (strays: Stage._check_spans) get no entry."""
     out, r = [], 0
     for i, s in enumerate(spans):
@@ -67,7 +67,7 @@ def results_of(logits: torch.Tensor, spans: Sequence[WireSpan], verify: dict[int
     return out
 
 
-def _choose(logits: torch.Tensor, s: WireSpan, verify: dict[int, tuple] | None) -> tuple[list, list] | None:
+def _choose(logits: torch.Tensor, s: WireSpan, verify: dict[int, list[int]] | None) -> tuple[list, list] | None:
     """(tokens, margins) of one span's logit rows, or None if the rows are not finite. Greedy decode
     rows take the one top-2 pass (their finiteness shows in the margins); the rest check first."""
     params = SamplingParams(s.temperature, s.top_k, s.top_p)
@@ -77,43 +77,32 @@ def _choose(logits: torch.Tensor, s: WireSpan, verify: dict[int, tuple] | None) 
     if not bool(torch.isfinite(logits).all()):
         return None
     if s.kind is SpanKind.VERIFY:
-        draft, q_ids, q_p = (verify or {}).get(s.seq, (None, None, None))
+        draft = (verify or {}).get(s.seq)
         if draft is None or len(draft) != logits.shape[0] - 1:
             raise ProtocolError(f"seq {s.seq}: a VERIFY span of {logits.shape[0]} rows without its "
                                 f"{logits.shape[0] - 1} drafts")
-        return verify_block(logits, draft, params, s.seed, s.index, q_ids, q_p)
+        return verify_block(logits, draft, params, s.seed, s.index)
     return choose_tokens(logits, params, s.seed, s.index)
 
 
-def parse_verify(x: object, vocab: int) -> dict[int, tuple]:
-    """ACTIVATIONS' `verify` list -> seq -> (draft tokens, q ids (g, K) or None, q probs or None)."""
+def parse_verify(x: object, vocab: int) -> dict[int, list[int]]:
+    """ACTIVATIONS' `verify` list of [seq, draft tokens] -> seq -> draft tokens."""
     if not isinstance(x, (list, tuple)):
         raise ProtocolError("verify must be a list")
     out = {}
     for e in x:
-        if not isinstance(e, (list, tuple)) or len(e) != 4:
+        if not isinstance(e, (list, tuple)) or len(e) != 2:
             raise ProtocolError(f"bad verify entry {e!r:.60}")
-        seq, draft = check_seq(e[0]), check_int_list(e[1], "draft tokens", 0, vocab - 1, 64)
-        q_ids = q_p = None
-        if e[2]:
-            try:
-                q_ids, q_p = torch.tensor(e[2], dtype=torch.long), torch.tensor(e[3], dtype=torch.float32)
-            except (TypeError, ValueError, RuntimeError) as err:
-                raise ProtocolError(f"seq {seq}: bad draft distribution: {err}") from None
-            if (q_ids.dim() != 2 or q_ids.shape != q_p.shape or q_ids.shape[0] != len(draft)
-                    or (q_ids.numel() and (q_ids.min() < 0 or q_ids.max() >= vocab)) or (q_p < 0).any()):
-                raise ProtocolError(f"seq {seq}: draft distribution of shape {tuple(q_ids.shape)}")
-        out[seq] = (draft, q_ids, q_p)
+        out[check_seq(e[0])] = check_int_list(e[1], "draft tokens", 0, vocab - 1, 64)
     return out
 
 
-def check_verify(spans: Sequence[WireSpan], verify: dict[int, tuple]) -> None:
-    """Every VERIFY span comes with its drafts (one fewer than its rows) and, when sampled, with
-    their draft distribution (the acceptance rule needs it)."""
+def check_verify(spans: Sequence[WireSpan], verify: dict[int, list[int]]) -> None:
+    """Every VERIFY span comes with its drafts (one fewer than its rows)."""
     for s in spans:
         if s.kind is SpanKind.VERIFY:
-            draft, q_ids, _ = verify.get(s.seq, (None, None, None))
-            if draft is None or len(draft) != s.n - 1 or (s.temperature > 0 and q_ids is None):
+            draft = verify.get(s.seq)
+            if draft is None or len(draft) != s.n - 1:
                 raise ProtocolError(f"seq {s.seq}: a VERIFY span of {s.n} rows without its drafts")
 
 

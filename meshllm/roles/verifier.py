@@ -29,11 +29,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from meshllm.engine.speculative import AcceptanceStats, ewma, extend_hash
 from meshllm.mesh.fields import check_int_list, check_seq
-from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
+from meshllm.mesh.protocol import Message, MsgType, make
 
 log = logging.getLogger("meshllm.verifier")
 
@@ -49,8 +47,6 @@ class Block:
     start: int  # committed length it was drafted after
     hash: int  # ... and that prefix's hash
     tokens: list[int]
-    q_ids: torch.Tensor | None
-    q_p: torch.Tensor | None
     received: float
     ahead: bool = False  # arrived before its prefix was committed: drafted ahead of a verdict
     branch: bool = False  # drafted in a proactive branch (after one of the draft's other choices)
@@ -79,16 +75,8 @@ class Verifier:
         if not tokens or msg["start"] < s.context:
             self._stale(s, branch)
             return
-        q_ids = q_p = None
-        qi, qp = msg.tensors["q_ids"], msg.tensors["q_p"]
-        if not s.params.greedy:
-            if qi.shape != qp.shape or len(qi.shape) != 2 or qi.shape[0] != len(tokens):
-                raise ProtocolError(f"seq {seq}: draft distribution of shape {qi.shape} for {len(tokens)} tokens")
-            q_ids, q_p = qi.torch().long(), qp.torch().float()
-            if q_ids.numel() and (q_ids.min() < 0 or q_ids.max() >= vocab or (q_p < 0).any()):
-                raise ProtocolError(f"seq {seq}: draft distribution out of range")
         blocks = self.pending.setdefault(seq, {})
-        blocks[msg["block"]] = Block(msg["block"], msg["start"], msg["hash"], tokens, q_ids, q_p, time.monotonic(),
+        blocks[msg["block"]] = Block(msg["block"], msg["start"], msg["hash"], tokens, time.monotonic(),
                                      msg["start"] > s.context, branch)
         while len(blocks) > MAX_PENDING:
             del blocks[min(blocks)]
