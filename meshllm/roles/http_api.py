@@ -184,15 +184,16 @@ class Run:
             else:
                 self.gw.metrics.itl.observe(now - self.last_at)
             self.last_at = now
-            self.gw.metrics.generation_tokens.inc(len(toks))
             self.ids.extend(toks)
             delta = self.text.push(toks, finish is not None)
             if self.text.stopped:
                 if self.text.excess:  # tokens after the stop string's (a verified block's)
                     toks = toks[:len(toks) - self.text.excess]
                     del self.ids[len(self.ids) - self.text.excess:]
+                self.gw.metrics.generation_tokens.inc(len(toks))
                 yield delta, toks, "stop"
                 return
+            self.gw.metrics.generation_tokens.inc(len(toks))
             yield delta, toks, finish
             if finish is not None:
                 return
