@@ -657,6 +657,7 @@ def test_aiohttp_s_own_errors_are_the_api_s_json_errors(disagg):
             (b'{"model": "smollm2-135m", "metadata": ' + b"[" * 100000 + b"]" * 100000 + b"}", {}, "invalid_json",
              "too deeply"),
             (body, {"Content-Type": "application/json; charset=foobar"}, "invalid_json", "unknown charset"),
+            (body, {"Content-Type": "application/json; charset=base64"}, "invalid_json", "charset"),  # no text codec
             (body, {"Content-Encoding": "gzip"}, "invalid_body", "cannot be read")]:
         req = urllib.request.Request(disagg.url + "/v1/completions", data=data,
                                      headers={"Content-Type": "application/json", **headers})

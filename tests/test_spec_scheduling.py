@@ -181,6 +181,31 @@ def started_drafter(mode: str = "async") -> tuple[Drafter, Session, list]:
     return d, d.sessions[7], sent
 
 
+def test_a_sampled_draft_is_drawn_with_the_noise_of_its_output_index_after_a_resume(monkeypatch):
+    """The drafter draws a sampled token with the noise the target draws that output index with
+    (the coupling that makes the target's exact-match rule accept it). A resumed attempt's
+    SESSION carries its offset (the output before it): the drafter's indices were shifted by it,
+    so the coupling was lost for the rest of the request."""
+    from meshllm.engine.speculative import extend_hash
+    from meshllm.mesh.fields import sampling_map
+    from meshllm.mesh.protocol import MsgType, make
+    from meshllm.roles import drafter as drafter_mod
+
+    drawn: list[tuple[int, int]] = []
+    real = drafter_mod.token_generator
+    monkeypatch.setattr(drafter_mod, "token_generator", lambda seed, index: drawn.append((seed, index)) or real(seed, index))
+    torch.manual_seed(0)
+    d = Drafter("edge", Transformer(ARGS), lambda *a: None, lambda m, rid: None, None)
+    d.on_session(make(MsgType.SESSION, seq=7, prompt_token_ids=[1, 2, 3], max_tokens=24,
+                      sampling=sampling_map(0.8, 0, 1.0, 5), stop_ids=[], decode_replica=1, gamma=3, adaptive=False,
+                      mode="sync", gateway="127.0.0.1:1", plan_version=1, offset=10), ARGS.vocab_size, 3)
+    d.on_verdict(make(MsgType.VERDICT, tenant="edge", seq=7, block=-1, accepted=0, tokens=[4], context=4,
+                      hash=extend_hash(0, [4]), replica=1, finished=False))
+    for _ in range(6):
+        d.step()
+    assert drawn[:3] == [(5, 11), (5, 12), (5, 13)]  # output token 10 was [4]: the drafts are 11, 12, 13
+
+
 def test_an_async_session_drafts_branches_after_its_runner_up_tokens_and_adopts_the_one_that_comes_true():
     from meshllm.engine.speculative import extend_hash
     from meshllm.mesh.protocol import MsgType, make

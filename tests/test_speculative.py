@@ -111,6 +111,7 @@ def test_sampled_drafting_gives_the_reference_s_tokens_for_the_seed(mesh8, smoll
                                                              timeout=300), modes))
         for mode, (code, res) in zip(modes, got):
             assert code == 200 and res["choices"][0]["token_ids"] == want, (seed, mode, res)
+            assert res["meshllm"]["seed"] == seed  # the seed it drew with, to repeat or resume it
         spec = [res["meshllm"].get("spec") or {} for _, res in got[:4]]
         assert sum(s.get("blocks", 0) for s in spec) > 0 and sum(s.get("accepted", 0) for s in spec) > 0, spec
 

@@ -35,7 +35,7 @@ import numpy as np
 from meshllm.mesh.fields import MAX_SEQ_ID, ProtocolError, is_int, is_num
 
 MAGIC = b"MLLM"
-VERSION = 2
+VERSION = 3  # 3: sampled verification by the target's own draw; DRAFT without q tensors
 PREAMBLE = struct.Struct(">4sBBH")  # magic, version, type, n_tensors
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024  # a 1.7B-model KV transfer of a long prompt fits
 MAX_HEADER_BYTES = 1024 * 1024
@@ -105,8 +105,7 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     MsgType.PONG: ({}, ()),
     # spans: [WireSpan.to_wire(), ...] in row order of `hidden` (T, dim);
     # ship: [[seq, decode replica id], ...] sequences whose KV this stage sends on after this batch;
-    # verify: [[seq, [draft tokens], [[q ids] per token], [[q probs] per token]], ...] for VERIFY
-    #   spans, read by the last stage (q lists are empty for greedy blocks)
+    # verify: [[seq, [draft tokens]], ...] for VERIFY spans, read by the last stage
     MsgType.ACTIVATIONS: ({"replica": _INT, "batch": _INT, "plan_version": _INT, "spans": _LIST,
                            "ship": _LIST, "verify": _LIST}, ("hidden",)),
     # k, v: (n_layers, n_kv_heads, length, head_dim) for layers [start, end) = "layers"
@@ -147,7 +146,8 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
                    ()),
     # zones: [zone a, zone b]: a node in one drops every message from the other for `seconds`
     MsgType.FAULT: ({"zones": _LIST, "seconds": _NUM}, ()),
-    # mode: "async" | "sync"; gamma: the fixed draft length, or the first one when `adaptive`
+    # mode: "async" | "sync"; gamma: the fixed draft length, or the first one when `adaptive`;
+    # optional `offset`: output tokens before this attempt (the drafted tokens' output indices follow it)
     MsgType.SESSION: ({"seq": _INT, "prompt_token_ids": _LIST, "max_tokens": _INT, "sampling": _MAP,
                        "stop_ids": _LIST, "decode_replica": _INT, "gamma": _INT, "adaptive": _BOOL, "mode": _STR,
                        "gateway": _STR, "plan_version": _INT}, ()),

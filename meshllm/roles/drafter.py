@@ -91,6 +91,7 @@ class Session:
     adaptive: bool
     mode: str
     gateway: str
+    offset: int = 0  # output tokens before this attempt (a resumed request's): its draws' indices follow them
     committed: list[int] = field(default_factory=list)  # verified output tokens
     hash: int = 0
     started: bool = False  # the first VERDICT came
@@ -209,8 +210,11 @@ class Drafter:
         check_address(msg["gateway"], "gateway")
         if msg["max_tokens"] < 1:
             raise ProtocolError(f"seq {seq}: max_tokens must be positive")
+        offset = msg.fields.get("offset", 0)
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ProtocolError(f"seq {seq}: offset must be a non-negative integer")
         s = Session(seq, prompt, msg["max_tokens"], SamplingParams(t, k, p), seed, msg["decode_replica"], gamma,
-                    bool(msg["adaptive"]), msg["mode"], str(msg["gateway"]), slot=seq)
+                    bool(msg["adaptive"]), msg["mode"], str(msg["gateway"]), slot=seq, offset=offset)
         self.sessions[seq] = s
         self.cache.allocate(seq, s.capacity(self.model.args.max_seq_len))
         self.since = self.since or time.monotonic()
@@ -359,7 +363,7 @@ class Drafter:
 
     def _extend(self, s: Session, logits: torch.Tensor) -> None:
         """Append one drafted token; publish the block when it is complete."""
-        index = len(s.committed) + len(s.stream)
+        index = s.offset + len(s.committed) + len(s.stream)  # the output index the target draws it at
         if s.params.greedy:
             tok = int(logits.argmax(-1)[0])
         else:  # the target's noise at this index: its own draw, wherever the draft is close to it

@@ -235,7 +235,7 @@ class Gateway:
             msgs.insert(0, (ctx.address(drafter), make(
                 MsgType.SESSION, seq=seq, prompt_token_ids=ids, max_tokens=left, sampling=st["sampling"],
                 stop_ids=stop, decode_replica=dec, gamma=st["gamma"], adaptive=st["adaptive"], mode=st["mode"],
-                gateway=self.address, plan_version=ctx.version)))
+                gateway=self.address, plan_version=ctx.version, offset=len(s.emitted))))
         try:
             for addr, msg in msgs:
                 await s.loop.run_in_executor(self._send_pool, self.t.send, addr, msg)

@@ -77,7 +77,7 @@ class TextStream:
             # completed the stop string are not output (token_ids and usage say what one-by-one
             # decoding would have)
             first = len(self.ids) - len(tokens)
-            for k in range(first + 1, len(self.ids)):
+            for k in range(first, len(self.ids)):
                 if self._stop_at(self._decode(self.ids[:k])) >= 0:
                     self.excess = len(self.ids) - k
                     del self.ids[k:]
@@ -109,12 +109,17 @@ def _json_body(raw: bytes, charset: str | None) -> object:
     """The request's JSON, or an ApiError 400 naming what is wrong with it (an unknown charset and
     nesting deeper than the parser's stack were a plain-text 500)."""
     try:
-        codecs.lookup(charset or "utf-8")
+        text_codec = getattr(codecs.lookup(charset or "utf-8"), "_is_text_encoding", True)  # not base64, zlib, ...
     except LookupError:
+        text_codec = False
+    if not text_codec:
         raise ApiError(400, f"Content-Type names an unknown charset {charset!r:.40} (JSON is UTF-8)", None,
-                       "invalid_json") from None
+                       "invalid_json")
     try:
         return json.loads(raw.decode(charset or "utf-8"))
+    except LookupError:  # a codec that still is no text codec
+        raise ApiError(400, f"Content-Type names a charset that is no text encoding: {charset!r:.40}", None,
+                       "invalid_json") from None
     except RecursionError:
         raise ApiError(400, "the request body nests JSON arrays or objects too deeply", None,
                        "invalid_json") from None
@@ -201,6 +206,8 @@ class Run:
     def extension(self) -> dict:
         """meshllm's per-request figures: queueing and, with speculation, acceptance."""
         out = {"queue_ms": round(self.s.queue_ms, 3)}
+        if self.p.temperature > 0:  # the seed it drew with (a fresh one when none was given): to resume or repeat it
+            out["seed"] = self.p.seed
         if self.s.spec:
             out["spec"] = self.s.spec
         if self.s.attempts > 1:

@@ -184,7 +184,7 @@ class Leader:
         KEEPALIVE_S for its first token (queued behind others, or a long prompt in chunks) tells
         its gateway so, with an empty TOKENS at the index it waits for."""
         now, every = time.monotonic(), KEEPALIVE_S * self.time_scale
-        if now - self._keepalive_at < 1.0:
+        if now - self._keepalive_at < min(1.0, every / 2):
             return
         self._keepalive_at = now
         for s in self.seqs.values():
