@@ -154,7 +154,8 @@ def parse_node(data: dict, src: str) -> NodeConfig:
     if model in transformer_configs:  # a model file's shape is read only when the node runs (or fetched)
         check_draft_groups(cfg, transformer_configs[model])
     elif Path(model).exists():  # here, yet no model (/etc/passwd, a truncated file): exit 2, not a node that never plans
-        check_draft_groups(cfg, file_model_args(model, src))
+        file_model_args(model, src)  # (its draft groups are the plan's to check: a node that cannot build the
+        # draft is planned around, roles/host.py plan_error)
     return cfg
 
 

@@ -377,7 +377,7 @@ GOOD = {"id": "x", "device": DEVICE, "listen": "127.0.0.1:7700", "mdns": False}
 
 @pytest.mark.parametrize("change, field, problem", [
     ({"colour": "blue"}, "colour", "unknown key"),
-    ({"id": ""}, "id", "must be a non-empty string"),
+    ({"id": ""}, "id", "must be 1 to 63 letters, digits"),
     ({"device": "no-such-device"}, "device", "unknown device"),
     ({"listen": "localhost"}, "listen", "expected HOST:PORT"),
     ({"seeds": ["1.2.3.4:99999"]}, "seeds[0]", "port in 1..65535"),

@@ -107,10 +107,16 @@ def test_a_node_file_whose_model_nothing_could_bring_exits_2(tmp_path, monkeypat
     with pytest.raises(ConfigError, match="fetch_weights is false"):
         parse_node({**base, "model": missing, "fetch_weights": False}, "n.yaml")
     assert parse_node({**base, "model": missing}, "n.yaml").fetch_weights
-    here = tmp_path / "here.gguf"
-    here.write_bytes(b"GGUF")
+    from tests.conftest import write_gguf_model
+
+    here = write_gguf_model(load_transformer("tiny"), tmp_path / "here.gguf")
     for model in ("smollm2-135m", str(here)):
         assert parse_node({**base, "model": model, "fetch_weights": False}, "n.yaml").model == model
+    broken = tmp_path / "broken.gguf"  # here, but no model: no node that never plans (it loads no layer)
+    broken.write_bytes(b"GGUF")
+    for fetch in (False, True):
+        with pytest.raises(ConfigError, match="n.yaml: model: .*broken.gguf: truncated or corrupt GGUF header"):
+            parse_node({**base, "model": str(broken), "fetch_weights": fetch}, "n.yaml")
     # a registry name whose package is not installed is not here either (it failed later, at load)
     monkeypatch.setitem(sources.EMBEDDED, "absent-135m", ("meshllm_no_such_package", "m.gguf"))
     with pytest.raises(ConfigError, match=r"needs the package meshllm_no_such_package \(pip install"):
