@@ -151,6 +151,7 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         **weights,
         **_serving(data, src),
     )
+    _check_ports(cfg)
     if model in transformer_configs:  # a model file's shape is read only when the node runs (or fetched)
         check_draft_groups(cfg, transformer_configs[model])
     elif Path(model).exists():  # here, yet no model (/etc/passwd, a truncated file): exit 2, not a node that never plans
@@ -167,6 +168,21 @@ def _weights_keys(d: dict, src: str) -> dict[str, Any]:
     if cache is not None and (not isinstance(cache, str) or not cache):
         raise ConfigError(src, "weights_cache", f"must be a directory path, got {cache!r}")
     return {"fetch_weights": fetch, "weights_cache": cache}
+
+
+ANY_HOST = {"0.0.0.0", "::", "*", ""}
+
+
+def _check_ports(cfg: NodeConfig) -> None:
+    """The API's port is not the node's ROUTER port nor its PUB port (that + 1) on an address they
+    share: the node failed at start with "the gateway cannot listen" (exit 1)."""
+    if cfg.gateway is None:
+        return
+    host, port = split_hostport(cfg.listen, cfg.source, "listen")
+    ghost, gport = split_hostport(cfg.gateway, cfg.source, "gateway.listen")
+    if gport in (port, port + 1) and (host == ghost or host in ANY_HOST or ghost in ANY_HOST):
+        raise ConfigError(cfg.source, "gateway.listen", f"{cfg.gateway} takes port {gport}, which the node's own "
+                          f"sockets use (listen {cfg.listen}: ROUTER on {port}, PUB on {port + 1})")
 
 
 def _gateway(v: Any, src: str) -> dict[str, Any]:

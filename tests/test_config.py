@@ -233,10 +233,16 @@ def test_node_file(tmp_path):
                                  "advertise": "127.0.0.1:7700", "seeds": ["127.0.0.1:7800"], "mdns": False}))
     n = load_node(p)
     assert n.advertise_address == "127.0.0.1:7700" and n.seeds == ("127.0.0.1:7800",)
+    p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700",
+                                 "gateway": {"listen": "127.0.0.1:7702"}}))
+    assert load_node(p).gateway == "127.0.0.1:7702"
     for bad, field in [({"listen": "nowhere"}, "listen"), ({"seeds": ["x:99999"]}, "seeds[0]"),
                        ({"mdns": "yes"}, "mdns"), ({"node_key": str(tmp_path / "k")}, "authorized_keys"),
                        ({"busy_poll_ms": -1}, "busy_poll_ms"), ({"busy_poll_ms": 5000}, "busy_poll_ms"),
-                       ({"busy_poll_ms": True}, "busy_poll_ms"), ({"id": "x/y"}, "id"), ({"id": ""}, "id")]:
+                       ({"busy_poll_ms": True}, "busy_poll_ms"), ({"id": "x/y"}, "id"), ({"id": ""}, "id"),
+                       # the API on the node's own ROUTER or PUB port: it failed at start (exit 1)
+                       ({"gateway": {"listen": "127.0.0.1:7700"}}, "gateway.listen"),
+                       ({"gateway": {"listen": "0.0.0.0:7701"}}, "gateway.listen")]:
         p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700", **bad}))
         with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
             load_node(p)

@@ -356,3 +356,31 @@ def test_a_coordinator_that_learns_of_a_newer_plan_than_its_own_plans_again() ->
         c._caught_up -= co.CATCH_UP_S
         c._tick()
         assert got == [1, 10, 13]
+
+
+def test_a_seed_that_never_answers_is_reported_once_until_it_does(monkeypatch, caplog) -> None:
+    """A node whose seed is down or mistyped retried in silence ("listening", then a plan of its
+    own): nothing in its log named the seed. After SEED_SILENT_WARN_S it says so, once, and
+    again only after the seed answered and went silent anew."""
+    import logging
+
+    from meshllm.mesh import discovery
+    from tests.test_fuzz import FakeTransport, Net
+
+    monkeypatch.setattr(discovery, "SEED_SILENT_WARN_S", 0.0)
+    me = PeerInfo("n", "127.0.0.1:7700", "fog", {}, (), 1)
+    members = Membership("n")
+    g = discovery.Gossip(FakeTransport(Net(), "n", me.address), members, me, ("127.0.0.1:9",),
+                         lambda tr: None, lambda why: None)
+    with caplog.at_level(logging.WARNING, logger="meshllm.mesh"):
+        g._retry_seeds()
+        g._retry_seeds()
+        said = [r.getMessage() for r in caplog.records if "127.0.0.1:9" in r.getMessage()]
+        assert len(said) == 1 and "has not answered" in said[0] and "a mesh of its own" in said[0], said
+        members.observe(PeerInfo("s", "127.0.0.1:9", "fog", {}, (), 1), time.monotonic(), first_hand=True)
+        g._retry_seeds()  # it answered: counted silent again from now on
+        assert len([r for r in caplog.records if "127.0.0.1:9" in r.getMessage()]) == 1
+        members.leave("s", 1, time.monotonic())  # it left: silent once more
+        g._retry_seeds()
+        said = [r.getMessage() for r in caplog.records if "127.0.0.1:9" in r.getMessage()]
+        assert len(said) == 2 and "a mesh of its own" in said[1], said

@@ -126,6 +126,7 @@ def test_six_nodes_with_seeds_form_a_mesh(mesh: Mesh) -> None:
     assert st["node"] == "n3" and isinstance(st["plan_version"], int) and isinstance(st["load"], dict)
     assert isinstance(st["load"]["plan_seen"], int)  # heartbeats carry it (see newest_plan_seen)
     assert isinstance(st["roles"], list)
+    assert st["plan"] is None or {s["node"] for r in st["plan"]["replicas"] for s in r["stages"]} <= set(mesh.addrs)
     assert sorted(p["id"] for p in st["peers"]) == ["n0", "n1", "n2", "n4", "n5"]
     for p in st["peers"]:
         assert p["state"] == "alive" and p["address"] == mesh.addrs[p["id"]]
@@ -309,7 +310,7 @@ def test_the_status_table_writes_a_stage_s_layers_half_open() -> None:
 
     st = {"node": "a", "plan_version": 3, "roles": ["mixed", "gateway"], "peers": [],
           "load": {"stage": {"replica": 1, "index": 0, "layers": [0, 30]}}}
-    assert format_status(st).splitlines()[0] == "node a  plan v3  roles mixed,gateway  replica 1 stage 0 layers [0, 30)"
+    assert format_status(st).splitlines()[0] == "node a  plan v3  roles mixed,gateway  replica 1 stage 1 layers [0, 30)"
     st["load"]["leader"] = {"active": 3, "queued": 2, "kv_room": 7461, "kv_held": 7040, "kv_waits": 5,
                            "kv_denied": 2}
     assert format_status(st).splitlines()[1] == "  leader: 3 running, 2 queued, KV 7040 of 7461 positions, " \
@@ -324,6 +325,28 @@ def test_the_status_table_writes_a_stage_s_layers_half_open() -> None:
     assert len(format_status(st).splitlines()) == 2
     st["load"]["plan_error"] = {"plan_version": 4, "error": "MemoryError: "}
     assert format_status(st).splitlines()[1] == "  could not take its part of plan v4: MemoryError: "
+
+
+def test_the_status_table_shows_each_node_s_role_and_layers_in_the_plan() -> None:
+    """The README promised `--status` gives "the plan version, each node's role and layers"; it
+    gave only the asked node's own part (the peers' `roles` are their node files' limits, [] by
+    default). The reply carries the plan the node serves, and the table shows every replica."""
+    from meshllm.mesh.node import format_status
+
+    plan = {"replicas": [{"id": 0, "role": "decode", "stages": [{"node": "a", "layers": [0, 12]},
+                                                                {"node": "b", "layers": [12, 30]}]},
+                         {"id": 1, "role": "prefill", "stages": [{"node": "c", "layers": [0, 30]}]}],
+            "drafters": ["e"], "unused": ["f"]}
+    st = {"node": "b", "plan_version": 2, "roles": ["decode"], "peers": [], "plan": plan,
+          "load": {"stage": {"replica": 0, "index": 1, "layers": [12, 30]}}}
+    assert format_status(st).splitlines()[:5] == [
+        "node b  plan v2  roles decode  replica 0 stage 2/2 layers [12, 30)",
+        "  plan: replica 0 decode: a [0, 12) -> b [12, 30)",
+        "  plan: replica 1 prefill: c [0, 30)",
+        "  plan: drafters e",
+        "  plan: unused f"]
+    st["plan"] = {"replicas": [{"id": 0, "stages": "junk"}, 5]}  # from the network: shown where it makes sense
+    assert format_status(st).splitlines()[0].endswith("stage 2 layers [12, 30)")
 
 
 def test_a_status_the_table_cannot_show_is_a_runtime_error_and_json_prints_it() -> None:

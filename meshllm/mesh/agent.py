@@ -23,9 +23,11 @@ LEAVE_FLUSH_S = 0.2  # time for LEAVE messages to reach the wire before the sock
 
 class MeshAgent:
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo,
-                 serving: Callable[[], dict[str, Any]] | None = None):
+                 serving: Callable[[], dict[str, Any]] | None = None,
+                 plan_view: Callable[[], dict[str, Any] | None] | None = None):
         self.t, self.members, self.me = transport, members, me
         self._serving = serving or (lambda: {"plan_version": 0, "roles": list(me.roles), "load": {}})
+        self._plan_view = plan_view or (lambda: None)  # the plan this node serves (--status), not in heartbeats
         self._seq = 0
         self._started = time.monotonic()
         self.greet: Callable[[str], None] | None = None  # say HELLO to an address (Gossip.greet)
@@ -59,7 +61,7 @@ class MeshAgent:
         serving = self._serving()
         return {"node": self.me.id, "address": self.me.address, "zone": self.me.zone, "device": self.me.device,
                 "incarnation": self.me.incarnation, "peers": peers, "plan_version": serving["plan_version"],
-                "roles": serving["roles"], "load": self.load()}
+                "roles": serving["roles"], "load": self.load(), "plan": self._plan_view()}
 
     def leave(self) -> None:
         """Tell every peer we are leaving (PUB and a direct message each), from any thread."""

@@ -61,6 +61,7 @@ log = logging.getLogger("meshllm.mesh.discovery")
 GOSSIP_INTERVAL_S = 1.0
 JOIN_RETRY_MIN_S = 0.25  # first HELLO retry to an unanswered seed
 JOIN_RETRY_MAX_S = 4.0  # backoff cap
+SEED_SILENT_WARN_S = 10.0  # a seed silent this long is reported (once until it answers): a typo, a down node
 SERVICE_TYPE = "_meshllm._tcp.local."
 MDNS_RESOLVE_TIMEOUT_MS = 3000
 MDNS_LISTEN_FIRST_S = 0.3  # browse this long before registering our own name
@@ -90,6 +91,7 @@ class Gossip:
         now = time.monotonic()
         # seed address -> [next attempt (monotonic s), current backoff (s)]
         self._seeds = {s: [now, JOIN_RETRY_MIN_S] for s in seeds if s != me.address}
+        self._silent_since = {s: now for s in self._seeds}  # seed -> since when it has not answered (None: reported)
         self._left_out: dict[str, float] = {}  # live peer -> when we last greeted it for leaving us out
         self._told_twin: set[tuple[str, str]] = set()  # (peer, address) that gossiped another node with our id
         transport.on(MsgType.HELLO, self._on_hello)
@@ -115,7 +117,17 @@ class Gossip:
     def _retry_seeds(self) -> None:
         now = time.monotonic()
         for addr, slot in self._seeds.items():
-            if now >= slot[0] and not self._knows_address(addr):
+            if self._knows_address(addr):
+                self._silent_since[addr] = now
+                continue
+            since = self._silent_since.get(addr)
+            if since is not None and now - since >= SEED_SILENT_WARN_S:  # else an operator sees nothing at all
+                self._silent_since[addr] = None
+                alone = "" if self.members.live() else "; meanwhile this node is a mesh of its own"
+                log.warning("%s: seed %s has not answered for %.0f s (is a node listening there, are the host and "
+                            "port right, can this machine reach it?); still trying every %g s%s", self.me.id, addr,
+                            now - since, JOIN_RETRY_MAX_S, alone)
+            if now >= slot[0]:
                 self.greet(addr)
                 slot[1] = min(slot[1] * 2, JOIN_RETRY_MAX_S)
                 slot[0] = now + slot[1]

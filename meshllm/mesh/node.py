@@ -64,7 +64,8 @@ class Node:
             self.transport.every(AUTH_RELOAD_S, self._reload_keys)
         self.host = RoleHost(self.transport, cfg, self.members)
         self.gateway = self.api = None  # built below, after the mesh agent, if the node file has `gateway:`
-        self.mesh = MeshAgent(self.transport, self.members, self.me, self._serving)
+        self.mesh = MeshAgent(self.transport, self.members, self.me, self._serving,
+                              lambda: self.host.ctx.plan.to_json() if self.host.ctx is not None else None)
         self.transport.on_peer_gone = self.mesh.peer_gone
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse,
                              lambda: self.host.max_seen, cfg.failure_timeout_s + 2 * cfg.heartbeat_interval_s)
@@ -261,11 +262,21 @@ def send_control(target: str, msg, timeout_s: float = 3.0, keys: NodeKeys | None
 def format_status(st: dict[str, Any]) -> str:
     """A human-readable table of a `--status` reply."""
     stage = st.get("load", {}).get("stage")
+    plan = st.get("plan") if isinstance(st.get("plan"), dict) else {}
+    replicas = [r for r in plan.get("replicas", []) if isinstance(r, dict) and isinstance(r.get("stages"), list)]
     where = ""
-    if stage:  # layer ranges are half-open, as the plan's
+    if stage:  # layer ranges are half-open, as the plan's; stages counted from 1, as the logs do
         start, end = stage["layers"]
-        where = f"  replica {stage['replica']} stage {stage['index']} layers [{start}, {end})"
+        of = next((f"/{len(r['stages'])}" for r in replicas if r.get("id") == stage["replica"]), "")
+        where = f"  replica {stage['replica']} stage {stage['index'] + 1}{of} layers [{start}, {end})"
     lines = [f"node {st['node']}  plan v{st['plan_version']}  roles {','.join(st['roles']) or '-'}{where}"]
+    for r in replicas:  # the whole plan, as this node serves it: each node's role and layers
+        parts = [f"{s.get('node')} [{s['layers'][0]}, {s['layers'][1]})" for s in r["stages"]
+                 if isinstance(s, dict) and isinstance(s.get("layers"), list) and len(s["layers"]) == 2]
+        lines.append(f"  plan: replica {r.get('id')} {r.get('role')}: {' -> '.join(parts)}")
+    for key in ("drafters", "unused"):
+        if plan.get(key):
+            lines.append(f"  plan: {key} {', '.join(map(str, plan[key]))}")
     err = st.get("load", {}).get("plan_error")
     if isinstance(err, dict):  # it could not take its part of that plan
         lines.append(f"  could not take its part of plan v{err.get('plan_version')}: {err.get('error')}")
