@@ -8,6 +8,7 @@ problem (the CLI turns it into one line and exit code 2).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ def read_text_file(path: str | Path, src: str, fld: str, what: str = "a YAML fil
         raise ConfigError(src, fld, f"{name}cannot be read: {e.strerror or e}") from None
 
 
+@functools.cache
 def _strict_loader():
     """yaml's SafeLoader, but a key given twice in one mapping is an error: YAML takes the last
     silently (a second `nodes:` list would drop the first list's nodes from the plan)."""

@@ -89,18 +89,20 @@ def gumbel(shape: tuple[int, ...], gen: torch.Generator | None) -> torch.Tensor:
     return -torch.log(-torch.log(torch.rand(shape, generator=gen)))
 
 
+def gumbel_max(prob: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """(R, V) probabilities -> (R,) draws, argmax(log p + G) with the noise from `gen`."""
+    return (prob.log() + gumbel(tuple(prob.shape), gen)).argmax(-1)
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None = None) -> torch.Tensor:
     """(R, V) -> (R,) token ids (sampled: the Gumbel-max draw, noise from `gen`)."""
-    if p.greedy:
-        return logits.argmax(-1)
-    pr = probs(logits, p)
-    return (pr.log() + gumbel(tuple(pr.shape), gen)).argmax(-1)
+    return logits.argmax(-1) if p.greedy else gumbel_max(probs(logits, p), gen)
 
 
 def seeded_token(prob: torch.Tensor, seed: int, index: int) -> int:
     """(V,) probabilities -> output token `index` of a request seeded `seed`: the one draw of
     the reference (choose_tokens), of every last stage and of the sampled verification."""
-    return int((prob.log() + gumbel((1, prob.shape[-1]), token_generator(seed, index))[0]).argmax())
+    return int(gumbel_max(prob[None], token_generator(seed, index))[0])
 
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
