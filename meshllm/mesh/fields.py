@@ -57,6 +57,14 @@ def check_seq(v: Any, what: str = "seq") -> int:
     return v
 
 
+def check_offset(fields: dict, seq: int) -> int:
+    """A request's optional `offset` (output tokens before this attempt): a non-negative integer, 0 if absent."""
+    offset = fields.get("offset", 0)
+    if not is_int(offset, 0):
+        raise ProtocolError(f"seq {seq}: offset must be a non-negative integer")
+    return offset
+
+
 def check_sampling(m: Any) -> tuple[float, int, float, int]:
     """A GENERATE/HANDOFF `sampling` map -> (temperature, top_k, top_p, seed), else ProtocolError."""
     if not isinstance(m, dict) or set(m) != set(_SAMPLING):

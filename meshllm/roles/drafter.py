@@ -54,7 +54,14 @@ from meshllm.engine.speculative import (
     ewma,
     extend_hash,
 )
-from meshllm.mesh.fields import Tombstones, check_address, check_int_list, check_sampling, check_seq
+from meshllm.mesh.fields import (
+    Tombstones,
+    check_address,
+    check_int_list,
+    check_offset,
+    check_sampling,
+    check_seq,
+)
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.roles.branches import Branch, Branches
 from meshllm.roles.pacer import Pacer
@@ -210,9 +217,7 @@ class Drafter:
         check_address(msg["gateway"], "gateway")
         if msg["max_tokens"] < 1:
             raise ProtocolError(f"seq {seq}: max_tokens must be positive")
-        offset = msg.fields.get("offset", 0)
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise ProtocolError(f"seq {seq}: offset must be a non-negative integer")
+        offset = check_offset(msg.fields, seq)
         s = Session(seq, prompt, msg["max_tokens"], SamplingParams(t, k, p), seed, msg["decode_replica"], gamma,
                     bool(msg["adaptive"]), msg["mode"], str(msg["gateway"]), slot=seq, offset=offset)
         self.sessions[seq] = s

@@ -13,7 +13,14 @@ import time
 
 from meshllm.defaults import DECODE_TARGETS
 from meshllm.engine.sampling import SamplingParams
-from meshllm.mesh.fields import check_address, check_int_list, check_sampling, check_seq, sampling_map
+from meshllm.mesh.fields import (
+    check_address,
+    check_int_list,
+    check_offset,
+    check_sampling,
+    check_seq,
+    sampling_map,
+)
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.roles.batcher import Seq
 from meshllm.roles.context import PlanContext
@@ -36,9 +43,7 @@ def seq_from_generate(msg: Message, ctx: PlanContext, my_rid: int, vocab: int, m
     rid = msg["decode_replica"]
     if rid != my_rid and not (ctx.has_replica(rid) and ctx.replica(rid).role in DECODE_TARGETS):
         raise ProtocolError(f"seq {seq}: decode replica {rid} is not a decode or mixed replica of plan v{ctx.version}")
-    offset = msg.fields.get("offset", 0)
-    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise ProtocolError(f"seq {seq}: offset must be a non-negative integer")
+    offset = check_offset(msg.fields, seq)
     return Seq(seq, ids, len(ids), msg["max_tokens"], SamplingParams(temperature, top_k, top_p), seed, stop,
                str(msg["gateway"]), rid, drafter=str(msg["drafter"]), offset=offset)
 

@@ -59,7 +59,7 @@ def prompt_aging(prefill_tok_s: float) -> float:
     at most PROMPT_AGING_SHARE of its own speed. The constant suits the simulator's GPU replicas
     (thousands of tokens a second); on a replica of small devices (the demo's prefill node: ~150
     tokens/s) a long prompt aged faster than it was prefilled, so within seconds it outranked
-    every new prompt and a 1-token request waited 25 s behind a 4000-token one. At a tenth of its
+    every new prompt and a 1-token request waited 24 s behind a 4000-token one. At a tenth of its
     speed, a prompt of L tokens is overtaken by a waiting longer one after about 10x its own
     prefill time. (The leader's order, roles/batcher.py; the simulator keeps the constant.)"""
     return min(PROMPT_AGING_TOKENS_PER_S, PROMPT_AGING_SHARE * max(prefill_tok_s, 0.0)) or PROMPT_AGING_TOKENS_PER_S
