@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="tokens to generate (reference: 48; cluster: the file's workload.max_tokens)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0-2 (0 = greedy; --reference: 0 by default, --cluster: the "
+                   "file's workload.temperature)")
     p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability mass")
     p.add_argument("--seed", type=int, default=0, help="sampling / planner seed")
@@ -137,6 +138,9 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) 
     if mode == "reference" and a.group_size != p.get_default("group_size") and a.draft is None:
         raise InputError("--group-size applies to --draft (the reference runs the target model unless --draft "
                          "w4a16|w8a16 is given)")
+    if mode == "reference" and a.dtype != p.get_default("dtype") and a.draft is not None:
+        raise InputError("--dtype applies to the target model; a --draft runs as its quantization builds it, "
+                         "as a drafter does")
     inf = float("inf")
     checks = [("max_tokens", is_int(a.max_tokens, 1), ">= 1"),
               ("threads", is_int(a.threads, 1), "a number of threads >= 1"),

@@ -110,15 +110,24 @@ def streaming(url: str, body: dict, events: int = 3):
         yield sock
 
 
+_REFERENCES: dict[tuple, dict] = {}  # the session's model fixtures are loaded once: their results are too
+
+
 def reference(model, tokenizer, prompt: str, max_tokens: int, chat: bool = False, temperature: float = 0.0,
               seed: int = 0) -> dict:
-    """What `--reference` computes (engine.generate, fp32), in this process."""
+    """What `--reference` computes (engine.generate, fp32), in this process (once per arguments:
+    the model is deterministic, and many tests ask for the same prompt)."""
     from meshllm.engine.generate import GenerationOptions, generate
 
-    text = tokenizer.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
-    r = generate(model, tokenizer.encode(text), GenerationOptions(max_tokens, temperature, seed=seed, chat=chat),
-                 tokenizer.eos_ids)
-    return {"token_ids": r.token_ids, "margins": r.margins, "finish_reason": r.finish_reason}
+    key = (id(model), id(tokenizer), prompt, max_tokens, chat, temperature, seed)
+    if key not in _REFERENCES:
+        text = tokenizer.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
+        r = generate(model, tokenizer.encode(text), GenerationOptions(max_tokens, temperature, seed=seed, chat=chat),
+                     tokenizer.eos_ids)
+        _REFERENCES[key] = {"token_ids": tuple(r.token_ids), "margins": tuple(r.margins),
+                            "finish_reason": r.finish_reason}
+    got = _REFERENCES[key]
+    return {"token_ids": list(got["token_ids"]), "margins": list(got["margins"]), "finish_reason": got["finish_reason"]}
 
 
 def same_up_to_tie(got: list[int], ref: dict) -> tuple[bool, str]:

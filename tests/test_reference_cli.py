@@ -61,7 +61,7 @@ def test_bad_inputs_exit_2(tmp_path):
     _one_line_error(run_cli("--reference", "--model", str(junk)), "junk.gguf", "not a GGUF")
     gpt2 = write_gguf_model(load_transformer("tiny"), tmp_path / "gpt2.gguf", arch="gpt2")
     _one_line_error(run_cli("--reference", "--model", str(gpt2)), "gpt2", "not Llama-family")
-    _one_line_error(run_cli("--reference", "--draft", "w3a16"), "unknown draft", "w3a16")
+    _one_line_error(run_cli("--reference", "--draft", "w3a16"), "is not a draft", "w3a16")
     _one_line_error(run_cli("--reference", "--model", "llama-2-70b"), "shape-only")
     _one_line_error(run_cli("--reference", "--max-tokens", "0"), "--max-tokens")
     # groups the model's layers do not split into (was a ValueError, exit 1) or the int4 kernel does not take
@@ -98,6 +98,8 @@ def test_bad_inputs_exit_2(tmp_path):
     (["--cluster", "clusters/demo.yaml", "--serve", "--json"], "--json applies to a --cluster run"),
     (["--cluster", "clusters/demo.yaml", "--serve", "--max-tokens", "5"], "--max-tokens applies to a --cluster run"),
     (["--reference", "--group-size", "128"], "--group-size applies to --draft"),  # was ignored
+    (["--reference", "--draft", "w4a16", "--dtype", "bfloat16"], "--dtype applies to the target model"),  # ignored
+    (["--reference", "--draft", "none"], "--draft 'none' is not a draft"),  # ran the fp32 target, undocumented
     (["--cluster", "clusters/demo.yaml", "--kill", "fog-1"], "--kill 'fog-1': expected NODE@S"),  # was: no node ''
     (["--cluster", "clusters/demo.yaml", "--restart", "fog-1"], "--restart 'fog-1': expected NODE@S"),
     (["--cluster", "clusters/demo.yaml", "--pause", "fog-1"], "--pause 'fog-1': expected NODE@S1-S2"),

@@ -64,14 +64,9 @@ def run_all(served: Served, prompts: list[str], **ext) -> list[dict]:
         return list(pool.map(lambda p: complete(served, p, **ext), prompts))
 
 
-_REFS: dict[str, dict] = {}
-
-
 def check_identical(results: list[dict], prompts: list[str], model, tok) -> None:
     for p, r in zip(prompts, results):
-        if p not in _REFS:
-            _REFS[p] = reference(model, tok, p, MAX_TOKENS)
-        ok, why = same_up_to_tie(r["choices"][0]["token_ids"], _REFS[p])
+        ok, why = same_up_to_tie(r["choices"][0]["token_ids"], reference(model, tok, p, MAX_TOKENS))
         assert ok, f"{p!r}: {why}"
 
 

@@ -80,8 +80,8 @@ def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtyp
     from meshllm.engine.weights import load_quantized, load_transformer, resolve_model
     from meshllm.shapes import draft_group_problem
 
-    if draft not in (None, "none", "w4a16", "w8a16"):
-        raise InputError(f"unknown draft {draft!r}; known: w4a16, w8a16, none")
+    if draft not in (None, "w4a16", "w8a16"):
+        raise InputError(f"--draft {draft!r} is not a draft; known: w4a16, w8a16 (without --draft: the target)")
     if group_size not in GROUP_SIZES:
         raise InputError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
     src = resolve_model(model_spec)
@@ -89,10 +89,10 @@ def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtyp
         raise InputError(f"--group-size {problem}")
     tok = load_tokenizer(src)
     t0 = time.perf_counter()
-    if draft and draft != "none":
+    if draft:
         model = load_quantized(src, draft, group_size)  # as a drafter builds it
     else:
-        model = load_transformer(src, dtype=torch.float32 if draft or dtype == "float32" else torch.bfloat16)
+        model = load_transformer(src, dtype=torch.float32 if dtype == "float32" else torch.bfloat16)
     log.info("loaded %s%s in %.1f s", src.name, f" ({draft} g{group_size} draft)" if draft else "",
              time.perf_counter() - t0)
     return model, tok
