@@ -31,7 +31,7 @@ from meshllm.defaults import (
 )
 from meshllm.device import load_device
 from meshllm.errors import ConfigError, InputError
-from meshllm.mesh.fields import MAX_TEMPERATURE
+from meshllm.mesh.fields import MAX_TEMPERATURE, NODE_PORT_MAX
 from meshllm.partition.inputs import LengthDist, PlanInputs, PlanLink, PlanNode
 
 if TYPE_CHECKING:
@@ -164,13 +164,16 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def split_hostport(s: Any, src: str, fld: str) -> tuple[str, int]:
+def split_hostport(s: Any, src: str, fld: str, max_port: int = NODE_PORT_MAX) -> tuple[str, int]:
+    """HOST:PORT -> (host, port), else ConfigError. A node's address by default (its PUB socket
+    takes PORT + 1, so 65535 is no node's port); an HTTP listener passes max_port=65535."""
     if not isinstance(s, str) or ":" not in s:
         raise ConfigError(src, fld, f"expected HOST:PORT, got {s!r}")
     host, _, port = s.rpartition(":")
     host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(src, fld, f"expected HOST:PORT with a port in 1..65535, got {s!r}")
+    if not host or not port.isdigit() or not 0 < int(port) <= max_port:
+        why = "" if max_port == 65535 else " (a node's PUB socket takes PORT + 1)"
+        raise ConfigError(src, fld, f"expected HOST:PORT with a port in 1..{max_port}{why}, got {s!r}")
     return host, int(port)
 
 

@@ -179,7 +179,7 @@ def _check_ports(cfg: NodeConfig) -> None:
     if cfg.gateway is None:
         return
     host, port = split_hostport(cfg.listen, cfg.source, "listen")
-    ghost, gport = split_hostport(cfg.gateway, cfg.source, "gateway.listen")
+    ghost, gport = split_hostport(cfg.gateway, cfg.source, "gateway.listen", 65535)
     if gport in (port, port + 1) and (host == ghost or host in ANY_HOST or ghost in ANY_HOST):
         raise ConfigError(cfg.source, "gateway.listen", f"{cfg.gateway} takes port {gport}, which the node's own "
                           f"sockets use (listen {cfg.listen}: ROUTER on {port}, PUB on {port + 1})")
@@ -196,7 +196,7 @@ def _gateway(v: Any, src: str) -> dict[str, Any]:
     drain = float(_num(v.get("drain_s", GATEWAY_DRAIN_S), src, "gateway.drain_s"))
     if drain > MAX_DRAIN_S:  # also .inf: a stop must end
         raise ConfigError(src, "gateway.drain_s", f"must be at most {MAX_DRAIN_S:g} s, got {drain:g}")
-    split_hostport(v["listen"], src, "gateway.listen")
+    split_hostport(v["listen"], src, "gateway.listen", 65535)
     path, token = v.get("api_token"), None
     if path is not None:
         token = read_text_file(str(path), src, "gateway.api_token", "a token file").strip()

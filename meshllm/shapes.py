@@ -7,6 +7,7 @@ machine (engine/weights.py knows which) and the tiny test configs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from meshllm.defaults import GROUP_SIZES
@@ -35,6 +36,27 @@ class ModelArgs:
             raise ValueError(f"model {self.name}: dim/heads/kv_heads do not divide ({self})")
         if self.head_dim % 2:
             raise ValueError(f"model {self.name}: head_dim must be even for RoPE")
+
+
+_ARG_INTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len")
+_ARG_FLOATS = ("norm_eps", "rope_theta")
+
+
+def checked_args(d: dict) -> ModelArgs:
+    """ModelArgs from a model's metadata (a GGUF file's, an HF config.json's, a peer's index),
+    every field checked; ValueError naming the first bad one (a head count of 0 was a
+    ZeroDivisionError, a string dim a TypeError deep in the model)."""
+    for k in _ARG_INTS:
+        if k in d and not (isinstance(d[k], int) and not isinstance(d[k], bool) and 0 < d[k] < 1 << 31):
+            raise ValueError(f"{k} must be a positive integer, got {d[k]!r:.40}")
+    for k in _ARG_FLOATS:
+        v = d.get(k, 1.0)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{k} must be a positive number, got {v!r:.40}")
+    if not isinstance(d.get("tie_embeddings", False), bool) or not isinstance(d.get("name", ""), str):
+        raise ValueError("tie_embeddings must be true or false and name a string")
+    floats = {k: float(d[k]) for k in _ARG_FLOATS if k in d}
+    return ModelArgs(**{**d, **floats})
 
 
 def draft_group_problem(args: ModelArgs, group_size: int) -> str | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from meshllm.defaults import Role
 from meshllm.engine.kvcache import slot_capacity
 from meshllm.engine.sampling import SamplingParams
@@ -362,3 +364,29 @@ def test_a_sequence_waiting_for_its_first_token_tells_its_gateway_it_is_alive():
     leader.on_results(results(2, [[2, [10], [1.0]], [1, [11], [1.0]]]))  # within a second of the last look
     leader.step()
     assert [m["token_ids"] for _, m in sent if m.type is MsgType.TOKENS][2:] == [[10], [11]]  # tokens only
+
+
+def test_a_handoff_with_a_bad_offset_is_refused_not_taken_as_zero():
+    """HANDOFF read its optional `offset` leniently (a negative or non-integer one became 0, the
+    sampling position and TOKENS index of a resumed attempt then wrong without a word) where the
+    prefill leader and the drafter refuse it (mesh/fields.check_offset): one check for all."""
+    from meshllm.mesh.fields import sampling_map
+    from meshllm.mesh.protocol import ProtocolError
+    from meshllm.roles.decode import KvAcks
+
+    lead, _ = two_stage_leader(kv_room=1000)
+    acks = KvAcks(lead)
+
+    def handoff(seq_id, **extra):
+        return make(MsgType.HANDOFF, seq=seq_id, prompt_len=4, tokens=[5], max_tokens=8,
+                    sampling=sampling_map(0, 0, 1.0, 0), stop_ids=[], gateway="127.0.0.1:9", drafter="",
+                    plan_version=1, **extra)
+
+    for i, bad in enumerate((-1, "3", True, 2.5)):
+        with pytest.raises(ProtocolError, match="offset must be a non-negative integer"):
+            acks.on_handoff(handoff(20 + i, offset=bad), 100)
+        assert 20 + i not in lead.seqs
+    acks.on_handoff(handoff(30, offset=7), 100)
+    assert lead.seqs[30].offset == 7
+    acks.on_handoff(handoff(31), 100)
+    assert lead.seqs[31].offset == 0

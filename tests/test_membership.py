@@ -384,3 +384,35 @@ def test_a_seed_that_never_answers_is_reported_once_until_it_does(monkeypatch, c
         g._retry_seeds()
         said = [r.getMessage() for r in caplog.records if "127.0.0.1:9" in r.getMessage()]
         assert len(said) == 2 and "a mesh of its own" in said[1], said
+
+
+def test_a_planner_that_fails_unexpectedly_leaves_the_coordinator_planning() -> None:
+    """Only InputError / ValueError were caught on the planner thread: any other exception (a
+    planner bug, a full disk) left `_planning` set, and the coordinator never planned again,
+    silently. Now that live set gets no plan, the error is kept for --status, and the next
+    membership change plans again."""
+    from meshllm.roles import coordinator as co
+
+    m = table()
+    with coordinator_a(m) as (c, got):
+        for pid, port in (("b", 7702), ("c", 7703)):
+            m.observe(info(pid, address=f"127.0.0.1:{port}"), time.monotonic(), first_hand=True)
+            m.heartbeat(pid, 1, time.monotonic(), {"plan_seen": 0})
+        working = co.plan_for
+
+        def broken(cfg, inp):
+            raise KeyError("a planner bug")
+
+        co.plan_for = broken
+        c._tick()
+        assert got == [] and not c._planning and "KeyError" in c.last_error
+        co.plan_for = working
+        c._tick()
+        assert got == [], "the same live set: not re-planned in a loop"
+        m.observe(info("d", address="127.0.0.1:7704"), time.monotonic(), first_hand=True)
+        m.heartbeat("d", 1, time.monotonic(), {"plan_seen": 0})
+        c._changed_at -= 60
+        c._tick()
+        c._changed_at -= 60
+        c._tick()
+        assert got == [1] and c.last_error is None

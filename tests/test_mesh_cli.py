@@ -403,7 +403,10 @@ GOOD = {"id": "x", "device": DEVICE, "listen": "127.0.0.1:7700", "mdns": False}
     ({"id": ""}, "id", "must be 1 to 63 letters, digits"),
     ({"device": "no-such-device"}, "device", "unknown device"),
     ({"listen": "localhost"}, "listen", "expected HOST:PORT"),
-    ({"seeds": ["1.2.3.4:99999"]}, "seeds[0]", "port in 1..65535"),
+    ({"seeds": ["1.2.3.4:99999"]}, "seeds[0]", "port in 1..65534"),
+    # the PUB socket takes PORT + 1: 65535 passed the file's check, then peers dropped the address (exit 1)
+    ({"listen": "127.0.0.1:65535"}, "listen", "port in 1..65534 (a node's PUB socket takes PORT + 1)"),
+    ({"gateway": {"listen": "127.0.0.1:65536"}}, "gateway.listen", "port in 1..65535, got"),
     ({"failure_timeout_s": 0.1, "heartbeat_interval_s": 0.5}, "failure_timeout_s", "larger than"),
     ({"draft": {"quant": "w4a16", "group_size": 128}}, "draft.group_size", "does not divide smollm2-135m's dim 576"),
 ])

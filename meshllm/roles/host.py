@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from meshllm.defaults import STAGE_ROLES, Role
+from meshllm.defaults import DECODE_TARGETS, STAGE_ROLES, Role
 from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, PeerState
 from meshllm.mesh.protocol import (
@@ -189,10 +189,10 @@ class RoleHost:
         self.stage = Stage(ctx, model, self.send, pacer)
         if index == 0:
             self.leader = Leader(self.stage, self.send, model.args.max_seq_len,
-                                 lambda now, s, finished: handoff(now, self.send, s, finished),
+                                 lambda ctx, s, finished: handoff(ctx, self.send, s, finished),
                                  self._kv_room(ctx, replica.id), self.cfg.time_scale)
             self.acks = KvAcks(self.leader)
-            if replica.role in (Role.DECODE, Role.MIXED):
+            if replica.role in DECODE_TARGETS:
                 self.leader.verifier = Verifier(self.leader, self.send, self.alive, self.cfg.time_scale,
                                                 self.cfg.speculation.max_verify_batch)
                 self._listen_drafts(replica.id)
@@ -215,8 +215,9 @@ class RoleHost:
             if p is not None and p.info.device:
                 try:
                     devices[st.node] = device_from_mapping(st.node, dict(p.info.device), f"peer {st.node}")
-                except ConfigError:
-                    pass
+                except ConfigError as e:  # its HELLO passed the wire checks, not a profile's: say why
+                    log.warning("%s: replica %d: stage %s announced a device profile that does not parse (%s)",
+                                self.me, rid, st.node, e)
         per_layer = self.stage.cache.token_bytes() / (self.stage.layers[1] - self.stage.layers[0])
         room = ctx.kv_room(rid, devices, lambda n: n * per_layer, model_costs(self.stage.model.args, ctx.plan.dtype))
         if room is None:
