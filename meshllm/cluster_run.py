@@ -11,7 +11,6 @@ through the emulator's `with`, which tears every node down.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import time
@@ -155,9 +154,12 @@ def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, for
     _, live = http_json(f"http://{cluster.gateway}/v1/plan", headers=cluster.api_headers)
     nodes = {}
     for n in cfg.nodes:
-        with contextlib.suppress(TimeoutError, RuntimeError):
+        try:
             st = cluster.status(n.id, 5.0)
-            nodes[n.id] = {"roles": st["roles"], **node_figures(st["load"])}
+        except (TimeoutError, RuntimeError) as e:  # dead (a fault), or too busy to answer: the report goes on
+            log.warning("node %s: no status for the report (%s); its figures are left out", n.id, e)
+            continue
+        nodes[n.id] = {"roles": st["roles"], **node_figures(st["load"])}
     metrics = summarize(outs)
     metrics.update(serving_figures(nodes, live.get("plan", {}), outs))
     gaps = [g for o in outs for g in o.recovery_gaps_ms]

@@ -27,7 +27,6 @@ REPLICA_ROLES = (Role.PREFILL, Role.DECODE, Role.MIXED)
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_TOKENS = 48
-DEFAULT_PROMPT = "The capital of France is"
 
 # draft models: W4A16 / W8A16 quantizations of the target; "none": no draft. Two references for
 # tests and benchmarks: "fp32", the target itself (acceptance 1), and "random", random weights of

@@ -80,7 +80,8 @@ def load_device(spec: str | dict, where: str = "<config>", devices_dir: Path = D
 def probe_this_machine() -> DeviceProfile:
     """Rough profile of this machine from psutil. Compute and bandwidth are estimates:
     ~16 fp32 FLOP/cycle/core (AVX2 FMA) at the max clock, and ~10 GB/s per memory channel
-    guess of 2 channels; the runtime's own calibration (partition/cost.py) refines them."""
+    guess of 2 channels. Nothing refines them at run time: `python bench/calibrate.py` measures
+    this machine, and a node file may give its own figures instead (an inline device mapping)."""
     import psutil
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (psutil.cpu_count() or 1)

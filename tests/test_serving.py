@@ -1021,3 +1021,53 @@ def test_a_request_waiting_for_a_ready_replica_looks_again_on_news_not_at_the_ne
 
     assert asyncio.run(wait_and_wake()) < 30.0 and gw._waiting == []
     gw.wake()  # nothing waiting: nothing to do
+
+
+def test_a_request_whose_replica_lost_a_node_resumes_at_once_and_an_unplannable_mesh_says_so():
+    """The last decode-capable node died: the coordinator could plan nothing, so no PLAN came,
+    and the gateway's requests on the dead node's replica waited out the 60 s no-token timeout,
+    then 60 s for a replica, and failed saying "the mesh is still planning or loading" (so did new
+    requests, after 15 s, and /health said "starting" for ever). Now a node seen dead resumes the
+    requests on its replicas at once (a prefill replica only until the attempt's first token),
+    once an attempt, and the coordinator's `planner_error` is the reason given."""
+    from types import SimpleNamespace
+
+    from meshllm.mesh.membership import Membership, PeerInfo
+    from meshllm.roles.context import PlanContext
+    from meshllm.roles.gateway import Gateway
+    from meshllm.roles.route_view import Stream
+    from tests.test_fuzz import GW, NODES, FakeTransport, Net, make_plan, node_cfg
+
+    members = Membership("gw")
+    gw = Gateway(FakeTransport(Net(), "gw", GW), members, PeerInfo("gw", GW, "fog", {}, ("gateway",), 1),
+                 node_cfg("gw"))
+    gw.ctx = PlanContext(5, make_plan(), dict(NODES), "gw")
+    now = time.monotonic()
+    for node in NODES:
+        if node != "gw":
+            members.observe(PeerInfo(node, NODES[node], "fog", {}, ("decode",), 1), now, first_hand=True)
+            members.heartbeat(node, 1, now, {"plan_version": 5})
+    got: dict[int, list] = {}
+
+    def stream(seq: int, prefill: int, decode: int, emitted: int = 0) -> None:
+        got[seq] = []
+        gw._streams[seq] = Stream(seq, SimpleNamespace(call_soon_threadsafe=lambda f, x: f(x)),
+                                  SimpleNamespace(put_nowait=got[seq].append), set(), prefill, decode, 3, 9,
+                                  emitted=[7] * emitted)
+
+    stream(1, 0, 1)  # prefilling on replica 0 (pa, pb) for replica 1 (dc, dd)
+    stream(2, 0, 1, emitted=2)  # prefilled: replica 0 no longer matters
+    stream(3, 0, 3, emitted=2)  # decoding on replica 3 (dg)
+    stream(4, 2, 2)  # the mixed replica (mx)
+    gw.on_deaths()
+    assert all(v == [] for v in got.values()), "nobody dead: nothing happens"
+    members.get("pb").last_heard -= 60
+    members.get("dg").last_heard -= 60
+    members.tick(time.monotonic())
+    gw.on_deaths()
+    gw.on_deaths()  # once an attempt
+    assert [(seq, [item[3] for item in items]) for seq, items in got.items()] == [
+        (1, ["node pb of its replica died"]), (2, []), (3, ["node dg of its replica died"]), (4, [])]
+    assert gw.unservable() is None
+    gw.local_load = lambda: {"planner_error": "cannot serve smollm2-135m: no replica reaches a positive rate"}
+    assert gw.unservable() == "the mesh cannot serve now: cannot serve smollm2-135m: no replica reaches a positive rate"

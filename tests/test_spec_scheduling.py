@@ -175,7 +175,7 @@ def started_drafter(mode: str = "async") -> tuple[Drafter, Session, list]:
     d = Drafter("edge", Transformer(ARGS), lambda *a: None, lambda m, rid: sent.append(m), None)
     d.on_session(make(MsgType.SESSION, seq=7, prompt_token_ids=[1, 2, 3], max_tokens=24,
                       sampling=sampling_map(0.0, 0, 1.0, 0), stop_ids=[], decode_replica=1, gamma=3, adaptive=False,
-                      mode=mode, gateway="127.0.0.1:1", plan_version=1), ARGS.vocab_size, 3)
+                      mode=mode, gateway="127.0.0.1:1", plan_version=1), ARGS.vocab_size)
     d.on_verdict(make(MsgType.VERDICT, tenant="edge", seq=7, block=-1, accepted=0, tokens=[4], context=4,
                       hash=extend_hash(0, [4]), replica=1, finished=False))
     return d, d.sessions[7], sent
@@ -198,7 +198,7 @@ def test_a_sampled_draft_is_drawn_with_the_noise_of_its_output_index_after_a_res
     d = Drafter("edge", Transformer(ARGS), lambda *a: None, lambda m, rid: None, None)
     d.on_session(make(MsgType.SESSION, seq=7, prompt_token_ids=[1, 2, 3], max_tokens=24,
                       sampling=sampling_map(0.8, 0, 1.0, 5), stop_ids=[], decode_replica=1, gamma=3, adaptive=False,
-                      mode="sync", gateway="127.0.0.1:1", plan_version=1, offset=10), ARGS.vocab_size, 3)
+                      mode="sync", gateway="127.0.0.1:1", plan_version=1, offset=10), ARGS.vocab_size)
     d.on_verdict(make(MsgType.VERDICT, tenant="edge", seq=7, block=-1, accepted=0, tokens=[4], context=4,
                       hash=extend_hash(0, [4]), replica=1, finished=False))
     for _ in range(6):
@@ -301,3 +301,21 @@ def test_branch_kv_slots_stay_within_the_drafters_memory_budget():
     for _ in range(6):
         d.step()
     assert s.branches == [] and d.stats["branches"] == 1
+
+
+def test_a_session_with_gamma_out_of_range_is_refused() -> None:
+    """A SESSION's gamma outside 1..16 was replaced with the node file's default without a word
+    (the gateway never sends one: it is a malformed message); now it is refused like any other
+    bad field, and no session is opened."""
+    import pytest
+
+    from meshllm.mesh.fields import sampling_map
+    from meshllm.mesh.protocol import MsgType, ProtocolError, make
+
+    d = Drafter("edge", Transformer(ARGS), lambda *a: None, lambda m, rid: None, None)
+    for gamma in (0, 17, -3):
+        with pytest.raises(ProtocolError, match=f"gamma {gamma}"):
+            d.on_session(make(MsgType.SESSION, seq=9, prompt_token_ids=[1, 2, 3], max_tokens=24,
+                              sampling=sampling_map(0.0, 0, 1.0, 0), stop_ids=[], decode_replica=1, gamma=gamma,
+                              adaptive=False, mode="async", gateway="127.0.0.1:1", plan_version=1), ARGS.vocab_size)
+        assert 9 not in d.sessions

@@ -309,3 +309,28 @@ def test_free_port_pairs_are_distinct_and_outside_the_ephemeral_range() -> None:
     taken = [p for port in ports for p in (port, port + 1)]
     assert len(set(taken)) == len(taken)
     assert all(p + 1 < _ephemeral_start() for p in ports)
+
+
+def test_waking_a_stuck_io_thread_never_blocks_the_caller() -> None:
+    """The wake-up pipe's write end was blocking: with the I/O thread not draining it (stuck, or
+    not started), the 65 537th call_soon from the compute thread blocked it for good, where a full
+    pipe means a wake-up is pending anyway."""
+    import threading
+
+    from meshllm.mesh.loop import IOLoop
+
+    loop = IOLoop("t")
+    done = threading.Event()
+
+    def flood() -> None:
+        for _ in range(200_000):
+            loop.call_soon(lambda: None)
+        done.set()
+
+    threading.Thread(target=flood, daemon=True).start()
+    try:
+        assert done.wait(60), "call_soon blocked on a full wake-up pipe"
+        loop.drain_wake()
+        assert len(loop._calls) == 200_000  # every call is queued; the pipe only wakes the loop
+    finally:
+        loop.close()

@@ -134,10 +134,6 @@ class TensorCache:
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 self.index = None  # unreadable: fetched again from scratch
 
-    @staticmethod
-    def for_model(root: str | Path, model: str) -> TensorCache:
-        return TensorCache(Path(root).expanduser() / safe_dir_name(model))
-
     # -- reading (the GGUFFile interface engine/weights.py loads through) ------------------------
     @property
     def args(self) -> ModelArgs:

@@ -117,6 +117,7 @@ class IOLoop:
         self._seq = itertools.count()
         self.wake_fd, self._wake_w = os.pipe()
         os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe (a wake-up pending anyway) must not block the caller
 
     def in_loop(self) -> bool:
         return threading.current_thread() is self.thread

@@ -51,7 +51,6 @@ class Replica:
     prefill_tok_s: float
     decode_tok_s: float
     bottleneck_ms: float
-    decode_batch: int = 1  # concurrent sequences its memory holds (decode)
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,7 @@ def build_replicas(inp: PlanInputs, grouping: Grouping) -> tuple[Replica, ...]:
         stages = tuple(Stage(inp.members[canon[i]].id, rng) for i, rng in zip(split.order, split.ranges))
         pf = prefill_fit(inp.mc, members, split, inp.net, inp.mix)
         df = decode_fit(inp.mc, members, split, inp.net, inp.mix)
-        out.append(Replica(rid, Role(role), stages, pf.tok_s, df.tok_s, split.bottleneck_s * 1000, df.batch))
+        out.append(Replica(rid, Role(role), stages, pf.tok_s, df.tok_s, split.bottleneck_s * 1000))
     return tuple(out)
 
 

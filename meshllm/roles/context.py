@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from meshllm.defaults import Role
 from meshllm.device import DeviceProfile
 from meshllm.partition.cost import ModelCosts
 from meshllm.partition.dp import kv_room_tokens
@@ -87,8 +86,3 @@ class PlanContext:
                 return None
             rooms.append((kv_room_tokens(mc, dev, s.layers, token_bytes(s.layers[1] - s.layers[0])), s.node))
         return min(rooms)
-
-    def serves(self, rid: int, phase: Role) -> bool:
-        """May replica `rid` take requests of this phase (prefill or decode)?"""
-        role = self.replica(rid).role
-        return role == Role.MIXED or role == phase

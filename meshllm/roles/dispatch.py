@@ -121,7 +121,7 @@ class DataPlane:
         h = self.h
         if not self._current(msg):
             return
-        self._need("drafter", msg).on_session(msg, h.shard.model.args.vocab_size, h.cfg.speculation.gamma)
+        self._need("drafter", msg).on_session(msg, h.shard.model.args.vocab_size)
 
     def _on_capacity(self, msg: Message, reply: Callable) -> None:
         h = self.h

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshllm.config import MAX_GAMMA
 from meshllm.engine.model import SeqSpan, Transformer
 from meshllm.engine.sampling import SamplingParams, gumbel, probs, token_generator
 from meshllm.engine.speculative import (
@@ -203,13 +204,14 @@ class Drafter:
         self.sender = BlockSender(me, publish, self.stats, self.resend_s)
 
     # -- messages ---------------------------------------------------------------------------------
-    def on_session(self, msg: Message, vocab: int, default_gamma: int) -> None:
+    def on_session(self, msg: Message, vocab: int) -> None:
         seq = check_seq(msg["seq"])
         prompt = check_int_list(msg["prompt_token_ids"], "prompt_token_ids", 0, vocab - 1,
                                 self.model.args.max_seq_len - 1)
-        gamma = msg["gamma"] if 1 <= msg["gamma"] <= 16 else default_gamma
-        if not prompt or msg["mode"] not in MAX_OUTSTANDING or seq in self.sessions:
-            raise ProtocolError(f"seq {seq}: bad SESSION (mode {msg['mode']!r}, {len(prompt)} prompt tokens)")
+        gamma = msg["gamma"]
+        if not prompt or msg["mode"] not in MAX_OUTSTANDING or seq in self.sessions or not 1 <= gamma <= MAX_GAMMA:
+            raise ProtocolError(f"seq {seq}: bad SESSION (mode {msg['mode']!r}, {len(prompt)} prompt tokens, "
+                                f"gamma {gamma!r:.20})")  # (an out-of-range gamma was taken as the default)
         if seq in self.ended:
             log.info("%s: seq %d was released before its SESSION came; not drafting for it", self.me, seq)
             return

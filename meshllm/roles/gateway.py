@@ -53,6 +53,7 @@ MAX_ATTEMPTS = 5  # a request is resumed at most 4 times (a partition may cost t
 RESUME_WAIT_S = 60.0  # x time_scale: how long a resumed request waits for a ready replica
 RESUME_POLL_S = 0.2  # a request waiting for a ready replica looks again this often, and at once on news (`wake`)
 READY_WAIT_S = 15.0  # x time_scale: a new request waits this long for a ready replica, then 503
+DEATH_CHECK_S = 0.25  # how often the I/O thread looks for requests on replicas with a node seen dead
 SEND_POOL_THREADS = 1
 MAX_PENDING = 4096  # TOKENS held out of order per request (and token ids per TOKENS message)
 SEQ_COUNTER_MASK = (1 << 32) - 1  # a sequence id: this gateway's random prefix | a counter below it
@@ -82,6 +83,7 @@ class Gateway:
         self._send_pool = ThreadPoolExecutor(SEND_POOL_THREADS, thread_name_prefix=f"gw-send-{self.me}")
         self._waiting: list[asyncio.Future] = []  # requests waiting for a ready replica (`_until_news`)
         transport.on(MsgType.TOKENS, self._on_tokens)
+        transport.every(DEATH_CHECK_S, self.on_deaths)
 
     # -- plan and readiness ----------------------------------------------------------------------
     def on_plan(self, ctx: PlanContext) -> None:
@@ -102,6 +104,44 @@ class Gateway:
             s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"the mesh was re-planned "
                                         f"(plan v{ctx.version}) while this request ran"))
         self.wake()
+
+    def on_deaths(self) -> None:
+        """I/O thread: a request whose replica lost a node (its peers saw it dead) is resumed at
+        once, on whatever is ready, not after the STALL_TIMEOUT_S without a token (a re-plan does it
+        too, but a mesh that can no longer plan sends none: its requests waited 60 s, then 60 more).
+        The prefill replica counts until the attempt's first token; the decode replica always."""
+        ctx = self.ctx
+        if ctx is None:
+            return
+        dead = {p.info.id for p in self.members.peers() if p.state.value in ("dead", "left")}
+        if not dead:
+            return
+        nodes = {r.id: {st.node for st in r.stages} for r in ctx.plan.replicas}
+        hit = []
+        with self._lock:
+            for s in self._streams.values():
+                if s.dead_seen == s.seq:
+                    continue
+                prefilled = len(s.emitted) > s.offset_at_dispatch
+                gone = (nodes.get(s.decode_rid, set()) | (set() if prefilled else nodes.get(s.prefill_rid, set()))) & dead
+                if gone:
+                    s.dead_seen = s.seq
+                    hit.append((s, min(gone)))
+        for s, node in hit:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"node {node} of its replica died"))
+
+    def unservable(self) -> str | None:
+        """Why no replica will be ready, where the coordinator says it cannot plan the live nodes
+        (not "still planning or loading": an operator's health check must tell the two apart)."""
+        why = self.planner_error()
+        return None if why is None or self.ready() else f"the mesh cannot serve now: {why}"
+
+    def planner_error(self) -> str | None:
+        """Why the coordinator could not plan the live nodes (its heartbeat's `planner_error`;
+        this node's own if it is the coordinator), or None."""
+        loads = [self.local_load()] + [p.load for p in self.members.peers() if p.state.value == "alive"]
+        return next((ld["planner_error"] for ld in loads
+                     if isinstance(ld, dict) and isinstance(ld.get("planner_error"), str)), None)
 
     def wake(self) -> None:
         """Any thread: news that may make a replica ready (a plan applied here, a peer's heartbeat
@@ -185,9 +225,9 @@ class Gateway:
                 except KvDenied:  # another gateway's requests took the room first: wait for it again
                     await self.kv.wait_for_room(s, again=True)
                     deadline = time.monotonic() + READY_WAIT_S * self.time_scale
-                except RequestError:  # (no plan yet, too: a gateway that has just started gets one soon)
+                except RequestError as e:  # (no plan yet, too: a gateway that has just started gets one soon)
                     if time.monotonic() > deadline:
-                        raise
+                        raise RequestError(self.unservable() or str(e)) from None
                     await self._until_news()
         except RequestError:
             status = "error"
@@ -267,7 +307,8 @@ class Gateway:
             except RequestError as e:
                 if time.monotonic() > deadline:
                     self.metrics.finished("error")  # this request left the books with its last attempt
-                    raise RequestError(f"{why}; no replica could take the request again: {e}") from None
+                    raise RequestError(f"{why}; no replica could take the request again: "
+                                       f"{self.unservable() or e}") from None
                 await self._until_news()
 
     def pick_drafter(self) -> str:

@@ -171,9 +171,12 @@ class RoleHost:
             for s in list(self.leader.seqs.values()):
                 if s.gateway in gone:  # nobody streams its tokens any more (a client sends it again elsewhere)
                     log.info("%s: releasing sequence %d: its gateway %s is gone", self.me, s.id, s.gateway)
-                    self.leader.abort(s.id)
+                    # and it is told so, in case it was only paused (SIGSTOP, a swap storm): back, it
+                    # resumes the request at once, where it waited out its 60 s stall timeout
+                    self.leader.fail(s, f"released in plan v{ctx.version}: its gateway was seen dead")
                 elif s.decode_rid != self.leader.rid and not ctx.unchanged(old, s.decode_rid):
                     self.leader.fail(s, f"its decode replica changed in plan v{ctx.version}; retry the request")
+            self.leader.outbox.flush()
         log.info("%s: plan v%d keeps replica %d as it was", self.me, ctx.version, self.stage.replica.id)
 
     def _build_stage(self, ctx: PlanContext, replica, index: int) -> None:

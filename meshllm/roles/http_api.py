@@ -344,10 +344,12 @@ def build_app(gw: Gateway, token: str | None = None, idle_s: float = HTTP_IDLE_S
 
     async def health(request: web.Request) -> web.Response:
         ctx = gw.ctx
-        body = {"status": "ok" if gw.ready() else "starting", "plan_version": ctx.version if ctx else 0,
+        ready, why = gw.ready(), gw.unservable()
+        body = {"status": "ok" if ready else "unavailable" if why else "starting",
+                "plan_version": ctx.version if ctx else 0,
                 "replicas_ready": len(gw.ready_replicas()), "replicas": len(ctx.plan.replicas) if ctx else 0,
-                "in_flight": gw.in_flight()}
-        return web.json_response(body, status=200 if gw.ready() else 503)
+                "in_flight": gw.in_flight(), **({"error": why} if why else {})}
+        return web.json_response(body, status=200 if ready else 503)
 
     async def metrics(request: web.Request) -> web.Response:
         gw.metrics.replicas_ready.set(len(gw.ready_replicas()))

@@ -33,7 +33,6 @@ from collections.abc import Callable
 
 import torch
 
-from meshllm.defaults import Role
 from meshllm.engine.speculative import extend_hash
 from meshllm.mesh.protocol import Message, MsgType, SpanKind, WireSpan, make
 from meshllm.roles.batcher import MAX_ACTIVE_SEQS, Batcher, InFlight, Seq
@@ -341,6 +340,3 @@ def result_tokens(sp: WireSpan, entry: list | None, block: Block | None, vocab: 
         return None
     return list(toks)
 
-
-def is_phase(role: Role, phase: Role) -> bool:
-    return role == Role.MIXED or role == phase

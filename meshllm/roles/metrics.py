@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from meshllm.engine.speculative import AcceptanceStats
+
+log = logging.getLogger("meshllm.metrics")
 
 # seconds; wide enough for emulated Raspberry Pis at time_scale 10
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -61,8 +64,11 @@ class GatewayMetrics:
             try:
                 one = AcceptanceStats()
                 one.merge(spec)
-            except (TypeError, ValueError, AttributeError):
-                return  # a malformed figure from a leader: the request is done, the figures skipped
+            except (TypeError, ValueError, AttributeError) as e:
+                # a malformed figure from a leader: the request is done, its figures not counted
+                log.warning("a request's speculation figures are malformed (%s: %.80s); not counted",
+                            type(e).__name__, e)
+                return
             self.spec.merge(spec)
             self.drafted.inc(one.drafted)
             self.accepted.inc(one.accepted)

@@ -57,6 +57,7 @@ class Stream:
     spec: dict | None = None  # the session's acceptance figures (speculative decoding)
     drafter: str = ""
     kv_charge: int = 0  # KV positions its attempt may come to on its decode replica (roles/batcher.py)
+    dead_seen: int = 0  # the attempt (seq) already told that a node of its replicas died (Gateway.on_deaths)
 
 
 def kv_fit(ready: set[int], roles: dict[int, str], left: dict[int, int], positions: int,

@@ -100,13 +100,10 @@ class ShardHolder:
 
 
 def rss_mb() -> float:
-    """This process's resident memory in MB (psutil; /proc fallback)."""
-    try:
-        import psutil
+    """This process's resident memory in MB (psutil, a dependency)."""
+    import psutil
 
-        return psutil.Process(os.getpid()).memory_info().rss / 1e6
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return 0.0
+    return psutil.Process(os.getpid()).memory_info().rss / 1e6
 
 
 TRIM_IDLE_S = 1.0  # a node that held sequences and holds none for this long gives freed heap back

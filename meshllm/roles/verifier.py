@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshllm.engine.speculative import AcceptanceStats, ewma, extend_hash
+from meshllm.engine.speculative import AcceptanceStats, ewma
 from meshllm.mesh.fields import check_int_list, check_seq
 from meshllm.mesh.protocol import Message, MsgType, make
 
@@ -180,6 +180,3 @@ class Verifier:
                 "fallback_steps": self.fallbacks, "orphaned_sessions": self.orphaned,
                 **self.stats.to_json()}
 
-
-def commit_hash(h: int, tokens: list[int]) -> int:
-    return extend_hash(h, tokens)

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from meshllm.partition.dp import Infeasible, Member, Splitter, shortfall_reason
+from meshllm.partition.dp import Member, Splitter, shortfall_reason
 from meshllm.partition.genetic import random_genes
 from meshllm.partition.grouping import Evaluator, greedy_genes
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.plan import planner_evaluator
 from meshllm.partition.replica import ReplicaEval, best_mixed, evaluate_replica
-from meshllm.sim.replica import SimReplica, from_grouping
+from meshllm.sim.replica import SimReplica, from_grouping, sim_replica
 
 RANDOM_TRIES = 100  # random groupings drawn until one has a usable replica
 TIE = 0.01  # capacities this close are a tie (splitwise_pools)
@@ -122,12 +122,6 @@ def per_type(inp: PlanInputs, score: Callable[[ReplicaEval], float] | None = Non
     return reps, idle
 
 
-def sim_replica(inp: PlanInputs, rid: int, role: str, ev: ReplicaEval) -> SimReplica:
-    fit = {"prefill": ev.prefill, "decode": ev.decode, "mixed": ev.mixed}[role]
-    assert fit is not None and not isinstance(fit.split, Infeasible)
-    return SimReplica(rid, role, tuple(ev.members[i] for i in fit.split.order), fit.split.counts, inp)
-
-
 def splitwise_roles(evs: list[ReplicaEval], forced: list[str | None]) -> list[str]:
     """The prefill / decode split of `evs` with the highest min(prefill, decode) capacity, port-aware:
     exhaustive over how many replicas of each class (same members' type and count) prefill when
@@ -184,7 +178,7 @@ def splitwise(inp: PlanInputs) -> Policy:
     evs, roles, cap, idle = splitwise_pools(inp)
     if cap < 0:
         return Policy([], {m.id: "splitwise needs a prefill and a decode replica" for m in inp.members})
-    return Policy([sim_replica(inp, i, role, ev) for i, (role, ev) in enumerate(zip(roles, evs))], idle)
+    return Policy([sim_replica(inp, i, ev.members, role, ev) for i, (role, ev) in enumerate(zip(roles, evs))], idle)
 
 
 def mixed_dp_replicas(inp: PlanInputs) -> tuple[list[ReplicaEval], dict[str, str]]:
@@ -200,7 +194,7 @@ def mixed_dp_replicas(inp: PlanInputs) -> tuple[list[ReplicaEval], dict[str, str
 def mixed_dp(inp: PlanInputs) -> Policy:
     inp, idle = unforced(inp)
     evs, more = mixed_dp_replicas(inp)
-    out = [sim_replica(inp, i, "mixed", ev) for i, ev in enumerate(evs)]
+    out = [sim_replica(inp, i, ev.members, "mixed", ev) for i, ev in enumerate(evs)]
     return Policy(out, {**idle, **more})
 
 

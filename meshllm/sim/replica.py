@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from meshllm.defaults import DECODE_TARGETS
 from meshllm.partition.cost import flops_per_s, pipeline_s
-from meshllm.partition.dp import Member
+from meshllm.partition.dp import Infeasible, Member
 from meshllm.partition.grouping import Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.plan import Plan
@@ -223,15 +223,16 @@ def mixed_if_alone(reps: list[SimReplica]) -> list[SimReplica]:
 
 
 def from_grouping(inp: PlanInputs, g: Grouping) -> list[SimReplica]:
-    return mixed_if_alone([sim_replica(inp, rid, canon, role, ev)
+    return mixed_if_alone([sim_replica(inp, rid, [inp.members[c] for c in canon], role, ev)
                            for rid, (canon, role, ev) in enumerate(zip(g.groups, g.roles, g.evals, strict=True))])
 
 
-def sim_replica(inp: PlanInputs, rid: int, canon: Sequence[int], role: str, ev: ReplicaEval) -> SimReplica:
-    """The replica of `inp.members` (indices `canon`) as `ev` rates it in `role`, on that role's split."""
+def sim_replica(inp: PlanInputs, rid: int, members: Sequence[Member], role: str, ev: ReplicaEval) -> SimReplica:
+    """The replica of `members` (in the order `ev` rated them: a grouping's evaluation may be
+    one made for other devices of the same types) as `ev` rates it in `role`, on that role's split."""
     fit = {"prefill": ev.prefill, "decode": ev.decode, "mixed": ev.mixed}[role]
-    assert fit is not None
-    return SimReplica(rid, role, tuple(inp.members[canon[i]] for i in fit.split.order), fit.split.counts, inp)
+    assert fit is not None and not isinstance(fit.split, Infeasible)
+    return SimReplica(rid, role, tuple(members[i] for i in fit.split.order), fit.split.counts, inp)
 
 
 def describe(reps: Sequence[SimReplica]) -> str:

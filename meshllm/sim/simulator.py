@@ -171,7 +171,7 @@ class Simulator:
     def on_prefilled(self, st: RepState, req: Request) -> None:
         req.first_token = req.last_token = self.now
         if req.n_out <= 1:
-            req.done = req.decode_start = self.now
+            req.done = self.now
             self.try_prefill(st)
 
     def on_kv_sent(self, src: RepState, dst: RepState, req: Request) -> None:
@@ -191,7 +191,6 @@ class Simulator:
             req = st.waiting.popleft()
             req.wait_s += self.now - req.kv_ready
             req.slot_wait_s += self.now - req.kv_ready
-            req.decode_start = self.now
             st.load.waiting -= 1
             st.activate(req)
         if st.rep.role == "mixed":

@@ -23,7 +23,6 @@ class Request:
     prefill_start: float = math.nan
     first_token: float = math.nan
     kv_ready: float = math.nan
-    decode_start: float = math.nan  # admitted to a decode batch
     done: float = math.nan
     wait_s: float = 0.0
     paused_s: float = 0.0  # part of wait_s: decode paused by other requests' prefills (mixed)
@@ -184,7 +183,7 @@ class RepState:
                 keep.append(item)
                 continue
             self.load.prefill_queued -= 1
-            req.first_token = req.last_token = req.decode_start = now
+            req.first_token = req.last_token = now
             req.wait_s += max(0.0, now - req.prefill_start - self.rep.prefill_s(req.n_in)[1])  # chunking
             if req.n_out <= 1:
                 req.done = now

@@ -238,7 +238,7 @@ def kv_room_gainers(inp: PlanInputs, g: Grouping, sweep_requests: int) -> list[t
         alts = [a for a in (with_kv_room(inp.mc, e, inp.net, inp.mix, r) for r in KV_ROOMS) if a is not None]
         if alts:
             pipes.append((i, e, alts))
-    got = iter(trials.saturations(inp, [(g, [sim_replica(inp, 0, g.groups[i], "mixed", x)], sweep_requests,
+    got = iter(trials.saturations(inp, [(g, [sim_replica(inp, 0, [inp.members[c] for c in g.groups[i]], "mixed", x)], sweep_requests,
                                          trials.JUDGE_SEED) for i, e, alts in pipes for x in [e, *alts]]))
     out = []
     for i, _, alts in pipes:
