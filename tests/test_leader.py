@@ -390,3 +390,29 @@ def test_a_handoff_with_a_bad_offset_is_refused_not_taken_as_zero():
     assert lead.seqs[30].offset == 7
     acks.on_handoff(handoff(31), 100)
     assert lead.seqs[31].offset == 0
+
+
+def test_a_sequence_released_because_its_gateway_was_seen_dead_tells_that_gateway():
+    """A gateway node paused past the failure timeout (SIGSTOP, a swap storm): the re-plan kept
+    the replica, whose leader released the gateway's sequences without a word; back, the gateway
+    waited 60 s for tokens that never came (3 of 14 requests took 73 s). The leader now sends the
+    gateway an error TOKENS for each: one that was only paused resumes them at once."""
+    from types import SimpleNamespace
+
+    from meshllm.roles.host import RoleHost
+
+    lead, sent = two_stage_leader()
+    lead.batch.admit(seq(1))
+    other = seq(2)
+    other.gateway = "127.0.0.1:7999"  # another gateway, alive
+    lead.batch.admit(other)
+    assert lead.step()
+    sent.clear()
+    old = lead.ctx
+    new = PlanContext(2, old.plan, dict(NODES), "a")
+    host = SimpleNamespace(ctx=old, stage=lead.stage, leader=lead, me="a",
+                           members=SimpleNamespace(addresses_gone=lambda: {NODES["gw"]}))
+    RoleHost._carry_over(host, old, new)
+    errors = [(a, m["seq"], m["finish_reason"], m["error"]) for a, m in sent if m.type is MsgType.TOKENS]
+    assert errors == [(NODES["gw"], 1, "error", "released in plan v2: its gateway was seen dead")]
+    assert 1 not in lead.seqs and 2 in lead.seqs
