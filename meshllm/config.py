@@ -30,7 +30,7 @@ from meshllm.defaults import (
     Role,
 )
 from meshllm.device import load_device
-from meshllm.errors import ConfigError, InputError
+from meshllm.errors import ConfigError, InputError, number_hint
 from meshllm.mesh.fields import MAX_TEMPERATURE, NODE_PORT_MAX
 from meshllm.partition.inputs import LengthDist, PlanInputs, PlanLink, PlanNode
 
@@ -223,8 +223,8 @@ def _num(v: Any, src: str, fld: str, *, lo: float = 0.0, integer: bool = False, 
     if isinstance(v, bool) or not ok or v < lo or (strict and v == lo) or (hi is not None and v > hi):
         kind = "an integer" if integer else "a finite number"
         if hi is not None:
-            raise ConfigError(src, fld, f"must be {kind} in [{lo:g}, {hi:g}], got {v!r}")
-        raise ConfigError(src, fld, f"must be {kind} {'>' if strict else '>='} {lo:g}, got {v!r}")
+            raise ConfigError(src, fld, f"must be {kind} in [{lo:g}, {hi:g}], got {v!r}{number_hint(v)}")
+        raise ConfigError(src, fld, f"must be {kind} {'>' if strict else '>='} {lo:g}, got {v!r}{number_hint(v)}")
     return v
 
 
@@ -405,7 +405,17 @@ def plan_inputs(cfg: ClusterConfig) -> PlanInputs:
     mesh would never serve)."""
     inp = _plan_inputs(cfg, tuple(cfg.nodes), cfg.source)
     check_draft_groups(cfg, inp.args)
+    check_lengths(cfg, inp.args)
     return inp
+
+
+def check_lengths(cfg: ClusterConfig | NodeConfig, args) -> None:
+    """ConfigError for a workload whose mean request does not fit the model's context: the plan and
+    its figures would be for requests the mesh refuses (the API's context_length_exceeded)."""
+    wl = cfg.workload
+    if wl.input_tokens.mean + wl.output_tokens.mean > args.max_seq_len:
+        raise ConfigError(cfg.source, "workload.input_tokens", f"mean {wl.input_tokens.mean:g} + output_tokens mean "
+                          f"{wl.output_tokens.mean:g} exceed {args.name}'s context of {args.max_seq_len} tokens")
 
 
 def check_draft_groups(cfg: ClusterConfig | NodeConfig, args) -> None:

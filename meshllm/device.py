@@ -34,7 +34,7 @@ _REQUIRED = ("memory_gb", "compute_tflops", "memory_bandwidth_gbps", "network_mb
 
 def device_from_mapping(name: str, data: dict, where: str) -> DeviceProfile:
     """Validate a profile mapping; `where` names the file/field for errors."""
-    from meshllm.errors import ConfigError
+    from meshllm.errors import ConfigError, number_hint
 
     if not isinstance(data, dict):
         raise ConfigError(where, "device", f"expected a mapping, got {type(data).__name__}")
@@ -49,7 +49,7 @@ def device_from_mapping(name: str, data: dict, where: str) -> DeviceProfile:
     for k in _REQUIRED:
         v = data[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:  # not .nan / .inf
-            raise ConfigError(where, f"device.{k}", f"must be a positive finite number, got {v!r}")
+            raise ConfigError(where, f"device.{k}", f"must be a positive finite number, got {v!r}{number_hint(v)}")
         values[k] = float(v)
     return DeviceProfile(name=str(data.get("name", name)), source=str(data.get("source", "")), **values)
 

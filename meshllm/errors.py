@@ -15,3 +15,15 @@ class ConfigError(InputError):
 
 class ModelFileError(InputError):
     """A model path is missing, not a model file, or not a Llama-family model."""
+
+
+def number_hint(v: object) -> str:
+    """For a config number that YAML read as text: why (YAML 1.1 takes `1e30` for a string; `1.0e30`
+    is a number), else ""."""
+    if isinstance(v, str):
+        try:
+            float(v)
+        except ValueError:
+            return ""
+        return " (YAML reads a number such as 1e30 without a dot as text: write 1.0e30)"
+    return ""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 
@@ -160,11 +161,23 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) 
                              "UTF-8 text") from None
 
 
+def _finite(v):
+    """`v` with every non-finite float as None: JSON has no Infinity or NaN (a strict parser refuses them)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
 def _emit(obj: dict, as_json: bool, text: str | None = None) -> None:
+    obj = _finite(obj)
     if as_json:
-        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.write(json.dumps(obj, allow_nan=False) + "\n")
     else:
-        sys.stdout.write((text if text is not None else json.dumps(obj, indent=2)) + "\n")
+        sys.stdout.write((text if text is not None else json.dumps(obj, indent=2, allow_nan=False)) + "\n")
     sys.stdout.flush()
 
 

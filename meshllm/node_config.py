@@ -31,6 +31,7 @@ from meshllm.config import (
     _workload,
     _zone,
     check_draft_groups,
+    check_lengths,
     file_model_args,
     given,
     node_id,
@@ -154,6 +155,7 @@ def parse_node(data: dict, src: str) -> NodeConfig:
     _check_ports(cfg)
     if model in transformer_configs:  # a model file's shape is read only when the node runs (or fetched)
         check_draft_groups(cfg, transformer_configs[model])
+        check_lengths(cfg, transformer_configs[model])
     elif Path(model).exists():  # here, yet no model (/etc/passwd, a truncated file): exit 2, not a node that never plans
         file_model_args(model, src)  # (its draft groups are the plan's to check: a node that cannot build the
         # draft is planned around, roles/host.py plan_error)

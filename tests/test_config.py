@@ -72,6 +72,10 @@ def test_valid_cluster_defaults():
     # the API refuses more than 2 (every request of the run was a 400, after the mesh started)
     ({"workload": {"temperature": 5}}, "workload.temperature", "in [0, 2]"),
     ({"nodes__0__device": "../clusters/demo"}, "nodes[0]: device", "unknown device '../clusters/demo'"),
+    # YAML 1.1 reads 1e30 (no dot) as text: the message said only "got '1e30'"
+    ({"nodes__0__device": {**DEV, "memory_bandwidth_gbps": "1e30"}}, "device.memory_bandwidth_gbps",
+     "got '1e30' (YAML reads a number such as 1e30 without a dot as text: write 1.0e30)"),
+    ({"workload": {"arrival_rate_per_s": "2e3"}}, "workload.arrival_rate_per_s", "write 1.0e30"),
 ])
 def test_cluster_errors_name_field(changes, field, problem):
     with pytest.raises(ConfigError) as e:
@@ -91,6 +95,18 @@ def test_a_draft_group_size_the_model_does_not_split_into_is_a_config_error():
     assert plan_inputs(parse_cluster(_with(draft={"quant": "w8a16", "group_size": 128}), "c.yaml"))  # no groups
     assert plan_inputs(parse_cluster(_with(draft={"quant": "w4a16", "group_size": 128},
                                            speculation={"mode": "off"}), "c.yaml"))  # no draft built
+
+
+def test_a_workload_whose_mean_request_exceeds_the_context_is_a_config_error():
+    """input_tokens mean 100000 on smollm2-135m (context 8192) was planned and simulated (capacity
+    0.0008 req/s, TTFT 37 min) for requests the mesh would refuse with context_length_exceeded."""
+    from meshllm.config import plan_inputs
+
+    with pytest.raises(ConfigError, match=r"c.yaml: workload.input_tokens: mean 100000 \+ output_tokens mean 128 "
+                                          r"exceed smollm2-135m's context of 8192 tokens"):
+        plan_inputs(parse_cluster(_with(workload={"input_tokens": {"mean": 100000}}), "c.yaml"))
+    assert plan_inputs(parse_cluster(_with(workload={"input_tokens": {"mean": 8000}, "output_tokens": {"mean": 192}}),
+                                     "c.yaml"))
 
 
 def test_ids_links_and_temperatures_in_range_are_taken():

@@ -101,6 +101,35 @@ def test_only_drafters_is_infeasible():
         plan_cluster(plan_inputs(parse_cluster(data, "inline.yaml")), log=False)
 
 
+@pytest.mark.parametrize("only, missing", [("decode", "prefill"), ("prefill", "decode")])
+def test_nodes_that_may_only_decode_or_only_prefill_are_named_as_the_shortfall(only, missing):
+    """A lone node limited to [decode] exited 2 with "no replica reaches a positive request rate"."""
+    data = {"model": "smollm2-135m", "nodes": [{"id": "a", "device": "intel-nuc-13-i7", "zone": "z", "roles": [only]}]}
+    with pytest.raises(PlanInfeasible, match=f"no node may {missing} .*allow only {only}"):
+        plan_cluster(plan_inputs(parse_cluster(data, "inline.yaml")), log=False)
+
+
+def test_a_rate_above_capacity_predicts_null_waits_in_valid_json(tmp_path):
+    """--plan --json printed `Infinity` (not JSON: a strict parser refuses it) for the waits of
+    a plan whose workload rate is above its capacity; now null, and a plan read back from JSON
+    (a PLAN from the network) takes null as unbounded."""
+    path = tmp_path / "over.yaml"
+    path.write_text(json.dumps({"model": "llama-3-8b", "workload": {"arrival_rate_per_s": 1000},
+                                "nodes": [{"id": n, "device": "desktop-rtx-4090", "zone": "z"} for n in "ab"]}))
+    r = run_cli("--plan", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    obj = json.loads(r.stdout, parse_constant=refuse)
+    assert obj["prediction"] == {"rate_per_s": 1000.0, "mean_wait_ms": None, "mean_ttft_ms": None,
+                                 "mean_e2e_ms": None}
+    back = Plan.from_json(obj)
+    assert back.prediction["mean_wait_ms"] == float("inf") and back.to_json()["prediction"] == obj["prediction"]
+    assert "above the plan's capacity, waits grow without bound" in run_cli("--plan", str(path)).stdout
+
+
 def test_weights_dtype_changes_the_plan():
     base = {"model": "llama-3-8b", "nodes": [{"id": f"n{i}", "device": "jetson-orin-nano-8gb", "zone": "f"}
                                              for i in range(2)]}

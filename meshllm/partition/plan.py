@@ -11,6 +11,7 @@ object and the PLAN message's payload.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -81,8 +82,9 @@ class Plan:
             "capacity_req_s": round(self.capacity_req_s, 6),
             "unused_reasons": {n: self.reasons[n] for n in self.unused if n in self.reasons},
             "drafter_reasons": {n: self.reasons[n] for n in self.drafters if n in self.reasons},
-            "prediction": dict(self.prediction),
-            "simulated": dict(self.simulated),
+            # a rate above the plan's capacity waits without bound: null (JSON has no Infinity)
+            "prediction": {k: v if math.isfinite(v) else None for k, v in self.prediction.items()},
+            "simulated": {k: v if math.isfinite(v) else None for k, v in self.simulated.items()},
         }
 
     @classmethod
@@ -102,8 +104,8 @@ class Plan:
             plan = cls(str(obj["model"]), int(obj["n_layers"]), str(obj["dtype"]), tuple(reps),
                        tuple(str(x) for x in obj["drafters"]), tuple(str(x) for x in obj["unused"]),
                        float(obj["planner_s"]), float(obj["capacity_req_s"]), reasons,
-                       {str(k): float(v) for k, v in dict(obj.get("prediction", {})).items()},
-                       {str(k): float(v) for k, v in dict(obj.get("simulated", {})).items()})
+                       {str(k): _figure(v) for k, v in dict(obj.get("prediction", {})).items()},
+                       {str(k): _figure(v) for k, v in dict(obj.get("simulated", {})).items()})
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
         if plan.dtype not in WEIGHT_DTYPES:  # the stages size their KV room by it (roles/host.py)
@@ -135,8 +137,12 @@ class Plan:
                          f"{r.decode_tok_s:8.1f} tok/s  bottleneck {r.bottleneck_ms:8.2f} ms  {stages}")
         if self.prediction:
             p = self.prediction
-            lines.append(f"  predicted at {p['rate_per_s']:.3f} req/s: mean wait {p['mean_wait_ms']:.1f} ms, "
-                         f"TTFT {p['mean_ttft_ms']:.1f} ms, end-to-end {p['mean_e2e_ms']:.1f} ms")
+            if math.isfinite(p["mean_wait_ms"]):
+                lines.append(f"  predicted at {p['rate_per_s']:.3f} req/s: mean wait {p['mean_wait_ms']:.1f} ms, "
+                             f"TTFT {p['mean_ttft_ms']:.1f} ms, end-to-end {p['mean_e2e_ms']:.1f} ms")
+            else:
+                lines.append(f"  predicted at {p['rate_per_s']:.3f} req/s: above the plan's capacity, waits grow "
+                             "without bound")
         if self.simulated:
             s = self.simulated
             lines.append(f"  simulated at {s['rate_per_s']:.3f} req/s ({s['requests']:.0f} requests): mean wait "
@@ -218,6 +224,11 @@ def plan_cluster(inp: PlanInputs, seed: int = 0, log: bool = True, judge: Judge 
     return plan_from_grouping(inp, grouping, t0, ev)
 
 
+def _figure(v: Any) -> float:
+    """A prediction's figure from JSON: null is an unbounded one (to_json writes inf as null)."""
+    return math.inf if v is None else float(v)
+
+
 NO_STAGE = "no node may hold a stage (every node's roles exclude prefill and decode)"
 
 
@@ -233,6 +244,9 @@ def check_servable(inp: PlanInputs) -> None:
 def infeasible_reason(inp: PlanInputs) -> str:
     if not inp.members:
         return NO_STAGE
+    for phase in ("prefill", "decode"):  # (a mixed replica does both: its nodes must allow both)
+        if all(f is not None and f != phase for f in inp.forced):
+            return f"no node may {phase} (the stage-capable nodes' roles allow only {inp.forced[0]})"
     ev = evaluate_replica(inp.mc, inp.members, inp.net, inp.mix)
     if ev.reason:
         return f"all stage-capable nodes together: {ev.reason}"
