@@ -416,3 +416,25 @@ def test_a_sequence_released_because_its_gateway_was_seen_dead_tells_that_gatewa
     errors = [(a, m["seq"], m["finish_reason"], m["error"]) for a, m in sent if m.type is MsgType.TOKENS]
     assert errors == [(NODES["gw"], 1, "error", "released in plan v2: its gateway was seen dead")]
     assert 1 not in lead.seqs and 2 in lead.seqs
+
+
+def test_drafting_figures_go_with_every_tokens_message_after_a_verified_block():
+    """They went only with a sequence's last TOKENS: a request its gateway ended on a stop string
+    (the leader never sends that last one) lost all of them, in its response and in /metrics."""
+    from meshllm.roles.leader import Outbox
+
+    sent: list = []
+    out, s = Outbox(lambda a, m: sent.append(m)), seq(1, max_tokens=20)
+    s.out = [9]
+    out.tokens(s, [9], None)  # before any block
+    s.spec.record(4, 3)
+    s.out += [1, 2, 3, 4]
+    out.tokens(s, [1, 2, 3, 4], None)
+    s.out += [5]
+    out.tokens(s, [5], None)  # no new block
+    s.spec.record(4, 0)
+    s.out += [6]
+    out.tokens(s, [6], "stop")
+    out.flush()
+    assert [m.fields.get("spec", {}).get("blocks") for m in sent] == [None, 1, None, 2]
+    assert sent[1]["spec"]["drafted"] == 4 and sent[1]["spec"]["accepted"] == 3

@@ -544,6 +544,10 @@ def test_a_meshllm_field_that_is_not_a_mapping_is_a_400_even_when_falsy(smollm2_
         assert (e.value.status, e.value.code) == (400, "invalid_value"), bad
     assert parse_params({**body, "meshllm": None}, gw, chat=False).spec_mode is None
     assert parse_params({**body, "meshllm": {"speculation": "off"}}, gw, chat=False).spec_mode == "off"
+    for field, bad in (("gamma", 17), ("decode_replica", -1)):  # named within the extension, as its other fields
+        with pytest.raises(ApiError) as e:
+            parse_params({**body, "meshllm": {field: bad}}, gw, chat=False)
+        assert e.value.param == f"meshllm.{field}" and str(e.value).startswith(f"'meshllm.{field}' must be"), e.value
 
 
 def test_n_and_best_of_are_not_true_a_missing_seed_is_a_fresh_one_and_a_pinned_replica_exists(smollm2_tokenizer):

@@ -76,14 +76,17 @@ class Params:
     resume: tuple[int, ...] = ()  # meshllm extension: the output a client already has (from a gateway that died)
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
+def _number(body: dict, key: str, default: float, lo: float, hi: float, integer: bool = False,
+            within: str = "") -> Any:
+    """body[key] (`default` if absent or null) in [lo, hi], else a 400 naming it (`within`: the
+    object it sits in, e.g. "meshllm.", so that an extension's field is told from a top-level one)."""
     v = body.get(key, default)
     if v is None:
         v = default
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
     if isinstance(v, bool) or not ok or not lo <= v <= hi:
         kind, span = ("an integer", f"[{lo}, {hi}]") if integer else ("a number", f"[{lo:g}, {hi:g}]")
-        raise ApiError(400, f"'{key}' must be {kind} in {span}, got {v!r}", key, "invalid_value")
+        raise ApiError(400, f"'{within}{key}' must be {kind} in {span}, got {v!r}", within + key, "invalid_value")
     return v
 
 
@@ -179,8 +182,8 @@ def _extension(ext: Any) -> tuple[str | None, int | None, int | None, bool | Non
     mode = ext.get("speculation")
     if mode not in (None, "async", "sync", "off"):
         raise ApiError(400, "meshllm.speculation must be async, sync or off", "meshllm.speculation", "invalid_value")
-    gamma = None if ext.get("gamma") is None else _number(ext, "gamma", 4, 1, 16, integer=True)
-    pin = None if ext.get("decode_replica") is None else _number(ext, "decode_replica", 0, 0, 1 << 20, integer=True)
+    gamma = None if ext.get("gamma") is None else _number(ext, "gamma", 4, 1, 16, True, "meshllm.")
+    pin = None if ext.get("decode_replica") is None else _number(ext, "decode_replica", 0, 0, 1 << 20, True, "meshllm.")
     return mode, gamma, pin, adaptive
 
 

@@ -72,6 +72,7 @@ class Seq:
     drafter: str = ""  # node drafting for it ("" without speculation)
     hash: int = 0  # hash of `out` (engine/speculative.py): which drafts were drafted after it
     spec: AcceptanceStats = field(default_factory=AcceptanceStats)
+    spec_sent: int = 0  # spec.blocks when its figures last went to the gateway (Outbox.tokens)
     waiting_since: float | None = None  # ready, waiting for its drafter's block since
     last_block_at: float | None = None
     block_interval_s: float | None = None

@@ -272,7 +272,11 @@ class Outbox:
 
     def tokens(self, s: Seq, tokens: list[int], finished: str | None) -> None:
         """`s`'s new output `tokens` (the last ones of `s.out`), and its finish reason if it ended."""
-        extra = {"spec": s.spec.to_json()} if finished is not None and s.spec.blocks else {}
+        # the drafting figures so far, whenever a block was verified since they last went: a gateway
+        # that ends the request early (a stop string) has them (they came only with the last token)
+        extra = {}
+        if s.spec.blocks and (finished is not None or s.spec.blocks != s.spec_sent):
+            extra, s.spec_sent = {"spec": s.spec.to_json()}, s.spec.blocks
         m = make(MsgType.TOKENS, seq=s.id, token_ids=tokens, index=s.offset + len(s.out) - len(tokens),
                  finished=finished is not None, finish_reason=finished, queue_ms=round(1000 * s.queued_s, 3),
                  **extra)
