@@ -107,6 +107,11 @@ def test_a_workload_whose_mean_request_exceeds_the_context_is_a_config_error():
         plan_inputs(parse_cluster(_with(workload={"input_tokens": {"mean": 100000}}), "c.yaml"))
     assert plan_inputs(parse_cluster(_with(workload={"input_tokens": {"mean": 8000}, "output_tokens": {"mean": 192}}),
                                      "c.yaml"))
+    # the default lengths are the planner's assumption, not the file's word: a test model's context
+    # (tiny: 256) is shorter, and its nodes must still start
+    assert plan_inputs(parse_cluster(_with(model="tiny"), "c.yaml"))
+    with pytest.raises(ConfigError, match="exceed tiny's context of 256"):
+        plan_inputs(parse_cluster(_with(model="tiny", workload={"output_tokens": {"mean": 300}}), "c.yaml"))
 
 
 def test_ids_links_and_temperatures_in_range_are_taken():
