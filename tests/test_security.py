@@ -377,6 +377,9 @@ class _Gateway:
     def in_flight(self) -> int:
         return 0
 
+    def unservable(self) -> str | None:
+        return None
+
 
 def _get(url: str, token: str | None) -> tuple[int, dict]:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token is not None else {})
