@@ -180,15 +180,14 @@ class Coordinator:
             if left_out:
                 plan = dataclasses.replace(plan, unused=plan.unused + tuple(left_out),
                                            reasons={**plan.reasons, **left_out})
-        except (InputError, ValueError) as e:
-            self.last_error = str(e)
-            log.error("%s: cannot plan for %d live nodes: %s", self.me.id, len(live), e)
-            self.t.call_soon(lambda: self._done(key, None, {}, {}))
-            return
-        except Exception as e:  # a planner bug or the disk: this live set gets no plan, the next may
-            # (left un-caught, `_planning` stayed set and this coordinator never planned again)
-            self.last_error = f"the planner failed: {type(e).__name__}: {e}"
-            log.exception("%s: the planner failed for %d live nodes", self.me.id, len(live))
+        except Exception as e:  # a shortfall; or a planner bug, the disk: this live set gets no plan, the next
+            # may (left un-caught, `_planning` stayed set and this coordinator never planned again)
+            if isinstance(e, (InputError, ValueError)):
+                self.last_error = str(e)
+                log.error("%s: cannot plan for %d live nodes: %s", self.me.id, len(live), e)
+            else:
+                self.last_error = f"the planner failed: {type(e).__name__}: {e}"
+                log.exception("%s: the planner failed for %d live nodes", self.me.id, len(live))
             self.t.call_soon(lambda: self._done(key, None, {}, {}))
             return
         addresses = {p.id: p.address for p in live}  # (those left out need none: they have no part)
