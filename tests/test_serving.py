@@ -136,7 +136,9 @@ def test_two_gateways_count_each_other_s_kv_claims(pipes, smollm2, smollm2_token
     long_req = {"model": "smollm2-135m", "prompt": LONG, "max_tokens": 100, "temperature": 0}  # a 512 slot
     with cf.ThreadPoolExecutor(1) as pool:
         long_fut = pool.submit(pipes.post, "/v1/completions", long_req, 300)
-        a1 = mesh_loads(other, lambda ls: (ls["a1"].get("gateway") or {}).get("kv_claims"), timeout_s=30)["a1"]
+        # (a1's heartbeat may still carry an earlier test's short claim for a moment: wait for this one's)
+        a1 = mesh_loads(other, lambda ls: [decode["id"], 512] in ((ls["a1"].get("gateway") or {}).get("kv_claims") or []),
+                        timeout_s=30)["a1"]
         assert a1["gateway"]["kv_claims"] == [[decode["id"], 512]], a1["gateway"]
         code, short = other.post("/v1/completions", {"model": "smollm2-135m", "prompt": "The sky is", "max_tokens": 8,
                                                      "temperature": 0}, 300)
