@@ -106,7 +106,9 @@ def streaming(url: str, body: dict, events: int = 3):
                      b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
         got = b""
         while got.count(b"data: ") < events:
-            got += sock.recv(65536)
+            chunk = sock.recv(65536)  # the socket's timeout bounds each wait
+            assert chunk, f"the gateway closed the connection after {got.count(b'data: ')} events: {got[-2000:]!r}"
+            got += chunk
         yield sock
 
 
