@@ -205,6 +205,34 @@ def test_sigterm_is_a_clean_leave_seen_at_once(mesh: Mesh) -> None:
     assert leaver.wait(timeout=30) == 0
 
 
+def test_a_node_stopped_while_it_loads_its_layers_exits_0(tmp_path: Path) -> None:
+    """A SIGINT while the compute thread loads the model: the stop waited CLOSE_WAIT_S for it, then
+    the interpreter exited under a thread inside torch, and the process aborted ("terminate called
+    without an active exception", exit 134; 1 stop in 3 on a busy box, a duplicate-id refusal too).
+    The wait is cut to 0.05 s here, so that the load (seconds for the real model) is surely running."""
+    cfg = {"id": "solo", "device": "intel-nuc-13-i7", "listen": f"127.0.0.1:{free_port_pair()}", "mdns": False,
+           "plan_settle_s": 0.5}
+    path, log = tmp_path / "solo.yaml", tmp_path / "solo.log"
+    path.write_text(yaml.safe_dump(cfg))
+    code = ("import sys; import meshllm.mesh.loop as loop; loop.CLOSE_WAIT_S = 0.05\n"
+            "from meshllm.launch import main; sys.exit(main(sys.argv[1:]))")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code, "--node-config", str(path)], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+    try:
+        assert wait_for(lambda: "plan v1 from" in log.read_text(), 90.0), log.read_text()[-2000:]
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert rc == 0 and "terminate called" not in text, text[-2000:]
+    assert "still busy (loading layers or planning); exiting without waiting for it" in text, text[-2000:]
+
+
 def test_duplicate_id_is_refused(mesh: Mesh) -> None:
     start_seeded(mesh)
     dup = mesh.start("n3", seeds=[mesh.addrs["n0"]], port=free_port_pair())

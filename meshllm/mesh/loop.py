@@ -19,6 +19,7 @@ from typing import Any
 from meshllm.mesh.ingress import guard
 
 POLL_MAX_S = 0.1  # the I/O loop wakes at least this often
+CLOSE_WAIT_S = 5.0  # how long closing a Worker waits for the job it is running (a layer load, a plan search)
 
 
 class Worker:
@@ -48,11 +49,16 @@ class Worker:
     def in_worker(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         self._stopping = True
         self._q.put(None)
         if self._thread.is_alive() and not self.in_worker():
-            self._thread.join(timeout=timeout_s)
+            self._thread.join(timeout=CLOSE_WAIT_S if timeout_s is None else timeout_s)
+
+    def busy(self) -> bool:
+        """Still running a job after close(): the process must not run the interpreter's exit
+        under it (torch, mid-operation in a thread then, aborts the process: exit 134)."""
+        return self._thread.is_alive() and not self.in_worker()
 
     def _run(self) -> None:
         want_step = self._step is not None

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -120,6 +122,12 @@ class Node:
             self.mdns.close()
         self.stopped.set()
 
+    def busy(self) -> list[str]:
+        """The threads still in a job after stop() (a layer load or a plan search can take longer
+        than a Worker's CLOSE_WAIT_S)."""
+        workers = (self.host.worker, self.host.weights.worker, self.coordinator.worker)
+        return [w.name for w in workers if w.busy()]
+
     def _serving(self) -> dict[str, Any]:
         """What heartbeats and `--status` say of this node's roles and load: its part in the plan,
         and its gateway if it runs one (the API's address, requests in flight, its limit)."""
@@ -203,9 +211,18 @@ def run_node(cfg: NodeConfig) -> int:
             signal.signal(s, h)
     if node.refused is not None:
         log.error("%s: refused to join the mesh: %s", cfg.id, node.refused)
-        return EXIT_REFUSED
-    log.info("%s: left the mesh", cfg.id)
-    return EXIT_OK
+        code = EXIT_REFUSED
+    else:
+        log.info("%s: left the mesh", cfg.id)
+        code = EXIT_OK
+    if busy := node.busy():  # the interpreter's exit under a thread inside torch aborts (exit 134)
+        log.warning("%s: %s still busy (loading layers or planning); exiting without waiting for it",
+                    cfg.id, ", ".join(busy))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def split_target(target: str) -> tuple[str | None, str]:
