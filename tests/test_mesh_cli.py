@@ -235,10 +235,13 @@ def test_a_node_stopped_while_it_loads_its_layers_exits_0(tmp_path: Path) -> Non
 
 def test_duplicate_id_is_refused(mesh: Mesh) -> None:
     start_seeded(mesh)
-    dup = mesh.start("n3", seeds=[mesh.addrs["n0"]], port=free_port_pair())
+    # plan_settle_s: 0.5, well within the ~3.5 s it waits in doubt (is the refusal about its own
+    # former life?): it planned a mesh of its own meanwhile and began to load the whole model
+    dup = mesh.start("n3", seeds=[mesh.addrs["n0"]], port=free_port_pair(), plan_settle_s=0.5)
     assert dup.wait(timeout=60) == 1
     out = next(p for p in sorted(mesh.tmp.glob("n3-*.log")) if p.name != "n3-3.log").read_text()
     assert "already used by the node at " + mesh.addrs["n3"] in out
+    assert "published plan" not in out and "plan v1 from" not in out, out
     st = mesh.status("n0")
     entry = next(p for p in st["peers"] if p["id"] == "n3")
     assert entry["state"] == "alive" and entry["address"] == mesh.addrs["n3"]

@@ -208,6 +208,13 @@ class Gossip:
         else:
             log.warning("%s: error from %r: %s: %s", self.me.id, msg.src, msg["code"], msg["message"])
 
+    def in_doubt(self) -> bool:
+        """A peer refused this node's id, and it waits to learn whether that was its former life:
+        it must not plan a mesh of its own meanwhile (a duplicate planned itself and started
+        loading the whole model before it was refused)."""
+        return (self._told_waiting and not self.members.live()  # until a peer takes it, or the refusal
+                and time.monotonic() < self.refuse_after + JOIN_RETRY_MAX_S)  # stands (then it stops)
+
     def _maybe_former_life(self, why: str) -> bool:
         """Within `refuse_after`, a refusal may name this node's former life not yet seen dead
         (module docstring): say so once, greet the seeds again soon, and go on waiting."""

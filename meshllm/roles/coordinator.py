@@ -84,12 +84,14 @@ class Coordinator:
                  current_version: Callable[[], int], deliver: Callable[[int, dict, dict, str, dict], None],
                  model_args: Callable[[], Any] | None = None,
                  own_error: Callable[[], dict | None] | None = None,
-                 current_plan: Callable[[], Plan | None] | None = None):
+                 current_plan: Callable[[], Plan | None] | None = None,
+                 hold: Callable[[], bool] | None = None):
         self.t, self.members, self.me, self.cfg = transport, members, me, cfg
         self.model_args = model_args  # the model's shape (None: from this node's model file)
         self.current_version, self.deliver = current_version, deliver  # the local RoleHost
         self.own_error = own_error or (lambda: None)  # this node's own plan_error (RoleHost)
         self.current_plan = current_plan or (lambda: None)  # the plan in force here (RoleHost's)
+        self.hold = hold or (lambda: False)  # True: plan nothing now (this node's id is in doubt: Gossip)
         self.refused: dict[tuple[str, int], tuple[str, frozenset]] = {}  # see `refusals`
         self.worker = Worker(f"planner-{me.id}")
         self.published: tuple[int, dict, dict, dict] | None = None  # (version, plan json, addresses, incarnations)
@@ -138,7 +140,7 @@ class Coordinator:
         now = time.monotonic()
         if key != self._seen:
             self._seen, self._changed_at = key, now
-        if not self.is_coordinator():
+        if not self.is_coordinator() or self.hold():
             return
         ids = {p.id for p in live}
         # a plan is in force once anyone published one (this node's own plans reach its host too):
