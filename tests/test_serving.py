@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -18,6 +19,7 @@ import urllib.request
 
 import pytest
 
+from tests.conftest import wait_for
 from tests.serving_util import Served, reference, same_up_to_tie, small_device, streaming, write_cluster
 
 pytestmark = pytest.mark.slow
@@ -693,6 +695,29 @@ def test_a_client_that_disconnects_is_released_everywhere(disagg):
             break
         time.sleep(0.5)
     assert not busy, f"still holding the abandoned sequence: {busy}"
+
+
+def test_a_non_streaming_client_that_disconnects_is_abandoned_not_an_error(disagg):
+    """A client of a whole (non-streaming) response that goes away was counted
+    meshllm_requests_total{status="error"} (and logged nothing): error-rate alerts counted it."""
+    def count(status: str) -> float:
+        m = re.search(rf'^meshllm_requests_total{{status="{status}"}} (\S+)$', disagg.get("/metrics")[1].decode(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def in_flight() -> int:
+        return json.loads(disagg.get("/health")[1])["in_flight"]
+
+    before = {st: count(st) for st in ("abandoned", "error")}
+    host, port = disagg.url.removeprefix("http://").split(":")
+    data = json.dumps({"model": "smollm2-135m", "prompt": "Count from one to two hundred: 1, 2, 3, 4,",
+                       "temperature": 0, "max_tokens": 400}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+        assert wait_for(lambda: in_flight() == 1, 30)
+    assert wait_for(lambda: in_flight() == 0 and count("abandoned") == before["abandoned"] + 1, 30), \
+        (before, count("abandoned"), in_flight())
+    assert count("error") == before["error"]
 
 
 def test_a_prefill_node_gives_its_freed_heap_back_once_idle(disagg):

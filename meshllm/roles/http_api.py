@@ -228,6 +228,10 @@ class Run:
             status = "ok"
         except RequestError as e:
             return ApiError(503, str(e), None, e.code).response()
+        except asyncio.CancelledError:  # the client went away (it was counted as an error)
+            status = "abandoned"
+            log.info("request %s: the client went away; releasing its sequence", self.rid)
+            raise
         finally:
             self._end(status)
         text = "".join(parts)
