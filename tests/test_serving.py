@@ -1056,29 +1056,29 @@ def test_a_request_waiting_for_a_ready_replica_looks_again_on_news_not_at_the_ne
     gw.wake()  # nothing waiting: nothing to do
 
 
-def test_a_request_whose_replica_lost_a_node_resumes_at_once_and_an_unplannable_mesh_says_so():
-    """The last decode-capable node died: the coordinator could plan nothing, so no PLAN came,
-    and the gateway's requests on the dead node's replica waited out the 60 s no-token timeout,
-    then 60 s for a replica, and failed saying "the mesh is still planning or loading" (so did new
-    requests, after 15 s, and /health said "starting" for ever). Now a node seen dead resumes the
-    requests on its replicas at once (a prefill replica only until the attempt's first token),
-    once an attempt, and the coordinator's `planner_error` is the reason given."""
+def gateway_with_streams():
+    """A Gateway on test_fuzz's plan v5 (no sockets) whose peers are alive, and `stream(seq,
+    prefill, decode, emitted)` to give it a request; what each request was told is in `got`."""
+    import dataclasses
     from types import SimpleNamespace
 
     from meshllm.mesh.membership import Membership, PeerInfo
     from meshllm.roles.context import PlanContext
     from meshllm.roles.gateway import Gateway
     from meshllm.roles.route_view import Stream
-    from tests.test_fuzz import GW, NODES, FakeTransport, Net, make_plan, node_cfg
+    from meshllm.shapes import model_args
+    from tests.test_fuzz import DEVICE, GW, MODEL, NODES, FakeTransport, Net, make_plan, node_cfg
 
     members = Membership("gw")
-    gw = Gateway(FakeTransport(Net(), "gw", GW), members, PeerInfo("gw", GW, "fog", {}, ("gateway",), 1),
+    device = dataclasses.asdict(DEVICE)
+    gw = Gateway(FakeTransport(Net(), "gw", GW), members, PeerInfo("gw", GW, "fog", device, ("gateway",), 1),
                  node_cfg("gw"))
+    gw.model.args = model_args(MODEL)
     gw.ctx = PlanContext(5, make_plan(), dict(NODES), "gw")
     now = time.monotonic()
     for node in NODES:
         if node != "gw":
-            members.observe(PeerInfo(node, NODES[node], "fog", {}, ("decode",), 1), now, first_hand=True)
+            members.observe(PeerInfo(node, NODES[node], "fog", device, ("decode",), 1), now, first_hand=True)
             members.heartbeat(node, 1, now, {"plan_version": 5})
     got: dict[int, list] = {}
 
@@ -1088,6 +1088,17 @@ def test_a_request_whose_replica_lost_a_node_resumes_at_once_and_an_unplannable_
                                   SimpleNamespace(put_nowait=got[seq].append), set(), prefill, decode, 3, 9,
                                   emitted=[7] * emitted)
 
+    return gw, members, got, stream
+
+
+def test_a_request_whose_replica_lost_a_node_resumes_at_once_and_an_unplannable_mesh_says_so():
+    """The last decode-capable node died: the coordinator could plan nothing, so no PLAN came,
+    and the gateway's requests on the dead node's replica waited out the 60 s no-token timeout,
+    then 60 s for a replica, and failed saying "the mesh is still planning or loading" (so did new
+    requests, after 15 s, and /health said "starting" for ever). Now a node seen dead resumes the
+    requests on its replicas at once (a prefill replica only until the attempt's first token),
+    once an attempt, and the coordinator's `planner_error` is the reason given."""
+    gw, members, got, stream = gateway_with_streams()
     stream(1, 0, 1)  # prefilling on replica 0 (pa, pb) for replica 1 (dc, dd)
     stream(2, 0, 1, emitted=2)  # prefilled: replica 0 no longer matters
     stream(3, 0, 3, emitted=2)  # decoding on replica 3 (dg)
@@ -1104,3 +1115,22 @@ def test_a_request_whose_replica_lost_a_node_resumes_at_once_and_an_unplannable_
     assert gw.unservable() is None
     gw.local_load = lambda: {"planner_error": "cannot serve smollm2-135m: no replica reaches a positive rate"}
     assert gw.unservable() == "the mesh cannot serve now: cannot serve smollm2-135m: no replica reaches a positive rate"
+
+
+def test_a_re_plan_resumes_only_requests_that_need_a_changed_replica():
+    """A re-plan that changed a prefill replica resumed the requests already decoding on an
+    unchanged replica too (a needless recompute and pause: the prompt's KV had left it). As on a
+    death, the prefill replica counts only until the attempt's first token."""
+    from meshllm.roles.context import PlanContext
+    from tests.test_fuzz import NODES, make_plan
+
+    gw, _, got, stream = gateway_with_streams()
+    stream(1, 0, 1)  # prefilling on replica 0 (pa, pb) for replica 1 (dc, dd)
+    stream(2, 0, 1, emitted=2)  # prefilled: replica 0 no longer matters
+    stream(3, 2, 2)  # the mixed replica (mx)
+    stream(4, 0, 3, emitted=1)  # decoding on replica 3 (dg), which changes too
+    moved = {**NODES, "pb": "127.0.0.1:7199", "dg": "127.0.0.1:7198"}  # pb and dg restarted elsewhere
+    gw.on_plan(PlanContext(6, make_plan(), moved, "gw"))
+    told = {seq: [item[3] for item in items] for seq, items in got.items()}
+    assert told == {1: ["the mesh was re-planned (plan v6) while this request ran"], 2: [], 3: [],
+                    4: ["the mesh was re-planned (plan v6) while this request ran"]}, told

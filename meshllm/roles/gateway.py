@@ -88,9 +88,10 @@ class Gateway:
     # -- plan and readiness ----------------------------------------------------------------------
     def on_plan(self, ctx: PlanContext) -> None:
         """The local RoleHost applied `ctx` (called on its compute thread): the router's view of
-        the new plan's replicas, from the device profiles of the nodes it names. Requests on
-        replicas that did not change go on; the others are failed (their replicas dropped them,
-        and a leader that died cannot say so itself)."""
+        the new plan's replicas, from the device profiles of the nodes it names. Requests whose
+        replicas did not change go on (the prefill replica counts until the attempt's first token:
+        Stream.replicas); the others are failed (their replicas dropped them, and a leader that
+        died cannot say so itself)."""
         infos = {self.me: self.me_info} | {p.info.id: p.info for p in self.members.peers()}
         named = {s.node for r in ctx.plan.replicas for s in r.stages}
         inp = live_plan_inputs(self.cfg, [infos[n] for n in sorted(named) if n in infos], self.model.shape())
@@ -99,8 +100,8 @@ class Gateway:
         self.view.replan(reps, inp, keep)
         with self._lock:
             self.ctx, self.local_version = ctx, ctx.version
-            stale = [s for s in self._streams.values() if s.prefill_rid not in keep or s.decode_rid not in keep]
-        for s in stale:  # their replicas changed: resume them on the new plan (tokens() does it)
+            stale = [s for s in self._streams.values() if not s.replicas() <= keep]
+        for s in stale:  # a replica they need changed: resume them on the new plan (tokens() does it)
             s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"the mesh was re-planned "
                                         f"(plan v{ctx.version}) while this request ran"))
         self.wake()
@@ -122,8 +123,7 @@ class Gateway:
             for s in self._streams.values():
                 if s.dead_seen == s.seq:
                     continue
-                prefilled = len(s.emitted) > s.offset_at_dispatch
-                gone = (nodes.get(s.decode_rid, set()) | (set() if prefilled else nodes.get(s.prefill_rid, set()))) & dead
+                gone = set().union(*(nodes.get(rid, set()) for rid in s.replicas())) & dead
                 if gone:
                     s.dead_seen = s.seq
                     hit.append((s, min(gone)))

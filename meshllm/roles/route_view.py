@@ -59,6 +59,12 @@ class Stream:
     kv_charge: int = 0  # KV positions its attempt may come to on its decode replica (roles/batcher.py)
     dead_seen: int = 0  # the attempt (seq) already told that a node of its replicas died (Gateway.on_deaths)
 
+    def replicas(self) -> set[int]:
+        """The replicas its attempt still needs: the decode replica, and the prefill replica until
+        the attempt's first token (then the prompt's KV has gone to the decode replica)."""
+        prefilled = len(self.emitted) > self.offset_at_dispatch
+        return {self.decode_rid} if prefilled else {self.prefill_rid, self.decode_rid}
+
 
 def kv_fit(ready: set[int], roles: dict[int, str], left: dict[int, int], positions: int,
            rooms: dict[int, int] | None = None) -> set[int]:
