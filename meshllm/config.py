@@ -174,7 +174,16 @@ def split_hostport(s: Any, src: str, fld: str, max_port: int = NODE_PORT_MAX) ->
     if not host or not port.isdigit() or not 0 < int(port) <= max_port:
         why = "" if max_port == 65535 else " (a node's PUB socket takes PORT + 1)"
         raise ConfigError(src, fld, f"expected HOST:PORT with a port in 1..{max_port}{why}, got {s!r}")
+    if ":" in host and max_port != 65535:  # the HTTP API may listen on IPv6; the mesh's sockets do not
+        raise ConfigError(src, fld, f"a node's address is an IPv4 address or a host name (the mesh's "
+                                    f"ZeroMQ sockets are IPv4 only), got {s!r}")
+    if ":" not in host and host != "*" and not _HOST_NAME.fullmatch(host):  # failed only at bind: exit 1
+        raise ConfigError(src, fld, f"{host!r:.60} is not an IPv4 address or a host name")
     return host, int(port)
+
+
+# a host name (RFC 1123 labels) or a dotted IPv4 address, which is one too
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
 
 def given(d: dict, key: str, empty: Any) -> Any:

@@ -148,7 +148,7 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         seeds=seeds, seed_ids=seed_ids, mdns=mdns, model=model,
         roles=_roles(data.get("roles"), src, "roles"), node_key=security.get("node_key"),
         authorized_keys=security.get("authorized_keys"), rate_limit=_rate_limit(data.get("rate_limit"), src),
-        links=links, heartbeat_interval_s=hb, failure_timeout_s=fail, **_gateway(data.get("gateway"), src),
+        links=links, heartbeat_interval_s=hb, failure_timeout_s=fail, **_gateway(data, src),
         **weights,
         **_serving(data, src),
     )
@@ -187,11 +187,14 @@ def _check_ports(cfg: NodeConfig) -> None:
                           f"sockets use (listen {cfg.listen}: ROUTER on {port}, PUB on {port + 1})")
 
 
-def _gateway(v: Any, src: str) -> dict[str, Any]:
+def _gateway(data: dict, src: str) -> dict[str, Any]:
     """gateway: {listen: HOST:PORT, api_token: FILE, max_concurrent: N, drain_s: S} -> the gateway,
     api_token, max_concurrent and drain_s fields."""
-    if v is None:
+    if "gateway" not in data:
         return {"gateway": None, "api_token": None}
+    v = data["gateway"]
+    if v is None:  # a bare `gateway:` ran no API, and said nothing
+        raise ConfigError(src, "gateway", "is empty: give {listen: HOST:PORT}, or leave the key out")
     _check_keys(v, {"listen", "api_token", "max_concurrent", "drain_s"}, {"listen"}, src, "gateway.")
     limit = int(_num(v.get("max_concurrent", GATEWAY_MAX_CONCURRENT), src, "gateway.max_concurrent", lo=1,
                      integer=True))
