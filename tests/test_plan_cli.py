@@ -165,8 +165,9 @@ def test_cluster_files_exist():
 def test_plan_judge_prints_the_plan_simulate_runs():
     """`--plan --judge`: the plan `--simulate` reports as meshllm (the simulator picks among the
     search's candidates and the baselines' groupings, sim/judge.py), progress on stderr, and the
-    simulator's figures at the planned rate. On failure.yaml it is 4 mixed replicas where the
-    search alone keeps 3."""
+    simulator's figures at the planned rate. On failure.yaml it keeps the nodes' `roles:` (it
+    was 4 mixed replicas, fog-1 [prefill] and fog-2/3 [decode] among them: the search's
+    all-mixed candidate broke them, while the baselines it was measured against kept them)."""
     from meshllm.sim.judge import JUDGE_REQUESTS, JUDGE_SEED, JUDGE_SWEEP_REQUESTS, SIMULATED
     from meshllm.sim.metrics import metrics
     from meshllm.sim.sweep import make_trace, meshllm_policy, saturation_rate, simulate
@@ -177,6 +178,10 @@ def test_plan_judge_prints_the_plan_simulate_runs():
     assert "judge: candidate 1/" in r.stderr and "judge: picked candidate" in r.stderr
     got = [(x["role"], [s["node"] for s in x["stages"]], [s["layers"][1] - s["layers"][0] for s in x["stages"]])
            for x in json.loads(r.stdout)["replicas"]]
+    allowed = {n.id: {str(r) for r in n.roles or ("prefill", "decode")} for n in load_cluster(path).nodes}
+    for role, nodes, _ in got:
+        need = {"prefill", "decode"} if role == "mixed" else {role}
+        assert all(need <= allowed[n] for n in nodes), (role, nodes, got)
     inp = plan_inputs(load_cluster(path))
     reps = meshllm_policy(inp, inp.rate_per_s, 0).replicas
     assert got == [(rep.role, [m.id for m in rep.members], list(rep.counts)) for rep in reps]

@@ -276,8 +276,12 @@ def type_genes(ev: Evaluator, slack: float = 1.05) -> list[int]:
 
 
 def all_mixed(ev: Evaluator, g: Grouping) -> Grouping | None:
-    """The same replicas, every one mixed (None if one cannot be: no mixed fit)."""
+    """The same replicas, every one mixed (None if one cannot be: no mixed fit, or a node's
+    `roles:` allow it one phase only; the judge took such a plan on demo.yaml, every replica
+    mixed against the node files, while the baselines kept them)."""
     if not g.groups or any(e.mixed is None for e in g.evals):
+        return None
+    if ev.any_forced and any(ev.group_role(canon) is not None for canon in g.groups):
         return None
     return ev.with_links(Grouping(g.groups, ("mixed",) * len(g.groups), g.evals, sum(e.mixed_req_s for e in g.evals)))
 

@@ -256,12 +256,16 @@ def infeasible_reason(inp: PlanInputs) -> str:
 
 
 def validate_plan(plan: Plan, inp: PlanInputs) -> None:
-    """Layers cover [0, L) in every replica, nodes exist and appear once, stage memory fits."""
+    """Layers cover [0, L) in every replica, nodes exist and appear once, stage memory fits, and
+    each replica's role is one its nodes' `roles:` allow."""
     nodes = {n.id: n for n in inp.nodes}
+    forced = dict(zip((m.id for m in inp.members), inp.forced))
     seen: set[str] = set()
     for r in plan.replicas:
         if r.role not in REPLICA_ROLES:
             raise PlanError(f"replica {r.id}: role {r.role!r}")
+        if bad := [s.node for s in r.stages if forced.get(s.node) not in (None, str(r.role))]:
+            raise PlanError(f"replica {r.id}: {r.role} on {bad[0]}, whose roles allow {forced[bad[0]]} only")
         check_cover(r.id, [s.layers for s in r.stages], plan.n_layers)
         for i, s in enumerate(r.stages):
             if s.node not in nodes or s.node in seen:
