@@ -237,7 +237,7 @@ class Collect:
         return any(fin for _, fin, *_ in self.items)
 
     def error(self) -> str | None:
-        return next((e for *_, e in self.items if e), None)
+        return next((e for _, _, _, e, _ in self.items if e), None)  # (tokens, finished, reason, error, seq)
 
 
 def node_cfg(node: str) -> NodeConfig:

@@ -993,7 +993,7 @@ def test_a_keepalive_from_the_replica_holds_off_the_no_token_timeout():
 
     async def resume(s, why: str) -> None:
         resumed.append(why)
-        s.queue.put_nowait(([], True, "error", None) if len(resumed) > 1 else ([9], True, "length", None))
+        s.queue.put_nowait(([], True, "error", None, s.seq) if len(resumed) > 1 else ([9], True, "length", None, s.seq))
 
     gw._resume = resume
 
@@ -1134,3 +1134,36 @@ def test_a_re_plan_resumes_only_requests_that_need_a_changed_replica():
     told = {seq: [item[3] for item in items] for seq, items in got.items()}
     assert told == {1: ["the mesh was re-planned (plan v6) while this request ran"], 2: [], 3: [],
                     4: ["the mesh was re-planned (plan v6) while this request ran"]}, told
+
+
+def test_news_about_an_attempt_already_resumed_costs_no_attempt_and_the_gap_runs_to_the_next_token():
+    """Notices queued while a request resumed (its decode leader's death, then three re-plans
+    while it waited 5 s for KV room) each resumed it again, up to MAX_ATTEMPTS; and a request
+    resumed before its first token recorded its next inter-token intervals as recovery gaps
+    (the stall itself never appeared). Now news about an attempt already resumed is dropped,
+    and a recovery's gap runs from the last token (or the start) to the next token."""
+    import asyncio
+
+    from meshllm.roles.route_view import Stream
+
+    gw, _, _, _ = gateway_with_streams()
+
+    async def run() -> tuple[Stream, list]:
+        s = Stream(11, asyncio.get_running_loop(), asyncio.Queue(), set(), 0, 1, 3, 9)
+        s.started -= 1.0  # sent a second ago, no token yet
+
+        async def dispatch(st: Stream) -> None:  # the mesh takes the request again, as attempt 12
+            st.seq = 12
+
+        gw._dispatch = dispatch
+        for why in ("node dc of its replica died", "the mesh was re-planned (plan v6) while this request ran",
+                    "the mesh was re-planned (plan v7) while this request ran"):
+            gw._fail(s, why)  # all about attempt 11
+        await asyncio.sleep(0)
+        s.queue.put_nowait(([5], False, None, None, 12))
+        s.queue.put_nowait(([6], True, "stop", None, 12))
+        return s, [t async for t in gw.tokens(s)]
+
+    s, got = asyncio.run(run())
+    assert got == [([5], None), ([6], "stop")] and s.attempts == 2, (got, s.attempts)
+    assert len(s.gaps_ms) == 1 and s.gaps_ms[0] >= 1000, s.gaps_ms  # from the start to the first token

@@ -102,8 +102,7 @@ class Gateway:
             self.ctx, self.local_version = ctx, ctx.version
             stale = [s for s in self._streams.values() if not s.replicas() <= keep]
         for s in stale:  # a replica they need changed: resume them on the new plan (tokens() does it)
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"the mesh was re-planned "
-                                        f"(plan v{ctx.version}) while this request ran"))
+            self._fail(s, f"the mesh was re-planned (plan v{ctx.version}) while this request ran")
         self.wake()
 
     def on_deaths(self) -> None:
@@ -128,7 +127,7 @@ class Gateway:
                     s.dead_seen = s.seq
                     hit.append((s, min(gone)))
         for s, node in hit:
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", f"node {node} of its replica died"))
+            self._fail(s, f"node {node} of its replica died")
 
     def unservable(self) -> str | None:
         """Why no replica will be ready, where the coordinator says it cannot plan the live nodes
@@ -290,6 +289,7 @@ class Gateway:
         if s.attempts >= MAX_ATTEMPTS:
             raise RequestError(f"{why}; gave up after {s.attempts} attempts")
         log.warning("request seq %d: %s; resuming from %d committed tokens", s.seq, why, len(s.emitted))
+        s.gap_from = s.gap_from or s.last_token_at or s.started  # the client has waited since then
         self.close_stream(s, "resumed", release=True, count=False)
         s.attempts += 1
         self.metrics.resumes.inc()
@@ -333,21 +333,30 @@ class Gateway:
             except asyncio.TimeoutError:
                 await self._resume(s, f"no token for {self.stall_s:g} s")
                 continue
-            toks, finished, reason, error = item
+            toks, finished, reason, error, seq = item
             if not toks and not finished and not error:  # a keepalive: the replica works on it
                 continue
             if error and self.closing:
                 raise RequestError(self.closing, "shutting_down")
+            if error and seq != s.seq:  # about an attempt already resumed (news queued while it resumed:
+                continue  # each re-plan and death notice cost an attempt, up to MAX_ATTEMPTS)
             if error:
                 await self._resume(s, error)
                 continue
             now = time.monotonic()
-            if s.attempts > 1 and len(s.gaps_ms) < s.attempts - 1 and s.last_token_at is not None:
-                s.gaps_ms.append(round(1000 * (now - s.last_token_at), 3))
+            if s.gap_from is not None:  # the first token after a resume (one gap however many attempts)
+                s.gaps_ms.append(round(1000 * (now - s.gap_from), 3))
+                s.gap_from = None
             s.last_token_at = now
             yield toks, (reason if finished else None)
             if finished:
                 return
+
+    @staticmethod
+    def _fail(s: Stream, why: str, seq: int | None = None) -> None:
+        """Any thread: tell `s`'s reader that its attempt `seq` (the current one) failed: it resumes
+        the request, once per attempt (news about an attempt already resumed is dropped)."""
+        s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", why, s.seq if seq is None else seq))
 
     def _on_tokens(self, msg: Message, reply: Any) -> None:
         """I/O thread: order TOKENS by output index and hand them to the request's event loop."""
@@ -365,7 +374,7 @@ class Gateway:
         if err is not None and msg.fields.get("refused") == "stale_plan" and self.ctx and msg.src in self.ctx.addresses:
             self._refused[msg.src] = time.monotonic()  # not ready until its next heartbeat says so
         if err is not None:
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", str(err)))
+            self._fail(s, str(err), seq)
             return
         if isinstance(msg.fields.get("queue_ms"), (int, float)):
             s.queue_ms += msg["queue_ms"]
@@ -375,7 +384,7 @@ class Gateway:
             self._follow(s, msg["moved_to"])
         if not toks:
             if idx == s.next_index and not msg["finished"] and "moved_to" not in msg.fields:  # a keepalive:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], False, None, None))  # queued or prefilling
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], False, None, None, seq))  # queued or prefilling
             return
         if self.ctx is not None and msg.src in self.ctx.addresses:
             s.leaders.add(self.ctx.addresses[msg.src])  # a session that moved is released where it is now
@@ -396,7 +405,7 @@ class Gateway:
                 self.view.ship(s)
             s.next_index += len(toks)
             s.emitted.extend(toks)
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, (toks, fin, reason, None))
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, (toks, fin, reason, None, seq))
             if fin:
                 s.pending.clear()
                 break
@@ -463,7 +472,7 @@ class Gateway:
         with self._lock:
             streams = list(self._streams.values())
         for s in streams:
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, ([], True, "error", why))
+            self._fail(s, why)
 
     def close(self) -> None:
         self.model.close()

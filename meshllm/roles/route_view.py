@@ -48,6 +48,7 @@ class Stream:
     attempts: int = 1
     gaps_ms: list[float] = field(default_factory=list)  # recovery gaps of resumed attempts
     last_token_at: float | None = None
+    gap_from: float | None = None  # a resume's pause began here (its last token, or its start): until the next token
     started: float = field(default_factory=time.monotonic)
     next_index: int = 0
     offset_at_dispatch: int = 0  # output tokens committed when the current attempt started
