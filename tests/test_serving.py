@@ -1167,3 +1167,32 @@ def test_news_about_an_attempt_already_resumed_costs_no_attempt_and_the_gap_runs
     s, got = asyncio.run(run())
     assert got == [([5], None), ([6], "stop")] and s.attempts == 2, (got, s.attempts)
     assert len(s.gaps_ms) == 1 and s.gaps_ms[0] >= 1000, s.gaps_ms  # from the start to the first token
+
+
+def test_a_kv_reservation_at_a_leader_seen_dead_fails_at_once():
+    """A request routed to a decode replica whose leader had just died (not yet seen dead) waited
+    RESERVE_TIMEOUT_S (x time_scale: 10 s at time_scale 2) for an answer that could not come,
+    after its peers had seen the death; now it fails the attempt once the leader is seen dead."""
+    import asyncio
+
+    from meshllm.roles.kv_book import RESERVE_TIMEOUT_S
+    from meshllm.roles.route_view import RequestError, Stream
+
+    gw, members, _, _ = gateway_with_streams()
+
+    def no_answer(address, msg, timeout_s):  # the leader's process is gone: nothing answers
+        time.sleep(min(timeout_s, RESERVE_TIMEOUT_S))
+        raise TimeoutError(f"no reply from {address} within {timeout_s:g} s")
+
+    gw.t.request = no_answer
+    members.get("dc").last_heard -= 60  # replica 1's leader
+    members.tick(time.monotonic())
+
+    async def reserve() -> str:
+        s = Stream(11, asyncio.get_running_loop(), asyncio.Queue(), set(), 0, 1, 3, 9, kv_charge=12)
+        with pytest.raises(RequestError) as e:
+            await gw.kv.reserve(s, gw.ctx.leader(1), gw.ctx.version)
+        return str(e.value)
+
+    assert asyncio.run(reserve()) == "replica 1's leader dc died"
+    gw.kv.ask_pool.shutdown(wait=False)

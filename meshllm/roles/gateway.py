@@ -113,7 +113,7 @@ class Gateway:
         ctx = self.ctx
         if ctx is None:
             return
-        dead = {p.info.id for p in self.members.peers() if p.state.value in ("dead", "left")}
+        dead = self.dead_nodes()
         if not dead:
             return
         nodes = {r.id: {st.node for st in r.stages} for r in ctx.plan.replicas}
@@ -128,6 +128,10 @@ class Gateway:
                     hit.append((s, min(gone)))
         for s, node in hit:
             self._fail(s, f"node {node} of its replica died")
+
+    def dead_nodes(self) -> set[str]:
+        """The nodes this node's membership has seen dead (or leave)."""
+        return {p.info.id for p in self.members.peers() if p.state.value in ("dead", "left")}
 
     def unservable(self) -> str | None:
         """Why no replica will be ready, where the coordinator says it cannot plan the live nodes

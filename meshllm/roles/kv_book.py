@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 MAX_CLAIM = 1 << 40  # KV positions: a peer gateway's claim on a replica above this is malformed
 POLL_S = 0.2  # how often a held request looks for room
 RESERVE_TIMEOUT_S = 5.0  # x time_scale: a decode leader that does not answer KV_RESERVE in this long
+DEAD_LEADER_CHECK_S = 0.25  # meanwhile, how often it looks whether that leader was seen dead
 FULL_S = 1.0  # a replica whose leader refused room counts as full this long (about a heartbeat)
 ASK_THREADS = 4  # KV_RESERVE requests waiting for their answers at once
 
@@ -119,9 +120,14 @@ class KvBook:
         is already among the gateway's streams, so a client gone meanwhile releases it)."""
         gw = self.gw
         msg = make(MsgType.KV_RESERVE, seq=s.seq, replica=s.decode_rid, positions=s.kv_charge, plan_version=version)
+        ctx = gw.ctx
+        node = ctx.replica(s.decode_rid).stages[0].node if ctx is not None and ctx.has_replica(s.decode_rid) else ""
+        asked = s.loop.run_in_executor(self.ask_pool, gw.t.request, leader, msg, RESERVE_TIMEOUT_S * gw.time_scale)
         try:
-            rep = await s.loop.run_in_executor(self.ask_pool, gw.t.request, leader, msg,
-                                               RESERVE_TIMEOUT_S * gw.time_scale)
+            while not (await asyncio.wait({asked}, timeout=DEAD_LEADER_CHECK_S))[0]:
+                if node in gw.dead_nodes():  # not RESERVE_TIMEOUT_S (x time_scale) for an answer that cannot come
+                    raise RequestError(f"replica {s.decode_rid}'s leader {node} died")
+            rep = asked.result()
         except (TimeoutError, OSError, RemoteError) as e:
             raise RequestError(f"replica {s.decode_rid} did not answer for KV room: {e}") from None
         if rep.type is not MsgType.KV_GRANT or rep.fields.get("seq") != s.seq:
