@@ -40,9 +40,11 @@ def addr() -> str:
     return f"127.0.0.1:{free_port_pair()}"
 
 
-def activation(nbytes: int) -> Message:
-    return make(MsgType.ACTIVATIONS, tensors={"hidden": np.ones(nbytes // 4, np.float32)}, replica=0, batch=0, plan_version=0, ship=[], verify=[],
-                spans=[])
+def activation(nbytes: int, echo: bool = False) -> Message:
+    """An ACTIVATIONS message as the wire carries one (protocol v2); batch 1 asks the bench's
+    server for an echo, batch 0 is sunk."""
+    return make(MsgType.ACTIVATIONS, tensors={"hidden": np.ones(nbytes // 4, np.float32)}, replica=0,
+                batch=int(echo), plan_version=0, ship=[], verify=[], spans=[])
 
 
 # -- link shaping -----------------------------------------------------------------------------
@@ -86,11 +88,11 @@ def raw_server(address: str) -> None:
 
 
 def mesh_server(address: str) -> None:
-    """A meshllm Transport: ACTIVATIONS with layer=1 are echoed, layer=0 sunk; PING answers PONG."""
+    """A meshllm Transport: ACTIVATIONS of batch 1 are echoed, of batch 0 sunk; PING answers PONG."""
     t = Transport("server", "z", address)
 
     def on_act(m: Message, reply) -> None:
-        if m["layer"] == 1:
+        if m["batch"] == 1:
             reply(make(MsgType.ACTIVATIONS, tensors=m.tensors, **m.fields))
 
     t.on(MsgType.ACTIVATIONS, on_act)
@@ -129,8 +131,7 @@ def raw_throughput_mbs(sock: zmq.Socket, nbytes: int, n: int) -> float:
 
 
 def mesh_rtt_us(t: Transport, address: str, nbytes: int, n: int) -> float:
-    msg = make(MsgType.ACTIVATIONS, tensors={"hidden": np.ones(nbytes // 4, np.float32)}, plan_version=0,
-               layer=1, spans=[])
+    msg = activation(nbytes, echo=True)
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -140,7 +141,7 @@ def mesh_rtt_us(t: Transport, address: str, nbytes: int, n: int) -> float:
 
 
 def mesh_throughput_mbs(t: Transport, address: str, nbytes: int, n: int) -> float:
-    msg = activation(nbytes)  # layer 0: sunk
+    msg = activation(nbytes)  # batch 0: sunk
     t0 = time.perf_counter()
     for _ in range(n):
         t.send(address, msg)

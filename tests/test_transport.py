@@ -334,3 +334,18 @@ def test_waking_a_stuck_io_thread_never_blocks_the_caller() -> None:
         assert len(loop._calls) == 200_000  # every call is queued; the pipe only wakes the loop
     finally:
         loop.close()
+
+
+def test_the_transport_bench_runs_on_the_wire_s_own_messages():
+    """bench/transport.py built a protocol-v1 ACTIVATIONS (no replica) and crashed from the day
+    the wire went to v2; nothing ran it. A smoke run: one repeat, few messages (its figures are
+    the bench's business, not this test's)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "transport.py"), "--quick", "--repeats", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "cross-zone" in r.stdout and "  4 KB |" in r.stdout and "  1 MB |" in r.stdout, r.stdout
