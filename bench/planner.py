@@ -18,7 +18,7 @@ side from one run, all policies on the same trace, router and simulator (meshllm
 Then the planner's time against cluster size (subsets of the 200-device cluster; best of three runs,
 each in a fresh process, so no cache is warm).
 Writes bench/results/planner_<cluster>.png (wait and TTFT vs rate), planner_time_vs_size.png and
-planner.json. `--quick`: one cluster, three policies, shorter runs (a smoke test, ~1 min).
+planner.json. `--quick`: one cluster, three policies, shorter runs (a smoke test, ~3-7 min on 2 shared cores).
 """
 
 from __future__ import annotations
@@ -385,7 +385,7 @@ def main() -> int:
     saved = out / "planner.json"
     if a.times_only and saved.exists():  # keep the clusters' figures, replace the times
         results = json.loads(saved.read_text())["clusters"]
-    if not a.quick and (results or not a.times_only):
+    if results or not a.times_only:  # (--quick: in its own folder, unless --out names one)
         saved.write_text(json.dumps({"clusters": results, "times": times}, indent=1, default=str))
     return 0
 
