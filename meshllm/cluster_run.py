@@ -77,6 +77,7 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
             injector.stop()
             report = cluster_report(cfg, cluster, outs, formed_s, statuses)
             report["faults"] = injector.done
+            report["faults_not_run"] = injector.not_run  # the workload ended first (a warning too)
             return report
     finally:
         for sig, handler in previous.items():

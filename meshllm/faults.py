@@ -4,19 +4,22 @@ killed with SIGKILL, killed so and started again at once from its node file (a c
 supervisor restarts before the failure timeout: its peers see a new incarnation at the same
 address, not a death), stopped with SIGSTOP for a while and continued (a node that does not run:
 a swap storm, a paused VM; its peers see it die and come back as the same incarnation), or two
-zones cut apart for a while (a FAULT control message to every live node: each drops the other zone's
-traffic until it ends). Times count from the workload's first request; every fault is checked
-against the cluster file before anything starts (exit 2), and `FaultInjector.done` lists what
-ran, for the report. After a pause or a partition the injector watches the mesh heal: from the
-last one's end it polls the gateway's live plan until every node the plan used before the faults
-(and still alive) is in use again, or a node of its kind in its place, at most HEAL_TIMEOUT_S (x
-the cluster's time_scale), and reports the seconds that took (`healed_after_s`; null if it did
-not within the bound, with a warning). A node still stopped when the workload ends is continued.
+zones cut apart for a while (a FAULT control message to every live node at once: each drops the
+other zone's traffic until it ends; a node this injector has stopped cannot take it and is told
+the rest of the partition when continued, if before its end). Times count from the workload's
+first request; every fault is checked against the cluster file before anything starts (exit 2),
+and `FaultInjector.done` lists what ran, for the report, with the times it ran (measured: a
+pause's until_s is when its SIGCONT went, the workload's end if that came first), and
+`FaultInjector.not_run` the faults the workload ended before (with a warning). After a pause or a
+partition the injector watches the mesh heal: from the last one's end it polls the gateway's
+live plan until every node the plan used before the faults (and still alive) is in use again, or
+a node of its kind in its place, at most HEAL_TIMEOUT_S (x the cluster's time_scale), and
+reports the seconds that took (`healed_after_s`; null if it did not within the bound, with a
+warning). A node still stopped when the workload ends is continued.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -38,6 +41,7 @@ log = logging.getLogger("meshllm.emulate")
 
 HEAL_TIMEOUT_S = 30.0  # after a partition ends: the live plan uses every node again by then, or the report says not
 HEAL_POLL_S = 0.1
+SEND_TIMEOUT_S = 3.0  # a node's answer to a partition's FAULT (each node's own thread: none waits for another)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,7 @@ def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], ga
             raise InputError(f"--pause {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
         s1, s2 = _span(span, f"--pause {k!r}")
         out.append(Fault("pause", s1, node=node, until_s=s2))
+    _refuse_overlapping_pauses([f for f in out if f.kind == "pause"])
     if gateways and set(gateways) <= {f.node for f in out if f.kind == "kill"}:
         raise InputError(f"--kill: {', '.join(gateways)} run{'s' if len(gateways) == 1 else ''} every gateway the "
                          "workload's client talks to (name another node's roles `gateway` in the cluster file)")
@@ -83,6 +88,22 @@ def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], ga
         s1, s2 = _span(span, f"--partition {p!r}")
         out.append(Fault("partition", s1, zones=(za, zb), until_s=s2))
     return sorted(out, key=lambda f: f.at_s)
+
+
+def _refuse_overlapping_pauses(pauses: list[Fault]) -> None:
+    """Two pauses of one node that overlap or touch are bad input: a stopped node is continued at
+    the first one's end and the second's end finds nothing to continue (the report listed a stop
+    until the second's end that did not happen)."""
+    by_node: dict[str, list[Fault]] = {}
+    for f in pauses:
+        by_node.setdefault(f.node, []).append(f)
+    for node, spans in by_node.items():
+        spans.sort(key=lambda f: f.at_s)
+        for a, b in zip(spans, spans[1:]):
+            if b.at_s <= a.until_s:
+                raise InputError(f"--pause {node}@{a.at_s:g}-{a.until_s:g} and --pause {node}@{b.at_s:g}-"
+                                 f"{b.until_s:g} overlap: one node's pauses must not overlap or touch (give "
+                                 f"one span, {node}@{a.at_s:g}-{max(a.until_s, b.until_s):g})")
 
 
 def _span(span: str, what: str) -> tuple[float, float]:
@@ -125,81 +146,163 @@ class FaultInjector:
                  in_use: set[str] | None = None, heal_timeout_s: float = HEAL_TIMEOUT_S,
                  kinds: Mapping[str, Hashable] | None = None):
         self.cluster, self.faults, self.done = cluster, faults, []
+        self.not_run: list[dict] = []  # the faults the workload ended before, with why (the report's faults_not_run)
         self.live_plan, self.in_use, self.heal_timeout_s = live_plan, set(in_use or ()), heal_timeout_s
         self.kinds = dict(kinds or {})  # node -> its kind (a twin in use in its place counts: stable.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._paused: set[str] = set()  # stopped with SIGSTOP, not continued yet (under _lock: two threads)
+        self._t0 = time.monotonic()  # the workload's first request, once started
+        # under _lock (the faults thread, the caller's stop() and the partitions' senders):
+        self._paused: dict[str, dict] = {}  # node stopped with SIGSTOP, not continued yet -> its entry in done
+        self._cuts: list[tuple[dict, tuple[str, str], float]] = []  # partitions: (entry, zones, monotonic end)
+        self._senders: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def start(self) -> None:
         if self.faults and self._thread is None:
+            self._t0 = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="faults", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
-        """The workload is done: no fault still pending runs; a heal being watched is waited for."""
+        """The workload is done: no fault still pending runs (each is listed in `not_run`); a heal
+        being watched is waited for, and so are the partitions' messages still unanswered."""
         self._stop.set()
-        with self._lock:
-            paused = sorted(self._paused)
-        for node in paused:
-            self._resume(node, "the workload is done")
-        if self._thread is not None:
+        self._resume_all("the workload is done")
+        if self._thread is None:
+            self._skip(self.faults, "the workload never started")
+        else:
             spans = [d for d in self.done if "until_s" in d]
             if self._thread.is_alive() and spans:
                 log.info("workload done; watching the mesh heal after the %s (at most %.0f s after it ends)",
                          spans[-1]["kind"], self.heal_timeout_s)
-            self._thread.join(timeout=self.heal_timeout_s + max((f.until_s for f in self.faults), default=0) + 10)
+            self._thread.join(timeout=self.heal_timeout_s + SEND_TIMEOUT_S + 10)
+        with self._lock:
+            senders = list(self._senders)
+        for t in senders:
+            t.join(timeout=SEND_TIMEOUT_S + 1)
+
+    def _now(self) -> float:
+        return round(time.monotonic() - self._t0, 3)
 
     def _run(self) -> None:
-        t0 = time.monotonic()
         events = sorted([(f.at_s, 0, f) for f in self.faults] + [(f.until_s, 1, f) for f in self.faults
                                                                  if f.kind == "pause"], key=lambda e: e[:2])
-        for when, end, f in events:
-            if self._stop.wait(max(0.0, t0 + when - time.monotonic())):
+        for i, (when, end, f) in enumerate(events):
+            if self._stop.wait(max(0.0, self._t0 + when - time.monotonic())):
+                self._skip([e[2] for e in events[i:] if not e[1]],
+                           f"the workload ended at {self._now():.1f} s, before it was due")
                 break
-            at = round(time.monotonic() - t0, 3)
             if end:
-                self._resume(f.node, f"at {at:.1f} s")
-            elif f.kind == "pause":
-                with self._lock:
-                    self._paused.add(f.node)
-                self.cluster.pause(f.node)
-                log.warning("fault: stopped %s (SIGSTOP) at %.1f s for %.1f s", f.node, at, f.until_s - f.at_s)
-                self.done.append({"kind": "pause", "node": f.node, "at_s": at,
-                                  "until_s": round(at + f.until_s - f.at_s, 3)})
-            elif f.kind == "kill":
-                self.cluster.kill(f.node)
-                log.warning("fault: killed %s at %.1f s", f.node, at)
-                self.done.append({"kind": "kill", "node": f.node, "at_s": at})
-            elif f.kind == "restart":
-                self.cluster.restart(f.node)
-                log.warning("fault: killed %s at %.1f s and started it again", f.node, at)
-                self.done.append({"kind": "restart", "node": f.node, "at_s": at})
+                self._resume(f.node)
             else:
-                self._partition(f, at)
+                self._inject(f, self._now())
+        self._resume_all("the workload is done")  # stop() may be at it too: whichever comes first
         spans = [d for d in self.done if "until_s" in d]  # pauses and partitions
         if spans and self.live_plan is not None:
             last = max(spans, key=lambda d: d["until_s"])
-            self._watch_heal(last, t0 + last["until_s"])
+            self._watch_heal(last, self._t0 + last["until_s"])
 
-    def _resume(self, node: str, when: str) -> None:
+    def _inject(self, f: Fault, at: float) -> None:
+        if f.kind == "pause":
+            entry = {"kind": "pause", "node": f.node, "at_s": at, "until_s": None}  # until_s: when continued
+            with self._lock:
+                self._paused[f.node] = entry
+            self.cluster.pause(f.node)
+            log.warning("fault: stopped %s (SIGSTOP) at %.1f s for %.1f s", f.node, at, f.until_s - f.at_s)
+            self.done.append(entry)
+        elif f.kind == "kill":
+            self.cluster.kill(f.node)
+            log.warning("fault: killed %s at %.1f s", f.node, at)
+            self.done.append({"kind": "kill", "node": f.node, "at_s": at})
+        elif f.kind == "restart":
+            self.cluster.restart(f.node)
+            log.warning("fault: killed %s at %.1f s and started it again", f.node, at)
+            self.done.append({"kind": "restart", "node": f.node, "at_s": at})
+        else:
+            self._partition(f, at)
+
+    def _skip(self, faults: list[Fault], why: str) -> None:
+        """Faults that never ran: in `not_run`, with a warning (a failure drill's report must not
+        look as if its schedule ran when the workload ended first)."""
+        for f in faults:
+            where = {"node": f.node} if f.kind in ("kill", "restart", "pause") else {"zones": list(f.zones)}
+            span = {"until_s": f.until_s} if f.kind in ("pause", "partition") else {}
+            self.not_run.append({"kind": f.kind, **where, "at_s": f.at_s, **span, "reason": why})
+        if faults:
+            log.warning("fault: %d fault(s) not run, %s: %s", len(faults), why, ", ".join(
+                f"--{f.kind} {f.node or ':'.join(f.zones)}@{f.at_s:g}" + (f"-{f.until_s:g}" if f.until_s else "")
+                for f in faults))
+
+    def _resume_all(self, why: str) -> None:
         with self._lock:
-            was = node in self._paused
-            self._paused.discard(node)
-        if was:
-            self.cluster.resume(node)
-            log.warning("fault: continued %s (SIGCONT) %s", node, when)
+            paused = sorted(self._paused)
+        for node in paused:
+            self._resume(node, f" ({why})")
+
+    def _resume(self, node: str, why: str = "") -> None:
+        """SIGCONT, its time (measured) the pause's until_s; a partition it missed is told now."""
+        with self._lock:
+            entry = self._paused.pop(node, None)
+            if entry is None:
+                return
+            entry["until_s"] = self._now()
+        self.cluster.resume(node)
+        log.warning("fault: continued %s (SIGCONT) at %.1f s%s", node, entry["until_s"], why)
+        self._tell_late(node)
 
     def _partition(self, f: Fault, at: float) -> None:
-        msg = make(MsgType.FAULT, zones=list(f.zones), seconds=f.until_s - f.at_s)
+        """Every live node is told at once (a thread each): told one at a time, a node that did not
+        answer (one this injector stopped cannot) held the others and every later fault up to 3 s
+        each, while the report gave the scheduled times. A stopped node is told when continued."""
+        seconds = f.until_s - f.at_s
+        entry = {"kind": "partition", "zones": list(f.zones), "at_s": at, "until_s": round(at + seconds, 3)}
+        dead = self.cluster.dead()
+        with self._lock:
+            stopped = sorted(n for n in self._paused if n not in dead)
+            self._cuts.append((entry, f.zones, time.monotonic() + seconds))
+            if stopped:  # until told, if continued before the partition's end (_tell_late)
+                entry["not_told"] = {n: "stopped (--pause) until the partition's end" for n in stopped}
         for nid in self.cluster.addresses:
-            if nid not in self.cluster.dead():
-                with contextlib.suppress(TimeoutError):
-                    send_control(self.cluster.target(nid), msg, keys=self.cluster.keys)
-        log.warning("fault: partition %s:%s from %.1f s for %.1f s", *f.zones, at, f.until_s - f.at_s)
-        self.done.append({"kind": "partition", "zones": list(f.zones), "at_s": at,
-                          "until_s": round(at + f.until_s - f.at_s, 3)})
+            if nid not in dead and nid not in stopped:
+                self._send(nid, entry, f.zones, seconds)
+        log.warning("fault: partition %s:%s from %.1f s for %.1f s%s", *f.zones, at, seconds,
+                    f"; not told {', '.join(stopped)} (stopped), told when continued if before its end"
+                    if stopped else "")
+        self.done.append(entry)
+
+    def _tell_late(self, node: str) -> None:
+        """A node continued while a partition it missed (stopped) is in force is told the rest."""
+        now = time.monotonic()
+        with self._lock:
+            due = [(e, z, end - now) for e, z, end in self._cuts if node in e.get("not_told", {}) and end - now > 0.01]
+        if not due or node in self.cluster.dead():  # killed while stopped: nobody to tell
+            return
+        for entry, zones, left in due:
+            with self._lock:
+                del entry["not_told"][node]
+                if not entry["not_told"]:  # the report names only the nodes never told
+                    del entry["not_told"]
+                entry.setdefault("told_late", {})[node] = self._now()
+            log.warning("fault: told %s, continued, the rest of the partition %s:%s (%.1f s)", node, *zones, left)
+            self._send(node, entry, zones, left)
+
+    def _send(self, nid: str, entry: dict, zones: tuple[str, str], seconds: float) -> None:
+        """The partition's FAULT to one node on a thread of its own; a node that does not answer
+        within SEND_TIMEOUT_S is named in the entry's not_told (it may have dropped the message)."""
+        def send() -> None:
+            try:
+                send_control(self.cluster.target(nid), make(MsgType.FAULT, zones=list(zones), seconds=seconds),
+                             timeout_s=SEND_TIMEOUT_S, keys=self.cluster.keys)
+            except TimeoutError:
+                with self._lock:
+                    entry.setdefault("not_told", {})[nid] = f"no answer within {SEND_TIMEOUT_S:g} s"
+                log.warning("fault: %s did not answer the partition %s:%s within %.0f s", nid, *zones, SEND_TIMEOUT_S)
+
+        t = threading.Thread(target=send, name=f"fault-{nid}", daemon=True)
+        with self._lock:
+            self._senders.append(t)
+        t.start()
 
     def _watch_heal(self, entry: dict, end: float) -> None:
         """From the last pause's or partition's end, poll the live plan until it uses every node it

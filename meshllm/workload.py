@@ -326,15 +326,16 @@ def format_report(r: dict[str, Any]) -> str:
         rows.append(("acceptance rate / mean length", f"{m['acceptance_rate']} / {m['mean_acceptance_length']}"))
     rows += [(f"node {k} {','.join(v['roles']) or '-'} layers {half_open(v['layers'])}", f"{v['rss_mb']} MB")
              for k, v in m.get("nodes", {}).items()]
-    rows += fault_rows(r.get("faults") or [], m)
+    rows += fault_rows(r.get("faults") or [], m, r.get("faults_not_run") or [])
     width = max(len(a) for a, _ in rows)
     lines += [f"{a:<{width}}  {b}" for a, b in rows]
     return "\n".join(lines)
 
 
-def fault_rows(faults: list[dict[str, Any]], m: dict[str, Any]) -> list[tuple[str, str]]:
-    """The report's rows for `--kill` / `--restart` / `--pause` / `--partition` runs: each fault, and
-    what the clients saw."""
+def fault_rows(faults: list[dict[str, Any]], m: dict[str, Any],
+               not_run: list[dict[str, Any]] = ()) -> list[tuple[str, str]]:
+    """The report's rows for `--kill` / `--restart` / `--pause` / `--partition` runs: each fault, each
+    one the workload ended before (a drill must not look as if it ran), and what the clients saw."""
     rows = []
     for f in faults:
         if f["kind"] in ("kill", "restart"):
@@ -345,7 +346,11 @@ def fault_rows(faults: list[dict[str, Any]], m: dict[str, Any]) -> list[tuple[st
             heal = "" if "healed_after_s" not in f else (
                 f", every node in use again {healed} s after" if healed is not None else ", not healed")
             what = f"stop {f['node']}" if f["kind"] == "pause" else f"partition {':'.join(f['zones'])}"
+            heal += f", not told {', '.join(sorted(f['not_told']))}" if f.get("not_told") else ""
             rows.append((f"fault: {what}", f"{f['at_s']}-{f['until_s']} s{heal}"))
+    for f in not_run:
+        rows.append((f"fault not run: {f['kind']} {f.get('node') or ':'.join(f.get('zones', []))}",
+                     f"due at {f['at_s']} s; {f['reason']}"))
     if faults:
         rows.append(("resumed requests / recovery gap max (ms)",
                      f"{m.get('resumed_requests', 0)} / {m.get('recovery_gap_ms_max') or '-'}"))
