@@ -73,7 +73,8 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
             injector = FaultInjector(cluster, faults, *healing_watch(cluster, faults, cfg.time_scale))
             outs = run_jobs(cluster.gateway_urls(), served_name(cfg.model), jobs,
                             cfg.workload.arrival_rate_per_s, getattr(args, "seed", 0) or 0,
-                            progress=len(jobs) > 1, on_start=injector.start, headers=cluster.api_headers)
+                            progress=len(jobs) > 1, on_start=injector.start, headers=cluster.api_headers,
+                            time_scale=cfg.time_scale)
             injector.stop()
             report = cluster_report(cfg, cluster, outs, formed_s, statuses)
             report["faults"] = injector.done

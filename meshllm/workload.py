@@ -13,9 +13,13 @@ goes on after those tokens (greedy and seeded sampling give the same tokens as o
 would), and the pause, from the last token before until the next new token, counts as a
 recovery gap. (It used to be sent whole, and the next gateway generated every token the client
 already had before a new one: on clusters/failure.yaml the first gateway's death paused its
-requests up to 5.1 s.) With one gateway such a request fails (a cut stream is
-never taken for a whole one). A 429 (the gateway at its `max_concurrent`) is no failure: the
-request waits as its Retry-After says and goes again, within its timeout.
+requests up to 5.1 s.) With one gateway it goes to the same one again (a cut stream is never
+taken for a whole one). A refused connection is no failover: when every gateway refuses (the
+only one restarting, or every one down at once) the request waits, 0.25 s doubling to 2 s (x
+the cluster's time_scale), at most 120 s in a row, and tries again, so that a restarted gateway
+takes it (it used to spend its failovers on refusals within a millisecond and fail). A 429 (the
+gateway at its `max_concurrent`) is no failure: the request waits as its Retry-After says and
+goes again, within its timeout.
 
 The report of a run is here too: each node's figures (memory, layers, KV traffic), the KV
 shipped per prefilled token, and the readable text `--cluster` prints without `--json`.
@@ -36,7 +40,9 @@ from typing import Any
 
 log = logging.getLogger("meshllm.workload")
 REQUEST_TIMEOUT_S = 600.0
-FAILOVER_ROUNDS = 2  # a request tries each gateway at most this many times
+FAILOVER_ROUNDS = 2  # a request's stream may be lost this many times per gateway
+BACKOFF_S = (0.25, 2.0)  # x time_scale: the first wait when no gateway answers, doubled up to the second
+UNREACHABLE_S = 120.0  # x time_scale: the longest a request waits in a row for any gateway to answer
 
 
 @dataclass(frozen=True)
@@ -174,10 +180,8 @@ class Overloaded(Exception):
 
 
 async def _run(urls: list[str], model: str, jobs: list[Job], rate: float, seed: int, progress: bool,
-               on_start=None, headers: dict[str, str] | None = None) -> list[Outcome]:
+               on_start=None, headers: dict[str, str] | None = None, time_scale: float = 1.0) -> list[Outcome]:
     import aiohttp
-
-    gone = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, GatewayGone)  # try the next gateway
 
     outs = [Outcome(j.prompt) for j in jobs]
     at = arrival_times(len(jobs), rate, seed)
@@ -189,31 +193,7 @@ async def _run(urls: list[str], model: str, jobs: list[Job], rate: float, seed: 
 
     async def go(i: int, session) -> None:
         await asyncio.sleep(max(0.0, t0 + at[i] - time.monotonic()))
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        tries = FAILOVER_ROUNDS * len(urls) if len(urls) > 1 else 1
-        k = 0
-        while k < tries:
-            try:
-                await asyncio.wait_for(_one(session, urls[k % len(urls)], model, jobs[i], outs[i]),
-                                       max(0.0, deadline - time.monotonic()))
-                break
-            except Overloaded as e:  # not a failure: the same gateway, once it has room (the deadline bounds it)
-                if time.monotonic() + e.retry_after >= deadline:
-                    outs[i].error = f"Overloaded: {e}"
-                    break
-                await asyncio.sleep(e.retry_after)
-                continue
-            except gone as e:
-                if k == tries - 1:
-                    outs[i].error = f"{type(e).__name__}: {e}"
-                else:
-                    log.warning("request %d: gateway %s went away (%s); sending it to %s", i, urls[k % len(urls)],
-                                type(e).__name__, urls[(k + 1) % len(urls)])
-                    outs[i].restart()
-                k += 1
-            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-                outs[i].error = f"{type(e).__name__}: {e}"
-                break
+        await _send(i, session, urls, model, jobs[i], outs[i], time_scale)
         if bar is not None:
             bar.update(1)
 
@@ -225,6 +205,79 @@ async def _run(urls: list[str], model: str, jobs: list[Job], rate: float, seed: 
     return outs
 
 
+async def _send(i: int, session, urls: list[str], model: str, job: Job, out: Outcome, time_scale: float) -> None:
+    """Request `i` to its end or its error, over the gateways in turn. A stream its gateway lost
+    (cut, reset, `shutting_down`) goes on at the next gateway and uses up one of the request's
+    FAILOVER_ROUNDS x len(urls) failovers. A refused connection never reached a gateway: it uses
+    none. When every gateway refuses (the only one, or all, restarting) the request waits
+    (`Unreachable`) and tries again, so that a restarted gateway takes it: it used to spend all
+    its failovers back to back within a millisecond and fail."""
+    import aiohttp
+
+    gone = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, GatewayGone)  # try the next gateway
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    failovers, k = FAILOVER_ROUNDS * len(urls), 0
+    wait = Unreachable(len(urls), time_scale, deadline)
+    while True:
+        url = urls[k % len(urls)]
+        try:
+            await asyncio.wait_for(_one(session, url, model, job, out), max(0.0, deadline - time.monotonic()))
+            return
+        except Overloaded as e:  # not a failure: the same gateway, once it has room (the deadline bounds it)
+            wait.answered()
+            pause = max(e.retry_after, BACKOFF_S[0] * time_scale)  # a Retry-After of 0 is no busy loop
+            if time.monotonic() + pause >= deadline:
+                out.error = f"Overloaded: {e}"
+                return
+            await asyncio.sleep(pause)
+        except aiohttp.ClientConnectorError as e:  # refused: down, or restarting
+            k += 1
+            if not await wait.refused(i, url):
+                out.error = f"{type(e).__name__}: {e} (no gateway answered for {wait.waited:.1f} s)"
+                return
+        except gone as e:
+            wait.answered()
+            failovers -= 1
+            if failovers == 0:
+                out.error = f"{type(e).__name__}: {e}"
+                return
+            log.warning("request %d: gateway %s went away (%s); sending it to %s", i, url, type(e).__name__,
+                        urls[(k + 1) % len(urls)])
+            out.restart()
+            k += 1
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+            out.error = f"{type(e).__name__}: {e}"
+            return
+
+
+class Unreachable:
+    """A request's waits while no gateway answers: after each round of refused connections (every
+    gateway tried once) it sleeps BACKOFF_S[0] x time_scale, doubling up to BACKOFF_S[1] x
+    time_scale, and gives up once it has waited UNREACHABLE_S x time_scale in a row or would pass
+    the request's deadline: bounded in time and so in tries. A gateway that answers starts it over."""
+
+    def __init__(self, n_urls: int, time_scale: float, deadline: float):
+        self.n, self.scale, self.deadline = n_urls, time_scale, deadline
+        self.answered()
+
+    def answered(self) -> None:
+        self.tries, self.waited = 0, 0.0
+
+    async def refused(self, i: int, url: str) -> bool:
+        """One more refused connection: False when the request should give up, else True once it
+        may try the next gateway (at once while this round has gateways left)."""
+        self.tries += 1
+        if self.tries % self.n:
+            return True
+        pause = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (self.tries // self.n - 1)) * self.scale
+        if self.waited + pause > UNREACHABLE_S * self.scale or time.monotonic() + pause >= self.deadline:
+            return False
+        log.warning("request %d: no gateway answers (the last: %s); trying again in %.2f s", i, url, pause)
+        await asyncio.sleep(pause)
+        self.waited += pause
+        return True
+
+
 def _bar(n: int):
     from tqdm import tqdm
 
@@ -232,11 +285,13 @@ def _bar(n: int):
 
 
 def run_jobs(url: str | list[str], model: str, jobs: list[Job], rate: float = 0.0, seed: int = 0,
-             progress: bool = True, on_start=None, headers: dict[str, str] | None = None) -> list[Outcome]:
+             progress: bool = True, on_start=None, headers: dict[str, str] | None = None,
+             time_scale: float = 1.0) -> list[Outcome]:
     """Send `jobs` to the gateway at `url` (http://HOST:PORT; a list: the first, and the others in
-    turn when one goes away) and wait for every one (`headers`: e.g. the API's bearer token)."""
+    turn when one goes away) and wait for every one (`headers`: e.g. the API's bearer token;
+    `time_scale`: the emulated cluster's, which stretches the waits for a gateway to answer)."""
     urls = [url] if isinstance(url, str) else list(url)
-    return asyncio.run(_run(urls, model, jobs, rate, seed, progress, on_start, headers))
+    return asyncio.run(_run(urls, model, jobs, rate, seed, progress, on_start, headers, time_scale))
 
 
 def _pct(xs: list[float], q: float) -> float | None:
