@@ -4,7 +4,7 @@ Each request streams (SSE) and every token's arrival time is recorded, so TTFT a
 what a client sees. Arrivals are all at once (rate 0) or Poisson (seeded). Concurrency is
 bounded by the number of requests; every request has a timeout. The metrics follow `vllm
 bench serve`: TTFT from send to the first token; ITL the gaps between successive tokens
-(tokens that arrive together have a gap of 0); output tokens/s over the whole run.
+(tokens that arrive together have a gap of 0; a failover's pause is one, as a resume's in the mesh is); output tokens/s over the whole run.
 
 Given several gateways, a request whose gateway goes away (connection refused, reset, a
 stream cut before its end, or ended by a stopping gateway's "shutting_down" error) is sent
@@ -124,7 +124,6 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
         body["prompt"] = job.prompt
         path = "/v1/completions"
     out.sent = out.sent or time.monotonic()
-    last = None
     async with session.post(url + path, json=body) as resp:
         if resp.status == 429:  # the gateway is at its max_concurrent: wait as it says, then again
             raise Overloaded(float(resp.headers.get("Retry-After", "1") or 1))
@@ -144,12 +143,12 @@ async def _one(session, url: str, model: str, job: Job, out: Outcome) -> None:
             now = time.monotonic()
             ch = ev["choices"][0]
             ids = ch.get("token_ids") or []
-            for i, _ in enumerate(ids):
-                if last is None and out.ttft_ms is None:
+            for i, _ in enumerate(ids):  # the gap from the request's last token, an earlier attempt's too:
+                if out.last_at is None:  # a failover's pause is in ITL, as a resume in the mesh is
                     out.ttft_ms = round(1000 * (now - out.sent), 3)
-                elif last is not None:
-                    out.itl_ms.append(round(1000 * (now - last), 3) if i == 0 else 0.0)
-                last = out.last_at = now
+                else:
+                    out.itl_ms.append(round(1000 * (now - out.last_at), 3) if i == 0 else 0.0)
+                out.last_at = now
             out.token_ids.extend(ids)
             if out.failed_at is not None and (len(out.token_ids) > out.resumed_after[-1] or ch.get("finish_reason")):
                 out.recovery_gaps_ms.append(round(1000 * (now - out.failed_at), 3))  # past where it had got

@@ -169,3 +169,17 @@ def test_the_wait_for_a_gateway_backs_off_scaled_and_bounded(monkeypatch):
     slept.clear()
     asyncio.run(tries(1, 1.0, 2.0))  # the request's deadline comes first
     assert slept == [0.25, 0.5, 1.0], slept
+
+
+# defect 2: ITL left out the pause at a client failover to another gateway
+
+
+def test_itl_has_every_gap_the_failover_pause_included(gateways):
+    """`--kill fog-1@2` on failure.yaml: request 0 had 30 tokens and 28 ITL entries (the gap
+    across the failover to fog-4 was left out). Now tokens - 1 gaps, that one its recovery gap."""
+    first, second = gateways(die_after=5, every_s=0.02), gateways()
+    out = send([first.url, second.url])
+    assert out.error is None and out.token_ids == ANSWER, out.to_json()
+    assert out.resumed_after == [5] and len(out.recovery_gaps_ms) == 1
+    assert len(out.itl_ms) == len(out.token_ids) - 1, out.itl_ms
+    assert out.itl_ms[4] == out.recovery_gaps_ms[0], (out.itl_ms, out.recovery_gaps_ms)
