@@ -33,7 +33,7 @@ from meshllm.emulate import (
 from meshllm.errors import InputError
 from meshllm.faults import HEAL_TIMEOUT_S, FaultInjector, parse_faults
 from meshllm.partition.plan import Plan, PlanError
-from meshllm.workload import Job, node_figures, run_jobs, serving_figures, summarize
+from meshllm.workload import Job, node_figures, recovery_figures, run_jobs, serving_figures, summarize
 
 METRIC_KEYS = ("ttft_ms_mean", "ttft_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s",
                "queue_wait_ms_mean", "acceptance_rate", "mean_acceptance_length", "drafted_tokens",
@@ -164,9 +164,7 @@ def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, for
         nodes[n.id] = {"roles": st["roles"], **node_figures(st["load"])}
     metrics = summarize(outs)
     metrics.update(serving_figures(nodes, live.get("plan", {}), outs))
-    gaps = [g for o in outs for g in o.recovery_gaps_ms]
-    metrics["resumed_requests"] = sum(1 for o in outs if o.attempts > 1)
-    metrics["recovery_gap_ms_max"] = max(gaps) if gaps else None
+    metrics.update(recovery_figures(outs))  # over the requests that completed
     metrics["nodes"] = nodes
     failed = [o for o in outs if o.error]
     if failed:

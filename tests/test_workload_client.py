@@ -17,7 +17,7 @@ import time
 import pytest
 
 from meshllm import workload
-from meshllm.workload import Job, Outcome, Unreachable, run_jobs
+from meshllm.workload import Job, Outcome, Unreachable, recovery_figures, run_jobs
 
 ANSWER = list(range(100, 112))  # the token ids every fake gateway answers with (greedy: always the same)
 
@@ -183,3 +183,29 @@ def test_itl_has_every_gap_the_failover_pause_included(gateways):
     assert out.resumed_after == [5] and len(out.recovery_gaps_ms) == 1
     assert len(out.itl_ms) == len(out.token_ids) - 1, out.itl_ms
     assert out.itl_ms[4] == out.recovery_gaps_ms[0], (out.itl_ms, out.recovery_gaps_ms)
+
+
+# defect 3: requests that never started, or failed, were counted resumed and in the recovery gaps
+
+
+def test_a_request_without_output_is_sent_again_not_resumed(gateways):
+    """Refused by a dead gateway, or cut before its first token: sent again whole to the next
+    gateway. It was counted resumed (attempts 2, resumed_after_tokens [0]) with a "recovery gap"
+    equal to its TTFT; the README counts a request resumed when it goes on after output it has."""
+    dead, cut, live = f"http://127.0.0.1:{free_port()}", gateways(die_after=0), gateways()
+    for urls in ([dead, live.url], [cut.url, live.url]):
+        out = send(urls)
+        assert out.error is None and out.token_ids == ANSWER, out.to_json()
+        assert out.attempts == 1 and out.resumed_after == [] and out.recovery_gaps_ms == [], out.to_json()
+        assert "attempts" not in out.to_json() and "resumed_after_tokens" not in out.to_json()
+        assert len(out.itl_ms) == len(ANSWER) - 1
+    assert "meshllm" not in live.bodies[-1], "nothing to resume from"
+
+
+def test_recovery_figures_come_from_the_requests_that_completed():
+    """With 9 of 9 requests failed the report said resumed_requests 9, recovery_gap_ms_max 495."""
+    failed = Outcome("p", token_ids=[1, 2], attempts=3, recovery_gaps_ms=[495.0], error="ClientConnectorError")
+    done = Outcome("p", token_ids=[1, 2, 3], attempts=2, recovery_gaps_ms=[120.0], finish_reason="length")
+    plain = Outcome("p", token_ids=[1, 2, 3], finish_reason="length")
+    assert recovery_figures([failed, done, plain]) == {"resumed_requests": 1, "recovery_gap_ms_max": 120.0}
+    assert recovery_figures([failed]) == {"resumed_requests": 0, "recovery_gap_ms_max": None}
