@@ -176,7 +176,9 @@ class FaultInjector:
             if self._thread.is_alive() and spans:
                 log.info("workload done; watching the mesh heal after the %s (at most %.0f s after it ends)",
                          spans[-1]["kind"], self.heal_timeout_s)
-            self._thread.join(timeout=self.heal_timeout_s + SEND_TIMEOUT_S + 10)
+            ends = [d["until_s"] for d in spans if d.get("until_s") is not None]  # a partition still in force:
+            left = max(0.0, self._t0 + max(ends, default=0.0) - time.monotonic())  # the heal watch starts at its end
+            self._thread.join(timeout=left + self.heal_timeout_s + SEND_TIMEOUT_S + 10)
         with self._lock:
             senders = list(self._senders)
         for t in senders:
@@ -206,9 +208,12 @@ class FaultInjector:
     def _inject(self, f: Fault, at: float) -> None:
         if f.kind == "pause":
             entry = {"kind": "pause", "node": f.node, "at_s": at, "until_s": None}  # until_s: when continued
-            with self._lock:
+            with self._lock:  # serialized with stop()'s continuing every stopped node: no SIGSTOP after it
+                if self._stop.is_set():
+                    self._skip([f], f"the workload ended at {at:.1f} s, before it was due")
+                    return
                 self._paused[f.node] = entry
-            self.cluster.pause(f.node)
+                self.cluster.pause(f.node)
             log.warning("fault: stopped %s (SIGSTOP) at %.1f s for %.1f s", f.node, at, f.until_s - f.at_s)
             self.done.append(entry)
         elif f.kind == "kill":
@@ -247,7 +252,7 @@ class FaultInjector:
             if entry is None:
                 return
             entry["until_s"] = self._now()
-        self.cluster.resume(node)
+            self.cluster.resume(node)
         log.warning("fault: continued %s (SIGCONT) at %.1f s%s", node, entry["until_s"], why)
         self._tell_late(node)
 
@@ -294,10 +299,11 @@ class FaultInjector:
             try:
                 send_control(self.cluster.target(nid), make(MsgType.FAULT, zones=list(zones), seconds=seconds),
                              timeout_s=SEND_TIMEOUT_S, keys=self.cluster.keys)
-            except TimeoutError:
+            except Exception as e:  # noqa: BLE001 - a thread's last word: the report names the node not told
+                why = f"no answer within {SEND_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
                 with self._lock:
-                    entry.setdefault("not_told", {})[nid] = f"no answer within {SEND_TIMEOUT_S:g} s"
-                log.warning("fault: %s did not answer the partition %s:%s within %.0f s", nid, *zones, SEND_TIMEOUT_S)
+                    entry.setdefault("not_told", {})[nid] = why
+                log.warning("fault: %s was not told the partition %s:%s: %s", nid, *zones, why)
 
         t = threading.Thread(target=send, name=f"fault-{nid}", daemon=True)
         with self._lock:

@@ -165,3 +165,21 @@ def test_overlapping_pauses_exit_2_with_one_line_before_anything_starts():
     r = run_cli("--cluster", str(CLUSTER), "--pause", "fog-2@1-3", "--pause", "fog-2@2-4", timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "overlap" in r.stderr and "fog-2@1-4" in r.stderr, r.stderr
+
+
+def test_the_workload_ending_during_a_long_partition_still_waits_for_its_heal(standins, monkeypatch):
+    """stop() joined the faults thread for the heal's timeout + 13 s only: a partition still in
+    force 13 s past the workload's end left the thread running (it reported "did not heal" after
+    the report was out) and the entry without `healed_after_s`. Now the join counts the rest of
+    the partition too."""
+    import meshllm.faults as faults
+
+    monkeypatch.setattr(faults, "SEND_TIMEOUT_S", 0.2)  # the old join: 0.2 + 0.2 + 10 s
+    inj = FaultInjector(standins, [Fault("partition", 0.1, zones=("a", "b"), until_s=11.5)],
+                        live_plan=lambda: {}, heal_timeout_s=0.2)
+    inj.start()
+    time.sleep(0.3)
+    inj.stop()
+    assert not inj._thread.is_alive()
+    [part] = inj.done
+    assert "healed_after_s" in part, part
