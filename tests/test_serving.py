@@ -1129,11 +1129,12 @@ def test_a_re_plan_resumes_only_requests_that_need_a_changed_replica():
     stream(2, 0, 1, emitted=2)  # prefilled: replica 0 no longer matters
     stream(3, 2, 2)  # the mixed replica (mx)
     stream(4, 0, 3, emitted=1)  # decoding on replica 3 (dg), which changes too
+    gw._streams[4].seq = 40  # its next attempt has begun meanwhile (a notice read s.seq outside the lock)
     moved = {**NODES, "pb": "127.0.0.1:7199", "dg": "127.0.0.1:7198"}  # pb and dg restarted elsewhere
     gw.on_plan(PlanContext(6, make_plan(), moved, "gw"))
-    told = {seq: [item[3] for item in items] for seq, items in got.items()}
-    assert told == {1: ["the mesh was re-planned (plan v6) while this request ran"], 2: [], 3: [],
-                    4: ["the mesh was re-planned (plan v6) while this request ran"]}, told
+    told = {seq: [(item[3], item[4]) for item in items] for seq, items in got.items()}
+    why = "the mesh was re-planned (plan v6) while this request ran"
+    assert told == {1: [(why, 1)], 2: [], 3: [], 4: [(why, 4)]}, told  # each about the attempt it was collected as
 
 
 def test_news_about_an_attempt_already_resumed_costs_no_attempt_and_the_gap_runs_to_the_next_token():
@@ -1141,32 +1142,40 @@ def test_news_about_an_attempt_already_resumed_costs_no_attempt_and_the_gap_runs
     while it waited 5 s for KV room) each resumed it again, up to MAX_ATTEMPTS; and a request
     resumed before its first token recorded its next inter-token intervals as recovery gaps
     (the stall itself never appeared). Now news about an attempt already resumed is dropped,
-    and a recovery's gap runs from the last token (or the start) to the next token."""
+    and a recovery's gap runs from the last token to the next one (a resume before any token has
+    none: that pause is in its TTFT)."""
     import asyncio
 
     from meshllm.roles.route_view import Stream
 
     gw, _, _, _ = gateway_with_streams()
 
-    async def run() -> tuple[Stream, list]:
+    async def dispatch(st: Stream) -> None:  # the mesh takes the request again, as the next attempt
+        st.seq += 1
+
+    gw._dispatch = dispatch
+
+    async def run(first_token: bool) -> tuple[Stream, list]:
         s = Stream(11, asyncio.get_running_loop(), asyncio.Queue(), set(), 0, 1, 3, 9)
-        s.started -= 1.0  # sent a second ago, no token yet
-
-        async def dispatch(st: Stream) -> None:  # the mesh takes the request again, as attempt 12
-            st.seq = 12
-
-        gw._dispatch = dispatch
+        got, tokens = [], gw.tokens(s)
+        if first_token:
+            s.queue.put_nowait(([4], False, None, None, 11))
+            got.append(await tokens.__anext__())
+            s.emitted.append(4)  # (what _on_tokens commits)
+            await asyncio.sleep(0.2)
         for why in ("node dc of its replica died", "the mesh was re-planned (plan v6) while this request ran",
                     "the mesh was re-planned (plan v7) while this request ran"):
             gw._fail(s, why)  # all about attempt 11
         await asyncio.sleep(0)
         s.queue.put_nowait(([5], False, None, None, 12))
         s.queue.put_nowait(([6], True, "stop", None, 12))
-        return s, [t async for t in gw.tokens(s)]
+        return s, got + [t async for t in tokens]
 
-    s, got = asyncio.run(run())
-    assert got == [([5], None), ([6], "stop")] and s.attempts == 2, (got, s.attempts)
-    assert len(s.gaps_ms) == 1 and s.gaps_ms[0] >= 1000, s.gaps_ms  # from the start to the first token
+    s, got = asyncio.run(run(True))
+    assert got == [([4], None), ([5], None), ([6], "stop")] and s.attempts == 2, (got, s.attempts)
+    assert len(s.gaps_ms) == 1 and s.gaps_ms[0] >= 200, s.gaps_ms  # from token 4 to token 5
+    s, got = asyncio.run(run(False))
+    assert got == [([5], None), ([6], "stop")] and s.attempts == 2 and s.gaps_ms == [], (got, s.attempts, s.gaps_ms)
 
 
 def test_a_kv_reservation_at_a_leader_seen_dead_fails_at_once():

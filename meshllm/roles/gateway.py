@@ -100,9 +100,10 @@ class Gateway:
         self.view.replan(reps, inp, keep)
         with self._lock:
             self.ctx, self.local_version = ctx, ctx.version
-            stale = [s for s in self._streams.values() if not s.replicas() <= keep]
-        for s in stale:  # a replica they need changed: resume them on the new plan (tokens() does it)
-            self._fail(s, f"the mesh was re-planned (plan v{ctx.version}) while this request ran")
+            # (each with the attempt it is about, by its key: the attempt may move on meanwhile)
+            stale = [(seq, s) for seq, s in self._streams.items() if not s.replicas() <= keep]
+        for seq, s in stale:  # a replica they need changed: resume them on the new plan (tokens() does it)
+            self._fail(s, f"the mesh was re-planned (plan v{ctx.version}) while this request ran", seq)
         self.wake()
 
     def on_deaths(self) -> None:
@@ -119,15 +120,15 @@ class Gateway:
         nodes = {r.id: {st.node for st in r.stages} for r in ctx.plan.replicas}
         hit = []
         with self._lock:
-            for s in self._streams.values():
-                if s.dead_seen == s.seq:
+            for seq, s in self._streams.items():
+                if s.dead_seen == seq:
                     continue
                 gone = set().union(*(nodes.get(rid, set()) for rid in s.replicas())) & dead
                 if gone:
-                    s.dead_seen = s.seq
-                    hit.append((s, min(gone)))
-        for s, node in hit:
-            self._fail(s, f"node {node} of its replica died")
+                    s.dead_seen = seq
+                    hit.append((seq, s, min(gone)))
+        for seq, s, node in hit:
+            self._fail(s, f"node {node} of its replica died", seq)
 
     def dead_nodes(self) -> set[str]:
         """The nodes this node's membership has seen dead (or leave)."""
@@ -293,7 +294,8 @@ class Gateway:
         if s.attempts >= MAX_ATTEMPTS:
             raise RequestError(f"{why}; gave up after {s.attempts} attempts")
         log.warning("request seq %d: %s; resuming from %d committed tokens", s.seq, why, len(s.emitted))
-        s.gap_from = s.gap_from or s.last_token_at or s.started  # the client has waited since then
+        if s.emitted:  # a recovery gap: from its last token to the next (before any, the pause is its TTFT's)
+            s.gap_from = s.gap_from or s.last_token_at or s.started
         self.close_stream(s, "resumed", release=True, count=False)
         s.attempts += 1
         self.metrics.resumes.inc()

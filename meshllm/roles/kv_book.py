@@ -130,6 +130,8 @@ class KvBook:
             rep = asked.result()
         except (TimeoutError, OSError, RemoteError) as e:
             raise RequestError(f"replica {s.decode_rid} did not answer for KV room: {e}") from None
+        finally:  # left before its answer (a dead leader, a client gone): its end is nobody's news
+            asked.add_done_callback(lambda f: f.cancelled() or f.exception())
         if rep.type is not MsgType.KV_GRANT or rep.fields.get("seq") != s.seq:
             raise RequestError(f"replica {s.decode_rid} answered KV_RESERVE with {rep.type.name}")
         if rep.fields.get("granted") is not True:
