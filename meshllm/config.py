@@ -182,8 +182,9 @@ def split_hostport(s: Any, src: str, fld: str, max_port: int = NODE_PORT_MAX) ->
     return host, int(port)
 
 
-# a host name (RFC 1123 labels) or a dotted IPv4 address, which is one too
-_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+# a host name (RFC 1123 labels, and "_", which resolvers take: compose service names) or a dotted
+# IPv4 address, which is one too
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
 
 
 def given(d: dict, key: str, empty: Any) -> Any:

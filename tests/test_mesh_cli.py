@@ -441,7 +441,7 @@ GOOD = {"id": "x", "device": DEVICE, "listen": "127.0.0.1:7700", "mdns": False}
     # hosts the mesh's sockets cannot bind were found only at bind time: a runtime error, exit 1
     ({"listen": "not a host:17700"}, "listen", "'not a host' is not an IPv4 address or a host name"),
     ({"listen": "[::1]:17700"}, "listen", "IPv4 address or a host name (the mesh's ZeroMQ sockets are IPv4 only)"),
-    ({"seeds": ["fog_1:7700"]}, "seeds[0]", "'fog_1' is not an IPv4 address or a host name"),
+    ({"seeds": ["fog/1:7700"]}, "seeds[0]", "'fog/1' is not an IPv4 address or a host name"),
     ({"gateway": None}, "gateway", "is empty: give {listen: HOST:PORT}, or leave the key out"),
     ({"failure_timeout_s": 0.1, "heartbeat_interval_s": 0.5}, "failure_timeout_s", "larger than"),
     ({"draft": {"quant": "w4a16", "group_size": 128}}, "draft.group_size", "does not divide smollm2-135m's dim 576"),
