@@ -199,7 +199,8 @@ def test_plan_judge_prints_the_plan_simulate_runs():
 
 def test_coordinator_plans_with_the_judge_when_its_node_file_asks():
     """roles/coordinator.py `plan_for`: with `plan_judge` the live plan is the simulator's pick (on
-    failure.yaml 4 mixed replicas), without it the search's (3 replicas), as `--plan` prints each."""
+    failure.yaml 4 replicas, 2 prefill and 2 decode, within the nodes' roles:), without it the
+    search's (3 replicas), as `--plan` prints each."""
     from dataclasses import replace
 
     from meshllm.emulate import node_file
@@ -213,7 +214,8 @@ def test_coordinator_plans_with_the_judge_when_its_node_file_asks():
     judged, plain = plan_for(nc, inp), plan_for(replace(nc, plan_judge=False), inp)
     assert judged.replicas == judged_plan(inp).replicas
     assert plain.replicas == plan_cluster(inp, log=False).replicas
-    assert [r.role for r in judged.replicas] == ["mixed"] * 4 and len(plain.replicas) == 3
+    assert sorted(str(r.role) for r in judged.replicas) == ["decode", "decode", "prefill", "prefill"]
+    assert len(plain.replicas) == 3
 
 
 def test_a_drafter_must_hold_the_draft_and_one_fp32_layer_while_it_builds_it():
