@@ -75,7 +75,7 @@ def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], ga
             raise InputError(f"--pause {k!r}: no node {node!r} in {cfg.source} (nodes: {', '.join(sorted(ids))})")
         s1, s2 = _span(span, f"--pause {k!r}")
         out.append(Fault("pause", s1, node=node, until_s=s2))
-    _refuse_overlapping_pauses([f for f in out if f.kind == "pause"])
+    _refuse_overlapping([f for f in out if f.kind == "pause"])
     if gateways and set(gateways) <= {f.node for f in out if f.kind == "kill"}:
         raise InputError(f"--kill: {', '.join(gateways)} run{'s' if len(gateways) == 1 else ''} every gateway the "
                          "workload's client talks to (name another node's roles `gateway` in the cluster file)")
@@ -87,23 +87,29 @@ def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], ga
                              f"{cfg.source} ({', '.join(sorted(zones))})")
         s1, s2 = _span(span, f"--partition {p!r}")
         out.append(Fault("partition", s1, zones=(za, zb), until_s=s2))
+    _refuse_overlapping([f for f in out if f.kind == "partition"])
     return sorted(out, key=lambda f: f.at_s)
 
 
-def _refuse_overlapping_pauses(pauses: list[Fault]) -> None:
-    """Two pauses of one node that overlap or touch are bad input: a stopped node is continued at
-    the first one's end and the second's end finds nothing to continue (the report listed a stop
-    until the second's end that did not happen)."""
-    by_node: dict[str, list[Fault]] = {}
-    for f in pauses:
-        by_node.setdefault(f.node, []).append(f)
-    for node, spans in by_node.items():
-        spans.sort(key=lambda f: f.at_s)
-        for a, b in zip(spans, spans[1:]):
+def _refuse_overlapping(spans: list[Fault]) -> None:
+    """Two pauses of one node, or two partitions of one zone pair, that overlap or touch are bad
+    input. A stopped node is continued at the first pause's end and the second's end finds
+    nothing to continue; a zone pair is healed at the first partition's end, cutting the second
+    short (either way the report listed a span that did not happen)."""
+    by_target: dict[Hashable, list[Fault]] = {}
+    for f in spans:
+        by_target.setdefault(f.node if f.kind == "pause" else frozenset(f.zones), []).append(f)
+    for group in by_target.values():
+        group.sort(key=lambda f: f.at_s)
+        for a, b in zip(group, group[1:]):
             if b.at_s <= a.until_s:
-                raise InputError(f"--pause {node}@{a.at_s:g}-{a.until_s:g} and --pause {node}@{b.at_s:g}-"
-                                 f"{b.until_s:g} overlap: one node's pauses must not overlap or touch (give "
-                                 f"one span, {node}@{a.at_s:g}-{max(a.until_s, b.until_s):g})")
+                what = a.node if a.kind == "pause" else ":".join(a.zones)
+                flag, whose = ("--pause", "one node's pauses") if a.kind == "pause" else \
+                    ("--partition", "partitions of one zone pair")
+                raise InputError(f"{flag} {what}@{a.at_s:g}-{a.until_s:g} and {flag} "
+                                 f"{b.node or ':'.join(b.zones)}@{b.at_s:g}-{b.until_s:g} overlap: {whose} "
+                                 f"must not overlap or touch (give one span, "
+                                 f"{what}@{a.at_s:g}-{max(a.until_s, b.until_s):g})")
 
 
 def _span(span: str, what: str) -> tuple[float, float]:

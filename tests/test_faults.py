@@ -161,6 +161,16 @@ def test_pauses_of_one_node_apart_and_of_two_nodes_at_once_are_taken():
     assert [(f.node, f.at_s, f.until_s) for f in faults] == [("fog-2", 1, 3), ("fog-3", 1, 3), ("fog-2", 3.5, 4)]
 
 
+@pytest.mark.parametrize("pair", ["edge:fog", "fog:edge"])
+def test_overlapping_partitions_of_one_zone_pair_are_refused(pair):
+    """`--partition edge:fog@1-3 --partition edge:fog@2-6` was taken: the pair healed at 3 s, and
+    the report said the second partition lasted until 6 s."""
+    with pytest.raises(InputError, match=r"--partition edge:fog@1-3 and --partition \S+@2-6 overlap.*edge:fog@1-6"):
+        parse_faults(failure_cfg(), [], ["edge:fog@1-3", f"{pair}@2-6"], ["fog-1", "fog-4"])
+    faults = parse_faults(failure_cfg(), [], ["edge:fog@1-3", f"{pair}@3.5-6"], ["fog-1", "fog-4"])
+    assert [(f.at_s, f.until_s) for f in faults] == [(1, 3), (3.5, 6)]
+
+
 def test_overlapping_pauses_exit_2_with_one_line_before_anything_starts():
     r = run_cli("--cluster", str(CLUSTER), "--pause", "fog-2@1-3", "--pause", "fog-2@2-4", timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
