@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-DEVICES_DIR = Path(__file__).resolve().parent.parent / "devices"
+# the repository's devices/, through the package's link to it, so that a wheel carries the profiles
+DEVICES_DIR = Path(__file__).parent / "devices"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,34 @@ def test_profiles_are_ordered_sensibly():
     assert (DEVICES_DIR / "desktop-rtx-4090.yaml").is_file()
 
 
+def test_a_built_wheel_carries_every_profile(tmp_path):
+    """`pip install .` (not -e) gave a meshllm that knew no device: the profiles live in the
+    repository's devices/, which the wheel left out ("unknown device 'raspberry-pi-5-8gb'; known: ,
+    auto")."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    from tests.conftest import REPO
+
+    src = tmp_path / "src"  # a copy: the build writes build/ and *.egg-info beside its sources
+    shutil.copytree(REPO, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", "tests", "bench", "__pycache__", "*.egg-info", "build", "dist", ".*cache"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(tmp_path / "w")], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (wheel,) = (tmp_path / "w").glob("meshllm-*.whl")
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    shipped = {p.name for p in (tmp_path / "site" / "meshllm" / "devices").glob("*.yaml")}
+    assert shipped == {f"{n}.yaml" for n in known_devices()}
+    r = subprocess.run([sys.executable, "-c", "from meshllm.device import load_device, DEVICES_DIR;"
+                        "print(DEVICES_DIR, load_device('raspberry-pi-5-8gb').memory_gb)"],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "site")})
+    assert r.returncode == 0 and str(tmp_path / "site") in r.stdout, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("body,field", [
     ("memory_gb: 4\ncompute_tflops: 1\nmemory_bandwidth_gbps: 10\n", "network_mbps"),
     ("memory_gb: -4\ncompute_tflops: 1\nmemory_bandwidth_gbps: 10\nnetwork_mbps: 1000\n", "memory_gb"),
