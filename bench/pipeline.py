@@ -274,7 +274,8 @@ def report(r: dict) -> None:
           "on 1 thread (alternating runs; median ratio)")
     for p in r["pipelines"]:
         ratio = p["ratio"]
-        print(f"    {p['stages']}-stage pipeline: {p['tok_s']:.1f} vs {p['reference_tok_s']:.1f} tok/s = {ratio:.3f}x  "
+        print(f"    {p['stages']}-stage pipeline: medians {p['tok_s']:.1f} vs {p['reference_tok_s']:.1f} tok/s; "
+              f"median of the runs' pairwise ratios {ratio:.3f}x  "
               f"(goal >= 0.9x: {'met' if ratio >= 0.9 else 'NOT met'}; {p.get('busy_polling', 0)} of its "
               f"{p['stages']} stages busy-poll: those with a CPU of their own of the {len(CPUS)} here)")
         if "ttft_ms" in p:
