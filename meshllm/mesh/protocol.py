@@ -25,6 +25,7 @@ make zero-copy views, so a node that carries no tensors never imports torch.
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -286,31 +287,46 @@ class Message:
 
 def make(mtype: MsgType, tensors: dict[str, Any] | None = None, **fields: Any) -> Message:
     """Build a message, checking its fields and tensors against SCHEMAS (raises ProtocolError)."""
-    reserved = RESERVED & set(fields)
-    if reserved:
+    if not RESERVED.isdisjoint(fields):
+        reserved = RESERVED & set(fields)
         raise ProtocolError(f"{MsgType(mtype).name}: field names {sorted(reserved)} are reserved for the header")
-    msg = Message(MsgType(mtype), fields, {k: as_tensorbuf(v) for k, v in (tensors or {}).items()})
+    msg = Message(mtype if type(mtype) is MsgType else MsgType(mtype), fields,
+                  {k: as_tensorbuf(v) for k, v in tensors.items()} if tensors else {})
     _check_fields(msg.type, msg.fields)
-    names = SCHEMAS[msg.type][1]
-    if set(msg.tensors) != set(names):
+    if msg.tensors.keys() != _TENSOR_SETS[msg.type]:
+        names = _TENSOR_NAMES[msg.type]
         raise ProtocolError(f"{msg.type.name}: tensors must be {list(names)}, got {sorted(msg.tensors)}")
     return msg
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:
     """Message -> frames. Tensor frames are zero-copy views of the caller's arrays."""
-    names = SCHEMAS[msg.type][1]
+    names = _TENSOR_NAMES[msg.type]
     bufs = [as_tensorbuf(msg.tensors[n]) for n in names]
     head: dict[str, Any] = dict(msg.fields)
     head.update(src=msg.src, zone=msg.zone, rid=msg.rid, t=[{"dtype": b.dtype, "shape": list(b.shape)} for b in bufs])
-    packed = msgpack.packb(head, use_bin_type=True)
-    if len(packed) + PREAMBLE.size > MAX_HEADER_BYTES:
+    packed = _packer().pack(head)
+    if len(packed) + _PREAMBLE_SIZE > MAX_HEADER_BYTES:
         raise ProtocolError(f"{msg.type.name}: header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
-    total = len(packed) + sum(b.nbytes for b in bufs)
+    total = len(packed)
+    frames: list[bytes | memoryview] = [_pack_preamble(MAGIC, VERSION, msg.type, len(bufs)) + packed]
+    for b in bufs:
+        total += b.data.nbytes
+        frames.append(b.data if b.source is None else b.source)
     if total > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{msg.type.name}: message of {total} bytes exceeds MAX_MESSAGE_BYTES={MAX_MESSAGE_BYTES}")
-    return [PREAMBLE.pack(MAGIC, VERSION, int(msg.type), len(bufs)) + packed,
-            *(b.data if b.source is None else b.source for b in bufs)]
+    return frames
+
+
+_local = threading.local()  # one msgpack Packer per thread (a Packer is not thread-safe; packb makes one a call)
+
+
+def _packer() -> msgpack.Packer:
+    try:
+        return _local.packer
+    except AttributeError:
+        _local.packer = msgpack.Packer(use_bin_type=True)
+        return _local.packer
 
 
 def decode(frames: list[Any]) -> Message:
@@ -318,7 +334,9 @@ def decode(frames: list[Any]) -> Message:
     if not frames:
         raise ProtocolError("empty message: no frames")
     views = [_view(f) for f in frames]
-    total = sum(v.nbytes for v in views)
+    total = 0
+    for v in views:
+        total += v.nbytes
     if total > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {total} bytes exceeds MAX_MESSAGE_BYTES={MAX_MESSAGE_BYTES}")
     mtype, n_tensors, head = _decode_header(views[0])
@@ -327,18 +345,23 @@ def decode(frames: list[Any]) -> Message:
     src, zone, rid, specs = head.pop("src", ""), head.pop("zone", ""), head.pop("rid", 0), head.pop("t", [])
     if not isinstance(src, str) or not isinstance(zone, str) or not isinstance(rid, int) or isinstance(rid, bool):
         raise ProtocolError(f"{mtype.name}: src/zone must be strings and rid an integer")
-    names = SCHEMAS[mtype][1]
+    names = _TENSOR_NAMES[mtype]
     if not isinstance(specs, list) or len(specs) != n_tensors or n_tensors != len(names):
         raise ProtocolError(f"{mtype.name}: expects {len(names)} tensors, header describes "
                             f"{len(specs) if isinstance(specs, list) else specs!r}, frames {n_tensors}")
-    tensors = {n: _decode_tensor(mtype, n, s, v, f)
-               for n, s, v, f in zip(names, specs, views[1:], frames[1:], strict=True)}
+    tensors = {}
+    for i, name in enumerate(names, 1):  # i: the tensor's frame
+        tensors[name] = _decode_tensor(mtype, name, specs[i - 1], views[i], frames[i])
     _check_fields(mtype, head)
     return Message(mtype, head, tensors, src, zone, rid)
 
 
 def _view(f: Any) -> memoryview:
-    buf = getattr(f, "buffer", f)  # zmq.Frame exposes .buffer
+    try:
+        return memoryview(f).cast("B")  # bytes, memoryview, and pyzmq's zmq.Frame: each is a buffer itself
+    except TypeError:
+        pass
+    buf = getattr(f, "buffer", f)  # a zmq.Frame that is not (pyzmq's CFFI backend) exposes .buffer
     try:
         return memoryview(buf).cast("B")
     except TypeError as e:
@@ -346,11 +369,11 @@ def _view(f: Any) -> memoryview:
 
 
 def _decode_header(v: memoryview) -> tuple[MsgType, int, dict]:
-    if v.nbytes < PREAMBLE.size:
+    if v.nbytes < _PREAMBLE_SIZE:
         raise ProtocolError(f"header frame of {v.nbytes} bytes is shorter than the {PREAMBLE.size}-byte preamble")
     if v.nbytes > MAX_HEADER_BYTES:
         raise ProtocolError(f"header frame of {v.nbytes} bytes exceeds MAX_HEADER_BYTES={MAX_HEADER_BYTES}")
-    magic, version, tcode, n_tensors = PREAMBLE.unpack_from(v)
+    magic, version, tcode, n_tensors = _unpack_preamble(v)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a meshllm message")
     if version != VERSION:
@@ -361,7 +384,7 @@ def _decode_header(v: memoryview) -> tuple[MsgType, int, dict]:
     if n_tensors > MAX_TENSORS:
         raise ProtocolError(f"{mtype.name}: {n_tensors} tensor frames exceeds MAX_TENSORS={MAX_TENSORS}")
     try:
-        head = msgpack.unpackb(v[PREAMBLE.size:], raw=False, strict_map_key=True, max_ext_len=0)
+        head = _unpackb(v[_PREAMBLE_SIZE:], raw=False, strict_map_key=True, max_ext_len=0)
     except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData, RecursionError) as e:
         raise ProtocolError(f"{mtype.name}: header is not valid msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(head, dict):
@@ -370,30 +393,51 @@ def _decode_header(v: memoryview) -> tuple[MsgType, int, dict]:
 
 
 def _decode_tensor(mtype: MsgType, name: str, spec: Any, v: memoryview, frame: Any) -> TensorBuf:
-    where = f"{mtype.name}: tensor {name!r}"
-    if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str) or not isinstance(spec.get("shape"), list):
-        raise ProtocolError(f"{where}: descriptor must be a map with 'dtype' (str) and 'shape' (list)")
-    dtype, shape = spec["dtype"], spec["shape"]
-    if dtype not in DTYPES:
-        raise ProtocolError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPES))})")
-    if len(shape) > MAX_NDIM or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s for s in shape):
-        raise ProtocolError(f"{where}: shape {shape!r} must be at most {MAX_NDIM} non-negative integers")
+    # the error text (`_where`) is built only for an error: this runs for every tensor received
+    dtype, shape = (spec.get("dtype"), spec.get("shape")) if isinstance(spec, dict) else (None, None)
+    if not isinstance(dtype, str) or not isinstance(shape, list):
+        raise ProtocolError(f"{_where(mtype, name)}: descriptor must be a map with 'dtype' (str) and 'shape' (list)")
+    itemsize = _ITEMSIZE.get(dtype)
+    if itemsize is None:
+        raise ProtocolError(f"{_where(mtype, name)}: unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPES))})")
+    if len(shape) > MAX_NDIM:
+        raise ProtocolError(f"{_where(mtype, name)}: shape {shape!r} must be at most {MAX_NDIM} non-negative integers")
+    for s in shape:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ProtocolError(f"{_where(mtype, name)}: shape {shape!r} must be at most {MAX_NDIM} non-negative "
+                                "integers")
     count = 1
     for s in shape:
         count *= s
         if count > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"{where}: shape {shape!r} is larger than MAX_MESSAGE_BYTES")
-    expected = count * DTYPES[dtype].itemsize
+            raise ProtocolError(f"{_where(mtype, name)}: shape {shape!r} is larger than MAX_MESSAGE_BYTES")
+    expected = count * itemsize
     if expected != v.nbytes:
-        raise ProtocolError(f"{where}: {dtype}{shape} needs {expected} bytes, frame has {v.nbytes}")
+        raise ProtocolError(f"{_where(mtype, name)}: {dtype}{shape} needs {expected} bytes, frame has {v.nbytes}")
     return TensorBuf(dtype, tuple(shape), v, frame)
 
 
+def _where(mtype: MsgType, name: str) -> str:
+    return f"{mtype.name}: tensor {name!r}"
+
+
 def _check_fields(mtype: MsgType, fields: dict) -> None:
-    for name, types in SCHEMAS[mtype][0].items():
+    for name, types, bool_ok in _FIELD_CHECKS[mtype]:
         if name not in fields:
             raise ProtocolError(f"{mtype.name}: missing field {name!r}")
         val = fields[name]
-        bad_bool = isinstance(val, bool) and bool not in (types if isinstance(types, tuple) else (types,))
-        if bad_bool or not isinstance(val, types):
+        if not isinstance(val, types) or (not bool_ok and isinstance(val, bool)):
             raise ProtocolError(f"{mtype.name}: field {name!r} has type {type(val).__name__}")
+
+
+# Per-message lookups, made once from the tables above (decode and encode run for every message).
+_PREAMBLE_SIZE = PREAMBLE.size
+_pack_preamble, _unpack_preamble = PREAMBLE.pack, PREAMBLE.unpack_from
+_unpackb = msgpack.unpackb
+_ITEMSIZE = {name: dt.itemsize for name, dt in DTYPES.items()}
+_TENSOR_NAMES = {mtype: names for mtype, (_, names) in SCHEMAS.items()}
+_TENSOR_SETS = {mtype: frozenset(names) for mtype, names in _TENSOR_NAMES.items()}
+# (field name, accepted types, whether a bool is accepted): bool is an int to isinstance, so an int field must
+# refuse it explicitly
+_FIELD_CHECKS = {mtype: tuple((name, types, bool in (types if isinstance(types, tuple) else (types,)))
+                              for name, types in spec.items()) for mtype, (spec, _) in SCHEMAS.items()}
