@@ -32,7 +32,39 @@ log = logging.getLogger("meshllm.mesh.transport")
 
 RECV_BUDGET = 256  # messages read from one socket per loop turn, so timers still run under load
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: IntFlag ops are slow
+_SNDMORE = int(zmq.SNDMORE)
+_SENDABLE = (bytes, memoryview, zmq.Frame)
 SEND_TIMEOUT_S = 10.0  # a compute thread's send blocks at most this long on a full peer queue
+
+
+def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
+    """`sock.send_multipart(frames, flags, copy=False)` without its per-frame IntFlag arithmetic
+    (`flags` is an int): frames under pyzmq's copy threshold (64 KiB) are copied, larger ones sent
+    zero-copy. Every frame is checked to be a buffer before the first is sent, as send_multipart
+    does, so a bad frame never leaves a partial message queued on the socket."""
+    for i, f in enumerate(frames):
+        if not isinstance(f, _SENDABLE):
+            try:
+                memoryview(f)
+            except Exception:
+                raise TypeError(f"Frame {i} ({repr(f)[:32]}) does not support the buffer interface.") from None
+    send, last = sock.send, len(frames) - 1
+    for i in range(last):
+        send(frames[i], flags | _SNDMORE, copy=False)
+    send(frames[last], flags, copy=False)
+
+
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """`sock.recv_multipart(flags, copy=False)`, reading each frame's `more` flag (which pyzmq sets
+    as it receives it) instead of a getsockopt(RCVMORE) call per frame. The parts of a multipart
+    message arrive together, so only the first recv can block or raise zmq.Again."""
+    recv = sock.recv
+    frame = recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = recv(flags, copy=False)
+        frames.append(frame)
+    return frames
 
 
 def endpoint(address: str, offset: int = 0) -> str:
@@ -258,11 +290,13 @@ class Inbox:
         (address, node id, is SUB) it is connected to) and `deliver(msg, ROUTER identity)` each, or
         `hold(due, (msg, identity))` it for an emulated link."""
         address, known, from_sub = peer if peer is not None else (None, None, False)
-        for _ in range(RECV_BUDGET):
-            if sock.closed or not sock.getsockopt(_EVENTS) & _POLLIN:  # cheaper than a recv raising Again
+        for i in range(RECV_BUDGET):
+            # the poll found the socket readable; after a message, EVENTS says whether another waits
+            # (a getsockopt is cheaper than a recv raising Again)
+            if sock.closed or (i and not sock.getsockopt(_EVENTS) & _POLLIN):
                 return
             try:
-                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+                frames = recv_frames(sock, _NOBLOCK)
             except zmq.Again:  # EVENTS can report a message that a SUB filter then discards
                 return
             arrived = time.monotonic()
@@ -340,7 +374,7 @@ class Requester:
         self._stamp(msg)
         sock, _ = self._socket(address)
         try:
-            sock.send_multipart(encode(msg), copy=False)
+            send_frames(sock, encode(msg))
         except zmq.Again:
             raise TimeoutError(f"{address} accepted no {msg.type.name} for {SEND_TIMEOUT_S:g} s") from None
 
@@ -349,12 +383,12 @@ class Requester:
         sock, peer = self._socket(address)
         msg.rid = next(self._rid)
         self._stamp(msg)
-        sock.send_multipart(encode(msg), copy=False)
+        send_frames(sock, encode(msg))
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             sock.setsockopt(zmq.RCVTIMEO, int(left * 1000) + 1)  # a blocking recv wakes faster than poll
             try:
-                frames = sock.recv_multipart(copy=False)
+                frames = recv_frames(sock)
             except zmq.Again:
                 continue
             arrived = time.monotonic()

@@ -48,7 +48,7 @@ from meshllm.mesh.ingress import LinkShaper, RateLimit, RateLimiter, Rejections,
 from meshllm.mesh.keys import Admission, NodeKeys
 from meshllm.mesh.loop import IOLoop, Worker
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, encode, make
-from meshllm.mesh.sockets import Inbox, PeerSockets, Requester, endpoint, make_socket
+from meshllm.mesh.sockets import Inbox, PeerSockets, Requester, endpoint, make_socket, send_frames
 
 log = logging.getLogger("meshllm.mesh.transport")
 
@@ -218,7 +218,7 @@ class Transport:
         self._stamp(msg)
         frames = encode(msg)
         try:
-            sock.send_multipart(([first] if first is not None else []) + frames, _NOBLOCK, copy=False)
+            send_frames(sock, [first, *frames] if first is not None else frames, _NOBLOCK)
         except zmq.Again:
             log.warning("%s: send queue full, dropped control message %s", self.node_id, msg.type.name)
             if sock in self.peers.owner:  # a DEALER with no connection: libzmq gives up on a peer whose
