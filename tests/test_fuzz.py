@@ -1180,6 +1180,31 @@ def test_a_session_moved_to_another_decode_replica_is_followed_by_its_gateway(me
     mesh.gateway._streams.pop(seq, None)
 
 
+def test_a_moved_session_keeps_its_drafting_figures(mesh: Mesh) -> None:
+    """A session moved to another decode replica (roles/decode.py migrate) started there with empty
+    drafting figures, and the gateway keeps the latest ones a leader sends: the request's
+    `meshllm.spec` (and `/metrics`, `/v1/mesh`, `--cluster --json`, all summed from it) left out every
+    block the first replica verified (8 concurrent requests on clusters/demo.yaml: 537 drafted
+    reported, 657 verified). The HANDOFF now carries them and the new leader goes on from there."""
+    mesh.net.live = True  # (the fixture's `settle` leaves delivery off for the fuzzers)
+    seq, stream = mesh.request([3, 1, 4, 1, 5], 200, decode_rid=1)
+    mesh.run_until(lambda: seq in mesh.hosts["dc"].leader.seqs and mesh.hosts["dc"].leader.seqs[seq].out
+                   and not mesh.hosts["dc"].leader.seqs[seq].busy and seq not in mesh.hosts["dc"].leader.queue)
+    stream.next_index = max(stream.next_index, 1)
+    dc = mesh.hosts["dc"]
+    s = dc.leader.seqs[seq]
+    s.spec.record(4, 3)
+    s.spec.record(2, 0, ahead=True)
+    s.spec.stale += 1
+    before = s.spec.to_json()
+    dc.balancer.migrate(s, 3)
+    mesh.net.deliver_all()
+    moved = mesh.hosts["dg"].leader.seqs[seq]
+    assert moved.spec.to_json() == before, "the figures of the blocks verified before the move"
+    mesh.hosts["dg"].leader.abort(seq)
+    mesh.gateway._streams.pop(seq, None)
+
+
 def _has_sample(t: MsgType) -> bool:
     try:
         sample(t)

@@ -392,6 +392,31 @@ def test_a_handoff_with_a_bad_offset_is_refused_not_taken_as_zero():
     assert lead.seqs[31].offset == 0
 
 
+def test_a_handoff_s_drafting_figures_are_taken_and_bad_ones_dropped():
+    """A moved session's HANDOFF carries its drafting figures so far (roles/decode.py migrate): the
+    new leader goes on from them; malformed ones (another node's bug) are dropped, not fatal."""
+    from meshllm.mesh.fields import sampling_map
+    from meshllm.roles.decode import KvAcks
+
+    lead, _ = two_stage_leader(kv_room=1000)
+    acks = KvAcks(lead)
+
+    def handoff(seq_id, **extra):
+        return make(MsgType.HANDOFF, seq=seq_id, prompt_len=4, tokens=[5, 6], max_tokens=8,
+                    sampling=sampling_map(0, 0, 1.0, 0), stop_ids=[], gateway="127.0.0.1:9", drafter="",
+                    plan_version=1, **extra)
+
+    spec = {"drafted": 6, "accepted": 3, "blocks": 2, "per_position": {"1": 2, "2": 1, "3": 0, "4": 0}, "offered": {"1": 2,
+            "2": 2, "3": 1, "4": 1}, "gamma_histogram": {"2": 1, "4": 1}, "ahead_blocks": 1, "stale_blocks": 2}
+    acks.on_handoff(handoff(40, spec=spec), 100)
+    assert lead.seqs[40].spec.to_json() == spec
+    for i, bad in enumerate(("x", {"drafted": "many"}, {"per_position": {"a": 1}}, [1, 2])):
+        acks.on_handoff(handoff(50 + i, spec=bad), 100)
+        assert lead.seqs[50 + i].spec.blocks == 0 and lead.seqs[50 + i].spec.drafted == 0
+    acks.on_handoff(handoff(60), 100)
+    assert lead.seqs[60].spec.blocks == 0
+
+
 def test_a_sequence_released_because_its_gateway_was_seen_dead_tells_that_gateway():
     """A gateway node paused past the failure timeout (SIGSTOP, a swap storm): the re-plan kept
     the replica, whose leader released the gateway's sequences without a word; back, the gateway

@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 from meshllm.defaults import Role
 from meshllm.engine.sampling import SamplingParams
-from meshllm.engine.speculative import extend_hash
+from meshllm.engine.speculative import AcceptanceStats, extend_hash
 from meshllm.mesh.fields import (
     check_address,
     check_int_list,
@@ -57,6 +57,13 @@ class KvAcks:
                 str(msg["gateway"]), self.leader.rid, out=list(out), fed=p_len + len(out) - 1,
                 drafter=str(msg["drafter"]), hash=extend_hash(0, out))
         s.offset = offset
+        spec = msg.fields.get("spec")  # a moved session's drafting figures so far (Balancer.migrate)
+        if isinstance(spec, dict):
+            try:
+                s.spec.merge(spec)
+            except (TypeError, ValueError, AttributeError) as e:
+                s.spec = AcceptanceStats()  # another node's malformed figures: dropped, not fatal
+                log.warning("seq %d: HANDOFF's drafting figures are malformed (%s); dropped", seq, type(e).__name__)
         at, ms = msg.fields.get("prefilled_at"), msg.fields.get("prefill_ms")
         if isinstance(at, float) and isinstance(ms, (int, float)):
             s.prefilled_at, s.prefill_s = at, ms / 1000
@@ -178,7 +185,8 @@ class Balancer:
         self._send(ctx.leader(rid), make(
             MsgType.HANDOFF, seq=s.id, prompt_len=s.prompt_len, tokens=list(s.out), max_tokens=s.max_tokens,
             sampling=sampling_map(p.temperature, p.top_k, p.top_p, s.seed), stop_ids=sorted(s.stop_ids),
-            gateway=s.gateway, drafter=s.drafter, plan_version=ctx.version, offset=s.offset))
+            gateway=s.gateway, drafter=s.drafter, plan_version=ctx.version, offset=s.offset,
+            **({"spec": s.spec.to_json()} if s.spec.blocks or s.spec.stale else {})))  # the request's figures go on
         # the gateway follows the session (a re-plan that changes replica `rid` resumes the request)
         self._send(s.gateway, make(MsgType.TOKENS, seq=s.id, token_ids=[], index=s.offset + len(s.out),
                                    finished=False, finish_reason=None, moved_to=rid))
