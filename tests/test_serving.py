@@ -1178,6 +1178,58 @@ def test_news_about_an_attempt_already_resumed_costs_no_attempt_and_the_gap_runs
     assert got == [([5], None), ([6], "stop")] and s.attempts == 2 and s.gaps_ms == [], (got, s.attempts, s.gaps_ms)
 
 
+def test_a_resumed_request_keeps_the_drafting_figures_of_its_ended_attempts():
+    """A request resumed on another replica reported only its last attempt's drafting figures (in
+    its `meshllm.spec`, /metrics and `--cluster --json`): each leader sends its session's figures
+    so far, and the gateway took the newest as the request's."""
+    import asyncio
+
+    from meshllm.mesh.protocol import MsgType, make
+    from meshllm.roles.route_view import Stream
+
+    gw, _, _, _ = gateway_with_streams()
+
+    async def dispatch(st: Stream) -> None:  # the mesh takes the request again, as the next attempt
+        with gw._lock:
+            gw._streams.pop(st.seq, None)
+            st.seq += 1
+            gw._streams[st.seq] = st
+
+    gw._dispatch = dispatch
+
+    def figures(drafted: int, accepted: int, blocks: int) -> dict:
+        return {"drafted": drafted, "accepted": accepted, "blocks": blocks, "per_position": {"1": accepted},
+                "offered": {"1": blocks}, "gamma_histogram": {"4": blocks}, "ahead_blocks": 0, "stale_blocks": 0}
+
+    def tokens(seq: int, index: int, ids: list[int], spec: dict, finished: bool = False):
+        return make(MsgType.TOKENS, seq=seq, token_ids=ids, index=index, finished=finished,
+                    finish_reason="stop" if finished else None, queue_ms=0.0, spec=spec)
+
+    async def run() -> Stream:
+        s = Stream(21, asyncio.get_running_loop(), asyncio.Queue(), set(), 0, 1, 3, 9)
+        gw._streams[21] = s
+        out = gw.tokens(s)
+        gw._on_tokens(tokens(21, 0, [4, 5], figures(8, 1, 2)), None)
+        assert (await out.__anext__())[0] == [4, 5]
+        gw._on_tokens(tokens(21, 2, [6], figures(12, 2, 3)), None)  # the attempt's figures so far
+        assert (await out.__anext__())[0] == [6] and s.emitted == [4, 5, 6]
+        gw._fail(s, "node dc of its replica died")
+
+        async def rest() -> list:
+            return [t async for t in out]
+        resumed = asyncio.ensure_future(rest())  # the client reads on: the gateway resumes the request
+        while s.seq == 21:
+            await asyncio.sleep(0.01)
+        gw._on_tokens(tokens(22, 3, [7, 8], figures(4, 3, 1), finished=True), None)
+        assert await resumed == [([7, 8], "stop")]
+        return s
+
+    s = asyncio.run(asyncio.wait_for(run(), 30))
+    assert s.attempts == 2 and s.spec is not None, s
+    assert (s.spec["drafted"], s.spec["accepted"], s.spec["blocks"]) == (16, 5, 4), s.spec
+    assert s.spec["gamma_histogram"] == {"4": 4} and s.spec["per_position"] == {"1": 5}, s.spec
+
+
 def test_a_kv_reservation_at_a_leader_seen_dead_fails_at_once():
     """A request routed to a decode replica whose leader had just died (not yet seen dead) waited
     RESERVE_TIMEOUT_S (x time_scale: 10 s at time_scale 2) for an answer that could not come,

@@ -41,7 +41,7 @@ from meshllm.roles.batcher import decode_charge
 from meshllm.roles.context import PlanContext
 from meshllm.roles.coordinator import live_plan_inputs
 from meshllm.roles.kv_book import KvBook, KvDenied
-from meshllm.roles.metrics import GatewayMetrics
+from meshllm.roles.metrics import GatewayMetrics, summed
 from meshllm.roles.model_info import ModelInfo
 from meshllm.roles.route_view import RequestError, RouterView, Stream, kv_fit
 from meshllm.sim.replica import from_plan
@@ -298,6 +298,7 @@ class Gateway:
             s.gap_from = s.gap_from or s.last_token_at or s.started
         self.close_stream(s, "resumed", release=True, count=False)
         s.attempts += 1
+        s.spec_before = s.spec  # what the ended attempts verified stays the request's
         self.metrics.resumes.inc()
         t0 = time.monotonic()
         deadline = t0 + RESUME_WAIT_S * self.time_scale
@@ -384,8 +385,8 @@ class Gateway:
             return
         if isinstance(msg.fields.get("queue_ms"), (int, float)):
             s.queue_ms += msg["queue_ms"]
-        if isinstance(msg.fields.get("spec"), dict):
-            s.spec = msg["spec"]
+        if isinstance(msg.fields.get("spec"), dict):  # the attempt's figures so far
+            s.spec = summed(s.spec_before, msg["spec"])
         if "moved_to" in msg.fields and s.next_index > s.offset_at_dispatch:
             self._follow(s, msg["moved_to"])
         if not toks:

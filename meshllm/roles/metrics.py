@@ -15,6 +15,21 @@ log = logging.getLogger("meshllm.metrics")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+def summed(before: dict | None, now: dict) -> dict:
+    """A request's drafting figures: its ended attempts' (`before`) and the current one's (`now`,
+    as its leader sends them). Figures a leader sent malformed are the current attempt's alone (the
+    count at the finish then leaves them out, with its warning)."""
+    if not before:
+        return now
+    try:
+        both = AcceptanceStats()
+        both.merge(before)
+        both.merge(now)
+    except (TypeError, ValueError, AttributeError):
+        return now
+    return both.to_json()
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()

@@ -55,7 +55,8 @@ class Stream:
     pending: dict[int, tuple[list[int], bool, str | None]] = field(default_factory=dict)
     first_at: float | None = None
     queue_ms: float = 0.0
-    spec: dict | None = None  # the session's acceptance figures (speculative decoding)
+    spec: dict | None = None  # the request's acceptance figures (speculative decoding), every attempt's
+    spec_before: dict | None = None  # those of its attempts before the current one (a resume starts afresh)
     drafter: str = ""
     kv_charge: int = 0  # KV positions its attempt may come to on its decode replica (roles/batcher.py)
     dead_seen: int = 0  # the attempt (seq) already told that a node of its replicas died (Gateway.on_deaths)
