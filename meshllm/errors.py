@@ -20,7 +20,7 @@ class ModelFileError(InputError):
 def number_hint(v: object) -> str:
     """For a config number that YAML read as text: why (YAML 1.1 takes `1e30` for a string; `1.0e30`
     is a number), else ""."""
-    if isinstance(v, str):
+    if isinstance(v, str) and "e" in v.lower() and "." not in v:  # not "4" (quoted) nor "inf"
         try:
             float(v)
         except ValueError:

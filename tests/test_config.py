@@ -84,6 +84,14 @@ def test_cluster_errors_name_field(changes, field, problem):
     assert msg.startswith("c.yaml") and field in msg and problem in msg, msg
 
 
+def test_the_yaml_number_hint_is_only_for_an_exponent_without_a_dot():
+    """A quoted "4" got the hint about YAML reading 1e30 as text, which cannot be its cause."""
+    from meshllm.errors import number_hint
+
+    assert number_hint("1e30") and number_hint("2E-3")
+    assert number_hint("4") == number_hint("inf") == number_hint("1.0e30") == number_hint("four") == ""
+
+
 def test_a_draft_group_size_the_model_does_not_split_into_is_a_config_error():
     """draft.group_size 128 on smollm2-135m (dim 576): every drafter failed to build the draft
     (ValueError in its log) and `--cluster` waited 300 s for a mesh that never served."""

@@ -542,10 +542,14 @@ def test_a_meshllm_field_that_is_not_a_mapping_is_a_400_even_when_falsy(smollm2_
     gw = SimpleNamespace(model_name="m", ctx=None, model=SimpleNamespace(tokenizer=smollm2_tokenizer, max_context=8192,
                                                                vocab=smollm2_tokenizer.vocab_size))
     body = {"model": "m", "prompt": "hi", "max_tokens": 4}
-    for bad in (0, False, "", [], 5, {"gama": 2}):
+    for bad in (0, False, "", [], 5):
         with pytest.raises(ApiError) as e:
             parse_params({**body, "meshllm": bad}, gw, chat=False)
         assert (e.value.status, e.value.code) == (400, "invalid_value"), bad
+    with pytest.raises(ApiError) as e:  # an unknown field is named, as a top-level one is (it was not)
+        parse_params({**body, "meshllm": {"gama": 2, "gamma": 2}}, gw, chat=False)
+    assert (e.value.status, e.value.code, e.value.param) == (400, "unknown_parameter", "meshllm.gama"), e.value
+    assert str(e.value).startswith("unrecognized request argument: 'meshllm.gama'"), e.value
     assert parse_params({**body, "meshllm": None}, gw, chat=False).spec_mode is None
     assert parse_params({**body, "meshllm": {"speculation": "off"}}, gw, chat=False).spec_mode == "off"
     for field, bad in (("gamma", 17), ("decode_replica", -1)):  # named within the extension, as its other fields

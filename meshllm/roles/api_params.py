@@ -173,9 +173,14 @@ def _resume(ids: Any, gw: Gateway, max_tokens: int) -> tuple[int, ...]:
 
 def _extension(ext: Any) -> tuple[str | None, int | None, int | None, bool | None]:
     """The `meshllm` field: (speculation mode, gamma, decode replica, adaptive), None where not given."""
-    if not isinstance(ext, dict) or set(ext) - {"speculation", "gamma", "adaptive", "decode_replica", "resume_token_ids"}:
-        raise ApiError(400, "'meshllm' takes speculation, gamma, adaptive, decode_replica and resume_token_ids",
-                       "meshllm", "invalid_value")
+    takes = "'meshllm' takes speculation, gamma, adaptive, decode_replica and resume_token_ids"
+    if not isinstance(ext, dict):
+        raise ApiError(400, f"{takes}: an object, got {type(ext).__name__}", "meshllm", "invalid_value")
+    unknown = sorted(set(ext) - {"speculation", "gamma", "adaptive", "decode_replica", "resume_token_ids"})
+    if unknown:  # named, as a top-level one is
+        raise ApiError(400, f"unrecognized request argument{'s' * (len(unknown) > 1)}: "
+                            f"{', '.join(repr(f'meshllm.{k}') for k in unknown[:8])} ({takes})",
+                       f"meshllm.{unknown[0]}", "unknown_parameter")
     adaptive = ext.get("adaptive")
     if adaptive is not None and not isinstance(adaptive, bool):
         raise ApiError(400, "meshllm.adaptive must be true or false", "meshllm.adaptive", "invalid_value")
@@ -219,7 +224,7 @@ def _chat_ids(body: dict, gw: Gateway) -> list[int]:
         role = {"developer": "system"}.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None
         if role not in ("system", "user", "assistant") or not isinstance(content, str):
             raise ApiError(400, f"messages[{i}] must be {{role: system|developer|user|assistant, content: a string "
-                                "or a list of text parts}}", f"messages[{i}]", "invalid_value")
+                                "or a list of text parts}", f"messages[{i}]", "invalid_value")
         clean.append({"role": role, "content": content})
     try:
         return gw.model.tokenizer.encode(gw.model.tokenizer.render_chat(clean))
