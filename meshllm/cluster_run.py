@@ -154,8 +154,12 @@ def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, for
     """The BRIEF's `--cluster` JSON: results, metrics (with each node's memory and traffic) and the
     plan the mesh actually served."""
     _, live = http_json(f"http://{cluster.gateway}/v1/plan", headers=cluster.api_headers)
-    nodes = {}
+    nodes, dead = {}, cluster.dead()
     for n in cfg.nodes:
+        if n.id in dead:  # killed by a fault and not restarted: asking would only wait out the timeout
+            log.info("node %s has exited (code %s); its figures are left out of the report", n.id,
+                     cluster.procs[n.id].returncode)
+            continue
         try:
             st = cluster.status(n.id, 5.0)
         except (TimeoutError, RuntimeError) as e:  # dead (a fault), or too busy to answer: the report goes on

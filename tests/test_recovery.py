@@ -30,7 +30,7 @@ MAX_TOKENS = 32
 def run_with_faults(*faults: str) -> dict:
     r = run_cli("--cluster", str(CLUSTER), "--json", "--max-tokens", str(MAX_TOKENS), *faults, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout)
+    return {**json.loads(r.stdout), "stderr": r.stderr}
 
 
 def check(out: dict, model, tok) -> list[float]:
@@ -59,6 +59,10 @@ def test_stage_coordinator_prefill_and_drafter_deaths_lose_nothing(seed, smollm2
     assert [f["node"] for f in out["faults"]] == [faults[1].split("@")[0], faults[3].split("@")[0]]
     gaps = check(out, smollm2, smollm2_tokenizer)
     assert all(g < 60_000 for g in gaps), "a pause, not a hang"
+    killed = {faults[1].split("@")[0], faults[3].split("@")[0]}
+    # the report leaves the killed nodes out without asking them (it waited 5 s for each answer)
+    assert not killed & set(out["metrics"]["nodes"]) and "no status for the report" not in out["stderr"], \
+        out["stderr"][-3000:]
     if seed == 2:
         assert len(out["mesh"]["gateways"]) == 2 and out["metrics"]["resumed_requests"] >= 1, out["metrics"]
         # the client sent the output it had to fog-4's gateway, which went on after it (it used to
