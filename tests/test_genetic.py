@@ -151,3 +151,44 @@ def test_200_devices_80_layers_plan():
     assert inp.args.n_layers == 80 and len(inp.nodes) == 200
     plan = plan_cluster(inp, log=False)
     assert plan.replicas and plan.capacity_req_s > 0
+
+
+SLOW_ZONES = {
+    "model": "llama-3-8b",
+    "nodes": [
+        {"id": "a1", "device": "desktop-rtx-3060-12gb", "zone": "A"},
+        {"id": "a2", "device": "desktop-rtx-3060-12gb", "zone": "A"},
+        {"id": "b1", "device": "jetson-orin-nx-16gb", "zone": "B"},
+        {"id": "b2", "device": "mac-mini-m2", "zone": "B"},
+        {"id": "c1", "device": "intel-nuc-13-i7", "zone": "C"},
+        {"id": "c2", "device": "jetson-agx-orin-64gb", "zone": "C"},
+    ],
+    "links": [{"zones": ["A", "B"], "rtt_ms": 200, "bandwidth_mbps": 1},
+              {"zones": ["B", "C"], "rtt_ms": 300, "bandwidth_mbps": 0.5},
+              {"zones": ["A", "C"], "rtt_ms": 500, "bandwidth_mbps": 0.1}],
+    "workload": {"arrival_rate_per_s": 0.5, "input_tokens": {"mean": 512}, "output_tokens": {"mean": 128}},
+}
+
+
+def test_roles_that_ship_kv_over_a_slow_zone_link_lose_to_every_replica_mixed():
+    """assign_roles rates the ports only; the shared zone links cap its pick afterwards. Here it
+    made the two zones' pairs prefill for mixed replicas in the third zone, across links of 0.1-1
+    Mb/s: capacity 0.0003 req/s with the Jetson AGX Orin as a replica of its own, so the plan left
+    that device (the zone's strongest) out at 2.60 req/s, where every replica mixed serves 4.57."""
+    from meshllm.config import parse_cluster, plan_inputs
+    from meshllm.partition.capacity import capacity, role_rates
+    from meshllm.partition.grouping import Grouping
+    from meshllm.partition.plan import plan_cluster, planner_evaluator
+
+    inp = plan_inputs(parse_cluster(SLOW_ZONES, "test"))
+    ev = planner_evaluator(inp)
+    ids = [m.id for m in ev.members]
+    genes = [{"a1": 0, "a2": 0, "b1": 1, "b2": 1, "c1": 2, "c2": 3}[i] for i in ids]
+    g = ev.decode(genes)
+    mixed = ("mixed",) * len(g.groups)
+    every_mixed = ev.with_links(Grouping(g.groups, mixed, g.evals, capacity(role_rates(g.evals), mixed)[0]))
+    assert every_mixed.fitness > 4
+    assert g.fitness >= every_mixed.fitness * (1 - 1e-9)
+    plan = plan_cluster(inp, log=False)
+    assert {s.node for r in plan.replicas for s in r.stages} >= {"c2"}
+    assert plan.capacity_req_s >= every_mixed.fitness * (1 - 1e-9)
