@@ -91,3 +91,20 @@ def test_mixed_backlog_prompts_share_steps(node):
     pred, sim = ev.latency(g, rate), metrics(sweep.simulate(reps, sweep.make_trace(inp, 4000, 0), rate))
     assert 0.0 <= pred.wait_s < pred.e2e_s < 1.5 * sim["mean_e2e_ms"] / 1000
     assert pred.e2e_s >= 0.65 * sim["mean_e2e_ms"] / 1000
+
+
+@pytest.mark.parametrize("rate", [1e-20, 1e-100, 1e-300])
+def test_prediction_at_a_vanishing_rate_is_the_idle_one(rate):
+    """split_load's bisection leaves the loads ~2^-50 of the capacity off lam; predict() divides
+    by lam, so `--plan --rate 1e-20` predicted a TTFT of 6.7e7 ms (1e-100: 6.7e87) for 87 ms."""
+    from meshllm.partition.genetic import evolve_plan
+    from meshllm.partition.latency import split_load
+
+    inp = small_inputs()
+    ev = planner_evaluator(inp)
+    g = evolve_plan(ev, 1.0, seed=0, log=False).best
+    idle, tiny = ev.latency(g, 1e-6), ev.latency(g, rate)
+    assert tiny.ttft_s == pytest.approx(idle.ttft_s, rel=1e-3)
+    assert tiny.e2e_s == pytest.approx(idle.e2e_s, rel=1e-3)
+    assert tiny.wait_s <= idle.wait_s + 1e-9
+    assert sum(split_load([1.0, 2.0], [5.0, 7.0], rate)) == pytest.approx(rate, rel=1e-9)

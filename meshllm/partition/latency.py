@@ -129,7 +129,12 @@ def split_load(costs: Sequence[float], caps: Sequence[float], lam: float) -> lis
     for _ in range(50):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if total(mid) < lam else (lo, mid)
-    return [h * max(0.0, 1 - c / hi) for c, h in zip(costs, caps)]
+    loads = [h * max(0.0, 1 - c / hi) for c, h in zip(costs, caps)]
+    # the level is found to ~2^-50 of itself, so the loads to ~2^-50 of the capacity: at a rate
+    # far below that (--rate 1e-20) they summed to ~1e-15 req/s, which predict() divides by the
+    # rate (a TTFT of 6.7e7 ms for 87 ms); scaled to add up to lam exactly
+    got = sum(loads)
+    return [x * lam / got for x in loads] if got > 0 else loads
 
 
 def predict(evals: Sequence[ReplicaEval], roles: Sequence[str], lam: float, mix: Mix,
