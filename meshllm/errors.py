@@ -18,12 +18,24 @@ class ModelFileError(InputError):
 
 
 def number_hint(v: object) -> str:
-    """For a config number that YAML read as text: why (YAML 1.1 takes `1e30` for a string; `1.0e30`
-    is a number), else ""."""
-    if isinstance(v, str) and "e" in v.lower() and "." not in v:  # not "4" (quoted) nor "inf"
-        try:
-            float(v)
-        except ValueError:
-            return ""
-        return " (YAML reads a number such as 1e30 without a dot as text: write 1.0e30)"
-    return ""
+    """For a config number that YAML read as text: why, and the spelling YAML 1.1 reads as a number
+    (its floats need a dot and a signed exponent: `1e30`, `1.0e30` and `1.0e6` are all strings,
+    `1.0e+30` is a number), else ""."""
+    if not isinstance(v, str):
+        return ""
+    try:
+        x = float(v)
+    except ValueError:
+        return ""
+    if x != x or x in (float("inf"), float("-inf")):
+        return ""  # 'nan', 'inf': not a finite number either way
+    text = v.strip()
+    mantissa, e, exponent = text.lower().partition("e")
+    if not e:
+        return f" (quoted, a number is text in YAML: write {text} without quotes)"
+    if "." not in mantissa:
+        mantissa += ".0"
+    if exponent[:1] not in ("+", "-"):
+        exponent = "+" + exponent
+    return f" (YAML 1.1 reads a number with an exponent as text unless it has a dot and a signed exponent: " \
+           f"write {mantissa}e{exponent})"

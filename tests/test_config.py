@@ -72,10 +72,14 @@ def test_valid_cluster_defaults():
     # the API refuses more than 2 (every request of the run was a 400, after the mesh started)
     ({"workload": {"temperature": 5}}, "workload.temperature", "in [0, 2]"),
     ({"nodes__0__device": "../clusters/demo"}, "nodes[0]: device", "unknown device '../clusters/demo'"),
-    # YAML 1.1 reads 1e30 (no dot) as text: the message said only "got '1e30'"
+    # YAML 1.1 reads 1e30 (no dot) as text: the message said only "got '1e30'"; then it said
+    # "write 1.0e30", which YAML 1.1 reads as text too (it wants a signed exponent: 1.0e+30)
     ({"nodes__0__device": {**DEV, "memory_bandwidth_gbps": "1e30"}}, "device.memory_bandwidth_gbps",
-     "got '1e30' (YAML reads a number such as 1e30 without a dot as text: write 1.0e30)"),
-    ({"workload": {"arrival_rate_per_s": "2e3"}}, "workload.arrival_rate_per_s", "write 1.0e30"),
+     "got '1e30' (YAML 1.1 reads a number with an exponent as text unless it has a dot and a signed "
+     "exponent: write 1.0e+30)"),
+    ({"workload": {"arrival_rate_per_s": "2e3"}}, "workload.arrival_rate_per_s", "write 2.0e+3)"),
+    ({"workload": {"arrival_rate_per_s": "1.0e6"}}, "workload.arrival_rate_per_s", "write 1.0e+6)"),
+    ({"workload": {"arrival_rate_per_s": "20"}}, "workload.arrival_rate_per_s", "write 20 without quotes"),
 ])
 def test_cluster_errors_name_field(changes, field, problem):
     with pytest.raises(ConfigError) as e:
@@ -85,11 +89,12 @@ def test_cluster_errors_name_field(changes, field, problem):
 
 
 def test_the_yaml_number_hint_is_only_for_an_exponent_without_a_dot():
-    """A quoted "4" got the hint about YAML reading 1e30 as text, which cannot be its cause."""
+    """A quoted "4" got the hint about YAML reading 1e30 as text, which is not its cause."""
     from meshllm.errors import number_hint
 
-    assert number_hint("1e30") and number_hint("2E-3")
-    assert number_hint("4") == number_hint("inf") == number_hint("1.0e30") == number_hint("four") == ""
+    assert "write 1.0e+30" in number_hint("1e30") and "write 2.0e-3" in number_hint("2E-3")
+    assert "write 4 without quotes" in number_hint("4") and "1e30" not in number_hint("4")
+    assert number_hint("inf") == number_hint("four") == ""
 
 
 def test_a_draft_group_size_the_model_does_not_split_into_is_a_config_error():
@@ -283,3 +288,17 @@ def test_cli_bad_cluster_file_exit_2(tmp_path):
     r = run_cli("--plan", str(p))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "c.yaml" in r.stderr and "toaster-9000" in r.stderr
+
+
+@pytest.mark.parametrize("text", ["1e30", "1.0e30", "1.0e6", "2E3", ".5e3", "1e-6", "-3e2"])
+def test_the_number_hint_spells_a_number_yaml_reads_as_one(text):
+    """The hint said "write 1.0e30", which PyYAML (YAML 1.1) also reads as the string '1.0e30'."""
+    import re
+
+    import yaml
+
+    from meshllm.errors import number_hint
+
+    assert isinstance(yaml.safe_load(f"x: {text}")["x"], str)
+    spelled = re.search(r"write (\S+)\)$", number_hint(text)).group(1)
+    assert yaml.safe_load(f"x: {spelled}")["x"] == pytest.approx(float(text))
