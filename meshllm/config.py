@@ -99,6 +99,7 @@ class ClusterConfig:
 
 
 # -- helpers ------------------------------------------------------------------------------
+MAX_WORKLOAD_REQUESTS = 100_000  # a run or a --simulate trace larger than this would run for hours
 MAX_YAML_BYTES = 16 << 20  # any configuration or key file: a cluster of thousands of nodes is well under 1 MiB
 
 
@@ -370,7 +371,7 @@ def _workload(d: Any, src: str) -> Workload:
                             integer=True)),
         temperature=float(_num(d.get("temperature", 0.0), src, "workload.temperature", hi=MAX_TEMPERATURE)),
         arrival_rate_per_s=float(_num(d.get("arrival_rate_per_s", 0.0), src, "workload.arrival_rate_per_s")),
-        requests=int(_num(d.get("requests", 0), src, "workload.requests", integer=True)),
+        requests=int(_num(d.get("requests", 0), src, "workload.requests", integer=True, hi=MAX_WORKLOAD_REQUESTS)),
         input_tokens=_dist(d.get("input_tokens"), src, "workload.input_tokens", 512),
         output_tokens=_dist(d.get("output_tokens"), src, "workload.output_tokens", 128),
     )

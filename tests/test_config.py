@@ -57,6 +57,8 @@ def test_valid_cluster_defaults():
     ({"draft": {"group_size": 96}}, "draft.group_size", "must be one of 32, 64, 128, 256"),  # torch's int4 kernel
     ({"speculation": {"mode": "eager"}}, "speculation.mode", "must be one of"),
     ({"workload": {"max_tokens": 0}}, "workload.max_tokens", ">= 1"),
+    # 10**12 was taken: --simulate ran a trace that long until killed, saying nothing
+    ({"workload": {"requests": 10 ** 12}}, "workload.requests", "in [0, 100000]"),
     ({"workload": {"input_tokens": {"mean": 5, "dist": "zipf"}}}, "workload.input_tokens.dist", "zipf"),
     ({"nodes": []}, "nodes", "non-empty"),
     # a node id names the node's file in an emulation (x/y crashed --cluster, exit 1), its mDNS

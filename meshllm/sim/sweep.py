@@ -262,7 +262,8 @@ def simulate_policies(inp: PlanInputs, rate: float | None = None, seed: int = 0,
     rate = inp.rate_per_s if rate is None else rate
     bound = bound_rate_per_s(inp, [(a, b) for _, a, b in make_trace(inp, max(sweep_requests, 1000), seed)])
     policies = build_policies(inp, seed, names, rate, sweep_requests)
-    progress(f"built {', '.join(policies)} (meshllm planned for {rate:g} req/s with the simulator as its judge)")
+    progress(f"built {', '.join(policies)} (meshllm planned for "
+             f"{f'{rate:g} req/s' if rate > 0 else 'capacity'} with the simulator as its judge)")
     capacity = (build_policies(inp, seed, ("meshllm",), 0.0, sweep_requests)["meshllm"]
                 if "meshllm" in names and rate > 0 else None)
     if capacity is not None:
