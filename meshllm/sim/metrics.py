@@ -21,7 +21,7 @@ meshllm's simulated saturation is 871-889 req/s). The decode FLOPs of a request 
 layers' only, as those steps count them (the LM head's FLOPs ride along as its weights are left
 out: counted per request, they put the bound 7 % below the decode step the simulator costs on a
 llama-3-8b device where decode memory binds). On every cluster in clusters/ the decode-memory
-rate is 1.5-5.1x the FLOPs one, so the FLOPs bound binds. Every relaxation is on the bound's side
+rate is 1.5-4.9x the FLOPs one, so the FLOPs bound binds. Every relaxation is on the bound's side
 (the KV of a sequence at its mean decode context, no embedding or head weights, no pipeline
 bubbles, links or KV shipping). No plan can beat it; each policy's saturation is reported as
 a fraction of it.
