@@ -410,7 +410,8 @@ def test_a_handoff_s_drafting_figures_are_taken_and_bad_ones_dropped():
             "2": 2, "3": 1, "4": 1}, "gamma_histogram": {"2": 1, "4": 1}, "ahead_blocks": 1, "stale_blocks": 2}
     acks.on_handoff(handoff(40, spec=spec), 100)
     assert lead.seqs[40].spec.to_json() == spec
-    for i, bad in enumerate(("x", {"drafted": "many"}, {"per_position": {"a": 1}}, [1, 2])):
+    for i, bad in enumerate(("x", {"drafted": "many"}, {"per_position": {"a": 1}}, [1, 2],
+                             {"drafted": float("inf")}, {"blocks": -3}, {"gamma_histogram": {"4": float("-inf")}})):
         acks.on_handoff(handoff(50 + i, spec=bad), 100)
         assert lead.seqs[50 + i].spec.blocks == 0 and lead.seqs[50 + i].spec.drafted == 0
     acks.on_handoff(handoff(60), 100)

@@ -1261,3 +1261,19 @@ def test_a_kv_reservation_at_a_leader_seen_dead_fails_at_once():
 
     assert asyncio.run(reserve()) == "replica 1's leader dc died"
     gw.kv.ask_pool.shutdown(wait=False)
+
+
+def test_drafting_figures_that_are_not_finite_or_are_negative_are_left_out_not_a_crash():
+    """A leader's figures are another node's input: msgpack carries a float infinity, which int()
+    refused with OverflowError, which neither `summed` (each TOKENS of a resumed request) nor the
+    count at the finish caught, nor did a negative count, which a Prometheus counter refuses later
+    in close_stream: the handler crashed and the stream's leaders were never released."""
+    from meshllm.roles.metrics import GatewayMetrics, summed
+
+    good = {"drafted": 4, "accepted": 2, "blocks": 1}
+    for bad in ({"drafted": float("inf")}, {"blocks": -1}, {"gamma_histogram": {"4": float("nan")}},
+                {"per_position": {"1": -2}}):
+        assert summed(good, bad) is bad  # the current attempt's own, as for any malformed figures
+        m = GatewayMetrics()
+        m.finished("ok", bad)  # not counted, with a warning
+        assert m.spec.drafted == 0 and m.spec.blocks == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -174,16 +175,30 @@ class AcceptanceStats:
                 "ahead_blocks": self.ahead, "stale_blocks": self.stale}
 
     def merge(self, other: dict) -> None:
-        """Add another session's `to_json()` (integers only; bad input is ignored by the caller)."""
-        self.drafted += int(other.get("drafted", 0))
-        self.accepted += int(other.get("accepted", 0))
-        self.blocks += int(other.get("blocks", 0))
-        self.ahead += int(other.get("ahead_blocks", 0))
-        self.stale += int(other.get("stale_blocks", 0))
+        """Add another session's `to_json()` (non-negative integers only: anything else raises
+        TypeError, ValueError or AttributeError, and bad input is ignored by the caller)."""
+        self.drafted += _count(other.get("drafted", 0))
+        self.accepted += _count(other.get("accepted", 0))
+        self.blocks += _count(other.get("blocks", 0))
+        self.ahead += _count(other.get("ahead_blocks", 0))
+        self.stale += _count(other.get("stale_blocks", 0))
         for src, dst in ((other.get("per_position", {}), self.per_position), (other.get("offered", {}), self.offered),
                          (other.get("gamma_histogram", {}), self.gammas)):
             for k, v in src.items():
-                dst[int(k)] += int(v)
+                dst[int(k)] += _count(v)
+
+
+def _count(v: Any) -> int:
+    """A figure of another node's `to_json()`: a float infinity (msgpack carries one) would raise
+    OverflowError, which no caller catches, and a negative count would later make a Prometheus
+    counter raise in the gateway's close_stream; both are ValueError here."""
+    try:
+        n = int(v)
+    except OverflowError:
+        raise ValueError(f"figure {v!r} is not finite") from None
+    if n < 0:
+        raise ValueError(f"figure {v!r} is negative")
+    return n
 
 
 # -- proactive branches (roles/drafter.py) ----------------------------------------------------------
