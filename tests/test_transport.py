@@ -349,3 +349,34 @@ def test_the_transport_bench_runs_on_the_wire_s_own_messages():
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "cross-zone" in r.stdout and "  4 KB |" in r.stdout and "  1 MB |" in r.stdout, r.stdout
+
+
+def test_recv_frames_reads_every_part_where_frames_carry_no_more_flag(monkeypatch) -> None:
+    """pyzmq's CFFI backend never sets a received Frame's `more` (its class's False stays):
+    recv_frames, which read that flag, returned a multipart message's first frame alone (a ROUTER's
+    identity frame) and left the rest to be read as messages of their own."""
+    from meshllm.mesh import sockets
+
+    assert sockets._FRAME_MORE == zmq.backend.Socket.__module__.startswith("zmq.backend.cython")
+
+    class CffiLike(zmq.Socket):  # the CFFI backend's recv(copy=False), on the Cython backend
+        def recv(self, flags=0, copy=True, track=False):
+            frame = super().recv(flags, copy=copy, track=track)
+            if not copy:
+                frame.more = False
+            return frame
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR, socket_class=CffiLike), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://recv-frames")
+        b.connect("inproc://recv-frames")
+        monkeypatch.setattr(sockets, "_FRAME_MORE", False, raising=False)  # as on the CFFI backend
+        b.send_multipart([b"one", b"two", b"three"])
+        b.send(b"four")
+        assert [bytes(f) for f in sockets.recv_frames(a)] == [b"one", b"two", b"three"]
+        assert [bytes(f) for f in sockets.recv_frames(a)] == [b"four"]
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()

@@ -54,13 +54,24 @@ def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
     send(frames[last], flags, copy=False)
 
 
+# pyzmq's Cython backend sets a received Frame's `more`; its CFFI backend (PyPy, PYZMQ_BACKEND=cffi)
+# never does (the class's False stays), so there each frame's RCVMORE is asked for, as recv_multipart does
+_FRAME_MORE = zmq.backend.Socket.__module__.startswith("zmq.backend.cython")
+_RCVMORE = int(zmq.RCVMORE)
+
+
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
-    """`sock.recv_multipart(flags, copy=False)`, reading each frame's `more` flag (which pyzmq sets
-    as it receives it) instead of a getsockopt(RCVMORE) call per frame. The parts of a multipart
-    message arrive together, so only the first recv can block or raise zmq.Again."""
+    """`sock.recv_multipart(flags, copy=False)`, reading each frame's `more` flag (which pyzmq's
+    Cython backend sets as it receives it) instead of a getsockopt(RCVMORE) call per frame. The
+    parts of a multipart message arrive together, so only the first recv can block or raise
+    zmq.Again."""
     recv = sock.recv
     frame = recv(flags, copy=False)
     frames = [frame]
+    if not _FRAME_MORE:
+        while sock.getsockopt(_RCVMORE):
+            frames.append(recv(flags, copy=False))
+        return frames
     while frame.more:
         frame = recv(flags, copy=False)
         frames.append(frame)
