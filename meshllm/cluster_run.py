@@ -156,9 +156,9 @@ def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, for
     _, live = http_json(f"http://{cluster.gateway}/v1/plan", headers=cluster.api_headers)
     nodes, dead = {}, cluster.dead()
     for n in cfg.nodes:
-        if n.id in dead:  # killed by a fault and not restarted: asking would only wait out the timeout
-            log.info("node %s has exited (code %s); its figures are left out of the report", n.id,
-                     cluster.procs[n.id].returncode)
+        if n.id in dead:  # killed by a fault (or crashed) and not restarted: asking would only wait out the timeout
+            log.warning("node %s has exited (code %s); its figures are left out of the report", n.id,
+                        cluster.procs[n.id].returncode)
             continue
         try:
             st = cluster.status(n.id, 5.0)
