@@ -201,15 +201,6 @@ class Evaluator:
             return Grouping(tuple(groups), got[0], tuple(evals), got[1], None, got[2])
         fit, roles = assign_roles(rates, forced)
         g = self.with_links(Grouping(tuple(groups), tuple(roles), tuple(evals), fit), rates)
-        if g.fitness < fit and any(r != "mixed" and f is None for r, f in zip(roles, forced, strict=True)):
-            # assign_roles rates the ports only: where a shared zone link caps the roles it chose
-            # (KV shipped across a slow link), every free replica mixed may sustain more
-            every_mixed = tuple(f or "mixed" for f in forced)
-            if all(e.mixed is not None for e, f in zip(evals, forced, strict=True) if f is None):
-                alt = self.with_links(Grouping(tuple(groups), every_mixed, tuple(evals),
-                                               capacity(rates, every_mixed)[0]), rates)
-                if alt.fitness > g.fitness * (1 + 1e-12):
-                    g = alt
         if len(self.roles_cache) >= ROLES_CACHE:
             self.roles_cache.clear()
         self.roles_cache[sig] = (g.roles, g.fitness, g.link_req_s)
