@@ -41,7 +41,13 @@ from meshllm.partition.genetic import evolve_plan  # noqa: E402
 from meshllm.partition.grouping import greedy_genes  # noqa: E402
 from meshllm.partition.plan import PlanInfeasible, plan_cluster, planner_evaluator  # noqa: E402
 from meshllm.sim import sweep  # noqa: E402
-from meshllm.sim.metrics import bound_rate_per_s, decode_memory_rate_per_s, metrics  # noqa: E402
+from meshllm.sim.metrics import (  # noqa: E402
+    bound_rate_per_s,
+    decode_memory_rate_per_s,
+    flops_rate_per_s,
+    metrics,
+    prefill_rate_per_s,
+)
 
 BENCH = ("bench-edge-8b", "bench-fog-40-8b", "bench-fog-70b", "bench-mesh-200", "bench-six-7b")
 SMALL = ("demo", "failure", "mesh-six", "multi-tenant", "wan")
@@ -90,7 +96,8 @@ def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_
     planner_s = time.perf_counter() - t0
     lengths = [(a, b) for _, a, b in sweep.make_trace(inp, 2000, seed)]
     bound = bound_rate_per_s(inp, lengths)
-    memory = decode_memory_rate_per_s(inp, lengths)  # the roofline's other cap (metrics.py)
+    memory = decode_memory_rate_per_s(inp, lengths)  # the roofline's other caps (metrics.py)
+    caps = dict(bound_flops=flops_rate_per_s(inp, lengths), bound_prefill=prefill_rate_per_s(inp, lengths))
     # the stability rule on one trace is noisy (one policy: 16.0 to 18.3 req/s over four traces), so a
     # policy's saturation is the mean over `seeds` traces (seed, seed + 1, ...)
     swept = [p for p, pol in pols.items() if pol.replicas and p in SWEPT]
@@ -99,7 +106,7 @@ def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_
     runs = {p: [next(got) for _ in range(seeds)] if p in swept else [0.0] for p in pols}
     sat = {p: sum(xs) / len(xs) for p, xs in runs.items()}
     res = dict(name=name, model=cfg.model, devices=len(cfg.nodes), rate=inp.rate_per_s, bound=bound,
-               bound_decode_memory=memory, sat=sat,
+               bound_decode_memory=memory, **caps, sat=sat,
                sat_runs=runs,
                planner_s=planner_s, replicas={p: len(pol.replicas) for p, pol in pols.items()},
                idle={p: len(pol.idle) for p, pol in pols.items()}, loads={})
@@ -130,7 +137,12 @@ def verdict(ok: bool) -> str:
 def print_cluster(res: dict) -> None:
     print(f"\n## {res['name']}: {res['devices']} devices, {res['model']}, file rate {res['rate']:g} req/s, "
           f"bound {res['bound']:.3f} req/s, policies built in {res['planner_s']:.1f} s")
-    if "bound_decode_memory" in res:
+    if "bound_flops" in res:  # each cap of metrics.py; the lowest is the bound
+        caps = {"all FLOPs at the devices' compute": res["bound_flops"],
+                "decode at its devices' memory-bound best step": res["bound_decode_memory"],
+                "the prompts' FLOPs at the compute of the devices that may prefill": res["bound_prefill"]}
+        print("bound   " + "; ".join(f"{k}: {v:.3f} req/s ({v / res['bound']:.2f}x)" for k, v in caps.items()))
+    elif "bound_decode_memory" in res:
         print(f"bound   all FLOPs at the devices' compute; decode at their memory-bound best step alone would allow "
               f"{res['bound_decode_memory']:.3f} req/s ({res['bound_decode_memory'] / res['bound']:.2f}x)")
     print(f"{'policy':12s} {'replicas':>8s} {'idle':>5s} {'sat req/s':>10s} {'of bound':>9s}  per trace")

@@ -25,6 +25,8 @@ STAGE_ROLES = (Role.PREFILL, Role.DECODE)  # a node allowed either may hold a st
 DECODE_TARGETS = (Role.DECODE, Role.MIXED)  # replicas a prefill replica may ship a prompt's KV to
 REPLICA_ROLES = (Role.PREFILL, Role.DECODE, Role.MIXED)
 
+TOKEN_BUDGET = 256  # rows per micro-batch, decodes first, then prompt chunks (chunked prefill; several prompts)
+
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_TOKENS = 48
 

@@ -197,25 +197,30 @@ def test_plan_judge_prints_the_plan_simulate_runs():
     assert json.loads(run_cli("--plan", str(path), "--json").stdout)["simulated"] == {}  # the search alone
 
 
-def test_coordinator_plans_with_the_judge_when_its_node_file_asks():
+def test_coordinator_plans_with_the_judge_when_its_node_file_asks(monkeypatch):
     """roles/coordinator.py `plan_for`: with `plan_judge` the live plan is the simulator's pick (on
     failure.yaml 4 replicas, 2 prefill and 2 decode, within the nodes' roles:), without it the
-    search's (3 replicas), as `--plan` prints each."""
+    search's, as `--plan` prints each. (There the two are the same plan: the simulator's judge
+    is asked only for the first.)"""
     from dataclasses import replace
 
     from meshllm.emulate import node_file
     from meshllm.node_config import parse_node
     from meshllm.roles.coordinator import plan_for
-    from meshllm.sim.judge import judged_plan
+    from meshllm.sim import judge
 
+    asked = []
+    real = judge.simulated_judge
+    monkeypatch.setattr(judge, "simulated_judge", lambda *a, **k: asked.append(1) or real(*a, **k))
     cfg = load_cluster(REPO / "clusters" / "failure.yaml")
     inp = plan_inputs(cfg)
     nc = parse_node(node_file(cfg.nodes[0], cfg, "127.0.0.1:7000", "127.0.0.1:7100", judge=True), "n.yaml")
-    judged, plain = plan_for(nc, inp), plan_for(replace(nc, plan_judge=False), inp)
-    assert judged.replicas == judged_plan(inp).replicas
-    assert plain.replicas == plan_cluster(inp, log=False).replicas
+    judged = plan_for(nc, inp)
+    assert asked and judged.replicas == judge.judged_plan(inp).replicas
+    asked.clear()
+    plain = plan_for(replace(nc, plan_judge=False), inp)
+    assert not asked and plain.replicas == plan_cluster(inp, log=False).replicas
     assert sorted(str(r.role) for r in judged.replicas) == ["decode", "decode", "prefill", "prefill"]
-    assert len(plain.replicas) == 3
 
 
 def test_a_drafter_must_hold_the_draft_and_one_fp32_layer_while_it_builds_it():

@@ -14,7 +14,7 @@ from meshllm.partition.dp import Member
 from meshllm.partition.inputs import LengthDist
 from meshllm.partition.queueing import erlang_c, md1_wait, mg1_wait, mgc_wait_approx, mm1_wait, mmc_wait
 from meshllm.shapes import model_args
-from meshllm.sim import router
+from meshllm.sim import router, simulator
 from meshllm.sim.replica import SimReplica
 from meshllm.sim.simulator import Request, Simulator
 from tests.planner_fixtures import small_inputs
@@ -36,9 +36,12 @@ def prefill_servers(c: int, dist: str) -> list[SimReplica]:
 
 @pytest.fixture
 def fcfs(monkeypatch):
-    """The textbook formulas are for first-come-first-served queues: infinite aging makes the
-    replicas' prompt order (router.prompt_priority) first come, first served."""
+    """The textbook formulas are for first-come-first-served queues with one job in service:
+    infinite aging makes the replicas' prompt order (router.prompt_priority) first come, first
+    served, and a micro-batch budget of no tokens makes a prefill replica take one prompt at a
+    time (not the queued prompts that TOKEN_BUDGET holds, which shortens the queue)."""
     monkeypatch.setattr(router, "PROMPT_AGING_TOKENS_PER_S", 1e12)
+    monkeypatch.setattr(simulator, "TOKEN_BUDGET", 0)
 
 
 def run(servers: list[SimReplica], rho: float, seed: int, out: list | None = None) -> tuple[float, float, float, float]:
@@ -95,6 +98,7 @@ def test_shortest_first_matches_the_mg1_formula(rho, monkeypatch):
     load of smaller jobs (Phipps 1956; equal sizes are served in arrival order); averaged over
     the run's own jobs, it is well below the FCFS M/M/1 wait, as is the simulator's."""
     monkeypatch.setattr(router, "PROMPT_AGING_TOKENS_PER_S", 0.0)
+    monkeypatch.setattr(simulator, "TOKEN_BUDGET", 0)  # one job in service (fcfs)
     done: list = []
     servers = prefill_servers(1, "exponential")
     wait, lam, mean_s, _ = run(servers, rho, seed=3, out=done)

@@ -181,6 +181,44 @@ def test_whole_prompts_of_a_queue_share_a_step_as_the_prompt_budget_holds(demo):
     assert sum(n for r in done for _, n in r.gaps) == sum(r.n_out - 1 for r in done)
 
 
+def test_a_prefill_replica_prefills_queued_short_prompts_in_one_micro_batch(demo):
+    """As roles/batcher.py fills a micro-batch's TOKEN_BUDGET rows with the prompts of several
+    sequences, a prefill replica takes the queued prompts whole, in order, as many as the budget
+    holds: forty 12-token prompts queued behind one go in micro-batches of 21 and 19 (two, not
+    forty, one after the other), each reading the stage's weights once. One prompt per micro-batch, the old rule,
+    capped clusters/failure.yaml's prefill Jetson at 301 req/s where its port ships 580."""
+    from meshllm.defaults import TOKEN_BUDGET
+    from meshllm.partition.steps import prefill_batch_stage_s, prefill_stage_s, prompts_per_batch
+
+    _, inp = demo
+    pre = replica(inp, 0, "prefill", ["fog-1"], (30,))
+    dec = replica(inp, 1, "decode", ["fog-2"], (30,))
+    done = Simulator([pre, dec], [Request(0, 0.0, 12, 4)] + [Request(i, 1e-3, 12, 4) for i in range(1, 41)]).run()
+    k = prompts_per_batch(12)
+    assert k == TOKEN_BUDGET // 12 == 21
+    one = pre.prefill_s(12)[0]
+    _, occ, lat = pre.prefill_batch((12,) * k)
+    starts = sorted({r.prefill_start for r in done})
+    assert starts == pytest.approx([0.0, one, one + occ])
+    assert [sum(r.prefill_start == t for r in done) for t in starts] == [1, k, 40 - k]
+    assert occ < 2 * one < k * one  # the weights read once for all
+    assert all(r.first_token == pytest.approx(one + lat) for r in done if r.prefill_start == starts[1])
+    assert all(r.done > r.first_token for r in done)
+    # a prompt over the budget goes alone, whole; one prompt costs what it costs alone, to the bit
+    long = Simulator([pre, dec], [Request(0, 0.0, 300, 4), Request(1, 0.0, 300, 4)]).run()
+    assert long[0].prefill_start != long[1].prefill_start
+    mc, net = inp.mc, inp.net
+    assert prefill_batch_stage_s(mc, pre.members, (30,), net, [12]) == prefill_stage_s(mc, pre.members, (30,), net, 12)
+    # the planner's prefill capacity counts the same micro-batches
+    from meshllm.partition.replica import Mix, evaluate_replica
+
+    fit = evaluate_replica(mc, pre.members, net, Mix(12, 4)).prefill
+    assert fit.compute_req_s == pytest.approx(k / occ)
+    assert fit.occupancy_s == pytest.approx(pre.prefill_s(12)[0])  # one prompt alone: its latency figures
+    assert evaluate_replica(mc, pre.members, net, Mix(300, 4)).prefill.compute_req_s == pytest.approx(
+        1 / pre.prefill_s(300)[0])
+
+
 def test_a_chunk_between_cache_buckets_costs_between_theirs(demo):
     """Step times are cached at chunks of multiples of CHUNK_BUCKET and interpolated between
     them: a compute-bound chunk halfway between two multiples costs more than the lower one
@@ -1271,3 +1309,63 @@ def test_for_capacity_a_re_split_that_gains_alone_is_taken_only_on_the_plans_evi
     alone[roomy] = 3.0 * (1 + turns.KV_ROOM_GAIN)  # not enough alone: never run on the long traces
     assert turns.kv_room_gainers(inp, g, trials.JUDGE_SWEEP_REQUESTS) == []
     assert turns.kv_room_for_capacity(inp, ev, g, 0.0) is g
+
+
+def test_the_bound_keeps_each_device_to_the_phases_its_roles_allow():
+    """A device that its `roles:` keep to decode cannot spend its compute on prompts: it does
+    decode FLOPs at most at its best decode step, and at most as fast as its port brings in the
+    KV of the sequences it decodes. One kept to prefill decodes nothing and ships the KV of every
+    prompt it prefills out of its port. On the fixture with one prefill device and three decode
+    ones (clusters/demo.yaml's shape), the bound falls below the one of the same devices free to
+    run both phases."""
+    from meshllm.partition.cost import flops_per_s, prefill_work
+    from meshllm.sim.metrics import (
+        decode_flops_cap,
+        decode_memory_rate_per_s,
+        device_flops_cap,
+        flops_rate_per_s,
+        prefill_rate_per_s,
+    )
+
+    free = small_inputs()
+    kept = {"fog-1": ["prefill"], "fog-2": ["decode"], "fog-3": ["decode"], "fog-4": ["decode"]}
+    inp = replace(free, nodes=tuple(replace(n, roles=tuple(kept[n.id])) if n.id in kept else n for n in free.nodes))
+    assert inp.forced == ("prefill", "decode", "decode", "decode")
+    lengths = [(16, 32)] * 10
+    mc, ctx = inp.mc, inp.mix.decode_ctx
+    pre = prefill_work(mc, mc.n_layers, 16, True)[0]
+    dec = request_flops(mc, 16, 32) - pre - 31 * mc.head_flops_per_token
+    kv = 16 * mc.n_layers * mc.kv_bytes_per_token  # shipped per request
+    port = [m.device.network_mbps * 1e6 / 8 for m in inp.members]
+    decoding = [min(device_flops_cap(inp, i, ctx), decode_flops_cap(inp, i, ctx), port[i] * dec / kv) for i in (1, 2, 3)]
+    prefilling = min(flops_per_s(inp.members[0].device), port[0] * pre / kv)
+    assert decode_memory_rate_per_s(inp, lengths) == pytest.approx(sum(decoding) / dec)
+    assert prefill_rate_per_s(inp, lengths) == pytest.approx(prefilling / pre)
+    assert flops_rate_per_s(inp, lengths) == pytest.approx((prefilling + sum(decoding)) / request_flops(mc, 16, 32))
+    assert bound_rate_per_s(inp, lengths) == min(flops_rate_per_s(inp, lengths), decode_memory_rate_per_s(inp, lengths),
+                                                 prefill_rate_per_s(inp, lengths)) < bound_rate_per_s(free, lengths)
+    # a port binds: the prefill device's at a tenth of its line rate caps the prompts' rate
+    slow = replace(inp, nodes=tuple(replace(n, device=replace(n.device, network_mbps=n.device.network_mbps / 10))
+                                    if n.id == "fog-1" else n for n in inp.nodes))
+    assert prefill_rate_per_s(slow, lengths) == pytest.approx(port[0] / 10 * pre / kv / pre)
+    assert prefill_rate_per_s(slow, lengths) < prefill_rate_per_s(inp, lengths)
+    # with no `roles:`, the bound is all FLOPs: neither the prompts' own rate nor a port binds
+    assert bound_rate_per_s(free, lengths) == flops_rate_per_s(free, lengths) < prefill_rate_per_s(free, lengths)
+    assert flops_rate_per_s(free, lengths) == pytest.approx(
+        sum(device_flops_cap(free, i, ctx) for i in range(4)) / request_flops(mc, 16, 32))
+
+
+def test_no_policy_sustains_more_than_the_bound_where_roles_keep_devices_to_one_phase():
+    """On clusters/demo.yaml the decode-only devices' memory-bound steps bind, far below all the
+    FLOPs of its devices freed of their `roles:` (which put the bound at 10.7x every policy's
+    saturation there)."""
+    from meshllm.sim.metrics import decode_memory_rate_per_s
+
+    cfg = load_cluster(REPO / "clusters/demo.yaml")
+    inp = plan_inputs(cfg)
+    lifted = replace(inp, nodes=tuple(replace(n, roles=None) if n.id.startswith("fog") else n for n in inp.nodes))
+    lengths = [(a, b) for _, a, b in make_trace(inp, 1000, 0)]
+    assert bound_rate_per_s(inp, lengths) == decode_memory_rate_per_s(inp, lengths) < 0.2 * bound_rate_per_s(lifted, lengths)
+    got = simulate_policies(inp, rate=5.0, seed=0, names=("splitwise",), sweep_requests=300)
+    sat = got["policies"]["splitwise"]["saturation_rate_per_s"]
+    assert 0.5 * got["bound_rate_per_s"] < sat <= got["bound_rate_per_s"] * (1 + BOUND_RESOLUTION)

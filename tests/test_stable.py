@@ -22,29 +22,34 @@ def kept(new: Plan, current: Plan) -> set[int]:
     return {r.id for r in current.replicas if a.unchanged(b, r.id)}
 
 
+def same_work(new: Plan, current: Plan) -> set[int]:
+    """The replicas of `current` whose role and stages `new` has too, under any number."""
+    work = {(r.role, r.stages) for r in new.replicas}
+    return {r.id for r in current.replicas if (r.role, r.stages) in work}
+
+
 def test_a_node_seen_dead_and_back_moves_no_replica_of_the_plans_between():
-    """clusters/failure.yaml: fog-2 decodes, its twin fog-3 is the spare. fog-2 seen dead: the plan
-    without it numbered fog-4's prefill replica 0 (it was 2), which restarted that replica's
-    sequences for nothing; fog-2 back: the plan moved decoding back from fog-3 to fog-2, and every
-    sequence on fog-3 was resumed a second time. Told in the terms of the plan in force, neither
-    re-plan changes a replica that could go on, and what each plan does is the planner's."""
+    """clusters/failure.yaml: fog-2 and fog-3 decode. fog-2 seen dead: the plan without it
+    numbered fog-3's decode replica 2 (it was 3), which would restart that replica's sequences
+    for nothing (fog-4 turns mixed: a new role, which does restart its). Told in the terms of the
+    plan in force, a re-plan changes no replica that could go on, and what each plan does is the
+    planner's; fog-2 back, the same."""
     cfg = load_cluster(REPO / "clusters" / "failure.yaml")
     kinds = {n.id: (n.device.name, n.zone, n.roles) for n in cfg.nodes}
     full = plan_cluster(plan_inputs(cfg), seed=0, log=False)
     without = plan_cluster(plan_inputs(replace(cfg, nodes=tuple(n for n in cfg.nodes if n.id != "fog-2"))),
                            seed=0, log=False)
-    assert kept(without, full) == {1}, "the planner's own numbering: fog-4's replica changed id"
+    going_on = same_work(without, full)
+    assert len(going_on) >= 2 and kept(without, full) < going_on, "the planner's own numbering moves a replica"
     v2 = keep_running(without, full, {n: k for n, k in kinds.items() if n != "fog-2"})
-    assert kept(v2, full) == {r.id for r in full.replicas if "fog-2" not in {s.node for s in r.stages}}
-    assert kept(full, v2) == {1, 2}, "the planner's own plan for fog-2's return moves decoding back"
+    assert kept(v2, full) == going_on
     v3 = keep_running(full, v2, kinds)
-    assert kept(v3, v2) == {r.id for r in v2.replicas}
+    assert kept(v3, v2) == same_work(full, v2)
     for got, planned in ((v2, without), (v3, full)):  # the same plan, told otherwise
         assert sorted((r.role, tuple((kinds[s.node], s.layers) for s in r.stages)) for r in got.replicas) == \
             sorted((r.role, tuple((kinds[s.node], s.layers) for s in r.stages)) for r in planned.replicas)
         assert (got.capacity_req_s, got.prediction, sorted(got.drafters)) == \
             (planned.capacity_req_s, planned.prediction, sorted(planned.drafters))
-    assert "fog-2" in v3.unused and v3.reasons.get("fog-2") == full.reasons.get("fog-3")
 
 
 def test_nodes_of_other_kinds_are_never_swapped_and_pipelines_keep_their_stage_order():

@@ -3,7 +3,8 @@
 A replica is split twice by the DP: once for prefill (a prompt of the mean input length) and
 once for decode (a step at a reference batch). Its capacity in requests/s for each role is
 the lower of
-- compute: prefill 1 / bottleneck; decode tokens/s / mean output length, where decode runs
+- compute: prefill k / bottleneck of a micro-batch of k mean prompts (k = TOKEN_BUDGET // mean,
+  at least 1); decode tokens/s / mean output length, where decode runs
   min(stages, N) micro-batches through the pipeline and N (the concurrent sequences) is what
   every stage's free memory holds at full sequence length;
 - ports (full duplex, cost.py): per request, a device sends (tx) the activations of its stage
@@ -30,7 +31,14 @@ from meshllm.partition.cost import (
     transfer_s,
 )
 from meshllm.partition.dp import Infeasible, Member, Net, Split, Splitter, Workpoint, candidate_orders
-from meshllm.partition.steps import decode_step_s, free_chunk_tokens, pipe_arrays, prefill_stage_s
+from meshllm.partition.steps import (
+    decode_step_s,
+    free_chunk_tokens,
+    pipe_arrays,
+    prefill_batch_stage_s,
+    prefill_stage_s,
+    prompts_per_batch,
+)
 
 # sequences a replica decodes concurrently at most, where their KV fits (vLLM's default max_num_seqs), in
 # the planner and the simulator; the live leader admits MAX_ACTIVE_SEQS (roles/batcher.py: its CPU
@@ -134,7 +142,9 @@ def prefill_fit(mc: ModelCosts, members: Sequence[Member], split: Split, net: Ne
     occupancy, latency = pipeline_s(*prefill_stage_s(mc, seq, split.counts, net, mix.mean_in))
     p = pipe_arrays(seq, split.counts)
     ship = float(transfer_s(p["n"] * mix.mean_in * mc.kv_bytes_per_token, p["port"]).max())
-    compute = 1.0 / occupancy
+    k = prompts_per_batch(mix.mean_in)  # short prompts share a micro-batch's weight reads (sim/simulator.py)
+    compute = 1.0 / occupancy if k == 1 else k / pipeline_s(*prefill_batch_stage_s(
+        mc, seq, split.counts, net, [mix.mean_in] * k))[0]
     ports = port_s(mc, seq, split.counts, mix.mean_in, mix.mean_in, 0.0)
     return RoleFit(split, capped(compute, ports), compute * mix.mean_in, 1, compute, occupancy, latency, ship)
 

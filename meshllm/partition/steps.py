@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from meshllm.defaults import TOKEN_BUDGET
 from meshllm.partition.cost import (
     BITS_PER_BYTE,
     ModelCosts,
@@ -52,6 +53,29 @@ def prefill_stage_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int]
     stages = roofline_at(*prefill_work(mc, p["n"], tokens, p["last"]), p["flop_s"], p["byte_s"])
     hops = half_rtt + transfer_s(tokens * mc.act_bytes_per_token, mbps)
     return stages.ravel().tolist(), hops.ravel().tolist()
+
+
+def prefill_batch_stage_s(mc: ModelCosts, seq: Sequence[Member], counts: Sequence[int], net: Net,
+                          lengths: Sequence[float]) -> tuple[list[float], list[float]]:
+    """(seconds per stage, seconds per link) of the prompts of `lengths` prefilled together in one
+    micro-batch (roles/batcher.py fills TOKEN_BUDGET rows with several prompts): each stage reads
+    its weights once for all of them; each prompt attends to its own tokens only."""
+    if len(lengths) == 1:
+        return prefill_stage_s(mc, seq, counts, net, lengths[0])
+    p = pipe_arrays(seq, counts)
+    half_rtt, mbps = pipe_hops(p, seq, net)
+    flops, nbytes = 0.0, -(len(lengths) - 1) * mc.stage_weight_bytes(p["n"], False, p["last"])
+    for tokens in lengths:
+        f, b = prefill_work(mc, p["n"], tokens, p["last"])
+        flops, nbytes = flops + f, nbytes + b
+    stages = roofline_at(flops, nbytes, p["flop_s"], p["byte_s"])
+    hops = half_rtt + transfer_s(sum(lengths) * mc.act_bytes_per_token, mbps)
+    return stages.ravel().tolist(), hops.ravel().tolist()
+
+
+def prompts_per_batch(mean_in: float) -> int:
+    """Prompts of `mean_in` tokens that one prefill micro-batch holds (whole prompts, at least one)."""
+    return max(1, int(TOKEN_BUDGET // max(1.0, mean_in)))
 
 
 _KIND = operator.attrgetter("kind")

@@ -33,6 +33,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from meshllm.config import MAX_GAMMA
+from meshllm.defaults import TOKEN_BUDGET
 from meshllm.engine.kvcache import slot_capacity
 from meshllm.engine.sampling import SamplingParams
 from meshllm.engine.speculative import AcceptanceStats
@@ -44,7 +45,6 @@ log = logging.getLogger("meshllm.leader")
 
 GRANT_TTL_S = 120.0  # x time_scale: a granted room whose sequence has not come by then is given back (its gateway died)
 MAX_GRANTS = 4096  # rooms promised at once at most (what the network asks for: bounded memory)
-TOKEN_BUDGET = 256  # rows per micro-batch, decodes first, then prompt chunks (chunked prefill)
 MAX_ACTIVE_SEQS = 64  # sequences a replica decodes at once; more wait in its queue
 
 

@@ -20,8 +20,14 @@ split each device's time between the phases came out at 636 req/s on mesh-six, w
 meshllm's simulated saturation is 871-889 req/s). The decode FLOPs of a request are its
 layers' only, as those steps count them (the LM head's FLOPs ride along as its weights are left
 out: counted per request, they put the bound 7 % below the decode step the simulator costs on a
-llama-3-8b device where decode memory binds). On every cluster in clusters/ the decode-memory
-rate is 1.5-4.9x the FLOPs one, so the FLOPs bound binds. Every relaxation is on the bound's side
+llama-3-8b device where decode memory binds). A node's `roles:` are the cluster's too, and no
+policy may break them: a device kept to decode counts in all the FLOPs at most at its best
+decode step, and not in the prompts' FLOPs; one kept to prefill decodes nothing, and the
+devices that may prefill bound the rate by the prompts' FLOPs (`prefill_rate_per_s`, which
+binds only where roles keep most compute from prompts). On every cluster in clusters/ but
+demo.yaml the decode-memory rate is 1.5-4.9x the FLOPs one, so the FLOPs bound binds; on
+demo.yaml, whose stage nodes are kept to one phase each, the decode-only devices' memory-bound
+steps bind (53 req/s, against 451 for all FLOPs). Every relaxation is on the bound's side
 (the KV of a sequence at its mean decode context, no embedding or head weights, no pipeline
 bubbles, links or KV shipping). No plan can beat it; each policy's saturation is reported as
 a fraction of it.
@@ -111,26 +117,68 @@ def decode_flops_cap(inp: PlanInputs, i: int, ctx: float) -> float:
     return best
 
 
-def flops_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
-    """Requests/s at which every stage-capable device is busy at its compute (or port)."""
-    per_req = sum(request_flops(inp.mc, n_in, n_out) for n_in, n_out in lengths) / len(lengths)
+def phases(inp: PlanInputs) -> list[tuple[bool, bool]]:
+    """Per member: whether its `roles:` let it prefill, and decode (a mixed replica does both)."""
+    return [(f != "decode", f != "prefill") for f in inp.forced]
+
+
+def per_request(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> tuple[float, float, float, float]:
+    """Mean FLOPs of a request of `lengths`: all of them, its prefill's (the prompt and the first
+    token's LM head), its decode steps' layers' (the LM head's FLOPs of each decode token left
+    out, as decode_flops_cap's steps leave out the head's weights: with them, a step the roofline
+    costs came out faster than the bound allowed, 7 % on llama-3-8b, tests/test_sim.py); and
+    the bytes of KV it ships from a prefill replica to a decode one (none when the first token
+    ends it)."""
+    mc, n = inp.mc, len(lengths)
+    total = sum(request_flops(mc, n_in, n_out) for n_in, n_out in lengths)
+    pre = sum(prefill_work(mc, mc.n_layers, n_in, True)[0] for n_in, _ in lengths)
+    heads = sum(max(0, n_out - 1) * mc.head_flops_per_token for _, n_out in lengths)
+    kv = sum(n_in * mc.n_layers * mc.kv_bytes_per_token for n_in, n_out in lengths if n_out > 1)
+    return total / n, pre / n, (total - pre - heads) / n, kv / n
+
+
+def device_caps(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> list[tuple[float, float, float]]:
+    """Per member: (all useful FLOP/s, prefill FLOP/s, decode FLOP/s) it can do at most. A device
+    free to run both phases: its compute (or port) for all and for prompts, its best decode step
+    for decode. One that its `roles:` keep to prefill decodes nothing, and every prompt it
+    prefills ships its KV out of its port (no decode replica holds its layers); one kept to decode
+    prefills nothing, decodes at most at its best step, and the KV of every sequence it decodes
+    came in through its port (full duplex: out and in are each at line rate)."""
     ctx = inp.mix.decode_ctx
-    return sum(device_flops_cap(inp, i, ctx) for i in range(len(inp.members))) / per_req
+    _, pre, dec, kv = per_request(inp, lengths)
+    out = []
+    for i, (may_pre, may_dec) in enumerate(phases(inp)):
+        cap = device_flops_cap(inp, i, ctx)
+        port = inp.members[i].device.network_mbps * 1e6 / 8  # bytes/s each way
+        if not may_dec:
+            cap = min(cap, port * pre / kv) if kv > 0 else cap
+            out.append((cap, cap, 0.0))
+        elif not may_pre:
+            d = min(cap, decode_flops_cap(inp, i, ctx), port * dec / kv if kv > 0 else math.inf)
+            out.append((d, 0.0, d))
+        else:
+            out.append((cap, cap, decode_flops_cap(inp, i, ctx)))
+    return out
+
+
+def flops_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
+    """Requests/s at which every stage-capable device is busy at its compute (or port), each in
+    the phases its `roles:` allow (device_caps)."""
+    return sum(c for c, _, _ in device_caps(inp, lengths)) / per_request(inp, lengths)[0]
+
+
+def prefill_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
+    """Requests/s at which every device that its `roles:` let prefill is busy prefilling at its
+    compute (or port): binds only where roles keep most devices from prompts."""
+    return sum(p for _, p, _ in device_caps(inp, lengths)) / per_request(inp, lengths)[1]
 
 
 def decode_memory_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
-    """Requests/s at which every stage-capable device decodes at its best decode step."""
-    mc = inp.mc
-    # the layers' FLOPs of the decode steps: request_flops less the prefill and the LM head's
-    # FLOPs of each decode token, which decode_flops_cap's steps leave out (as their bytes
-    # leave out the head's weights); with them, a step the roofline costs came out faster
-    # than the bound allowed (7 % on llama-3-8b, tests/test_sim.py)
-    other = sum(prefill_work(mc, mc.n_layers, n_in, True)[0] + max(0, n_out - 1) * mc.head_flops_per_token
-                for n_in, n_out in lengths)
-    dec = (sum(request_flops(mc, n_in, n_out) for n_in, n_out in lengths) - other) / len(lengths)
+    """Requests/s at which every device that its `roles:` let decode decodes at its best step."""
+    dec = per_request(inp, lengths)[2]
     if dec <= 0:
         return math.inf
-    return sum(decode_flops_cap(inp, i, inp.mix.decode_ctx) for i in range(len(inp.members))) / dec
+    return sum(d for _, _, d in device_caps(inp, lengths)) / dec
 
 
 def bound_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
@@ -138,4 +186,4 @@ def bound_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> flo
     (module docstring)."""
     if not inp.members or not lengths:
         return 0.0
-    return min(flops_rate_per_s(inp, lengths), decode_memory_rate_per_s(inp, lengths))
+    return min(flops_rate_per_s(inp, lengths), decode_memory_rate_per_s(inp, lengths), prefill_rate_per_s(inp, lengths))

@@ -7,8 +7,11 @@
   replica's load from then on (so that requests routed meanwhile do not all pick it).
 - A replica takes its queued prompts fewest tokens first, with aging (router.prompt_priority,
   the order roles/batcher.py gives its prompt chunks).
-- Prefill replicas are pipelines: a prompt may enter every `occupancy` seconds (the slowest
-  stage or link); it then runs stage by stage, and its activations cross each link as a real
+- Prefill replicas are pipelines: a micro-batch may enter every `occupancy` seconds (the slowest
+  stage or link). As roles/batcher.py fills its micro-batches, one holds the queued prompts in
+  order, whole, as many as TOKEN_BUDGET tokens hold (at least one prompt): short prompts share
+  a step's weight reads (a longer one runs whole, as one compute-bound step, where the live
+  leader chunks it at TOKEN_BUDGET tokens). A micro-batch then runs stage by stage, and its activations cross each link as a real
   transfer on the ports (ports.py: full duplex, shared zone links), so they queue behind KV
   being shipped out of the same port. The first output token comes out of the prefill.
   Back-pressure: a prefill replica starts no prompt while its finished-but-unsent KV would
@@ -60,6 +63,7 @@ import heapq
 import math
 from collections.abc import Sequence
 
+from meshllm.defaults import TOKEN_BUDGET
 from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.sim.ports import PortBook
 from meshllm.sim.replica import SimReplica
@@ -118,36 +122,50 @@ class Simulator:
             self.try_iterate(st)
 
     def try_prefill(self, st: RepState) -> None:
+        """The next micro-batch of a prefill replica: queued prompts in order, whole, as many as
+        TOKEN_BUDGET tokens hold (at least one), as roles/batcher.py fills its micro-batches."""
         if not st.queue or self.now < st.load.next_prefill_at:
             return
-        req = st.queue.peek()
-        if st.pending_kv > 0 and st.pending_kv + req.n_in > st.kv_cap:
-            return  # back-pressure: wait for KV to leave (on_kv_sent kicks again)
-        st.queue.pop()
-        stages, occ, _ = st.rep.prefill_stages(req.n_in)
-        st.load.prefill_queued_s -= occ
-        st.load.prefill_queued_tokens -= req.n_in
-        st.load.prefill_queued -= 1
-        req.prefill_start = self.now
-        req.wait_s += self.now - req.arrival
+        batch, tokens = [], 0
+        while st.queue:
+            req = st.queue.peek()
+            if batch and tokens + req.n_in > TOKEN_BUDGET:
+                break
+            if st.pending_kv + tokens > 0 and st.pending_kv + tokens + req.n_in > st.kv_cap:
+                break  # back-pressure: wait for KV to leave (on_kv_sent kicks again)
+            st.queue.pop()
+            batch.append(req)
+            tokens += req.n_in
+            st.load.prefill_queued_s -= st.rep.prefill_s(req.n_in)[0]  # as on_arrival counted it
+            st.load.prefill_queued_tokens -= req.n_in
+            st.load.prefill_queued -= 1
+            req.prefill_start = self.now
+            req.wait_s += self.now - req.arrival
+        if not batch:
+            return
+        lengths = tuple(sorted(r.n_in for r in batch))
+        stages, occ, _ = st.rep.prefill_batch(lengths)
         st.load.next_prefill_at = self.now + occ
         self.push(self.now + occ, self.try_prefill, st)
-        self.push(self.now + stages[0], self.on_stage, st, req, 0)
+        self.push(self.now + stages[0], self.on_stage, st, batch, lengths, 0)
 
-    def on_stage(self, st: RepState, req: Request, i: int) -> None:
-        """Stage i of `req`'s prefill is done: send its activations on (first: the prompt's
-        critical path), then ship its KV; or finish."""
+    def on_stage(self, st: RepState, batch: list[Request], lengths: tuple[int, ...], i: int) -> None:
+        """Stage i of a micro-batch's prefill is done: send its activations on (first: the
+        prompts' critical path), then ship each prompt's KV; or finish."""
         members = st.rep.members
         if i < len(members) - 1:
-            nbytes = req.n_in * st.rep.inp.mc.act_bytes_per_token
+            nbytes = sum(lengths) * st.rep.inp.mc.act_bytes_per_token
             end, ideal = self.ports.transfer(members[i], members[i + 1], nbytes, self.now)
-            req.wait_s += end - ideal
-            req.port_wait_s += end - ideal
-            self.push(end + st.rep.prefill_stages(req.n_in)[0][i + 1], self.on_stage, st, req, i + 1)
-        if req.n_out > 1:
-            self.ship_stage_kv(st, req, i)
+            for req in batch:
+                req.wait_s += end - ideal
+                req.port_wait_s += end - ideal
+            self.push(end + st.rep.prefill_batch(lengths)[0][i + 1], self.on_stage, st, batch, lengths, i + 1)
+        for req in batch:
+            if req.n_out > 1:
+                self.ship_stage_kv(st, req, i)
         if i == len(members) - 1:
-            self.on_prefilled(st, req)
+            for req in batch:
+                self.on_prefilled(st, req)
 
     def ship_stage_kv(self, st: RepState, req: Request, i: int) -> None:
         """Stage i of a prefill replica has computed `req`'s prompt: its KV goes to the decode
