@@ -8,7 +8,7 @@ a prefill node that runs the gateway the client talks to first: the client sends
 to the second gateway, on fog-4) and each
 seed, `launch.py --cluster clusters/failure.yaml --json --kill NODE@S` kills that node with
 kill -9 at a seeded random moment 0.5-3 s after the workload's first request; then, per seed,
-the only decode stage and 0.7 s later the coordinator (before it has re-planned, so the next
+the decode stage fog-2 and 0.7 s later the coordinator (before it has re-planned, so the next
 coordinator must); then one run with a partition between the zones that heals; then, per seed,
 `--restart NODE@S` of the decode stage and of the first gateway's node (kill -9 and started again
 at once from its node file, as a supervisor restarts a crashed service: its peers see a new

@@ -48,7 +48,7 @@ def check(out: dict, model, tok) -> list[float]:
 def test_stage_coordinator_prefill_and_drafter_deaths_lose_nothing(seed, smollm2, smollm2_tokenizer):
     rng = random.Random(seed)
     at = sorted(round(rng.uniform(0.5, 3.0), 2) for _ in range(2))
-    if seed == 1:  # the only decode stage, then the coordinator (the lowest id, also a drafter)
+    if seed == 1:  # a decode stage, then the coordinator (the lowest id, also a drafter)
         # before it has noticed (the failure timeout is 2.5 s): the next coordinator must re-plan
         # the live nodes, not wait for all the expected ones (every request used to fail here)
         faults = ("--kill", f"fog-2@{at[0]}", "--kill", f"edge-1@{at[0] + 0.7:.2f}")
@@ -86,7 +86,7 @@ def test_a_healed_partition_loses_and_duplicates_nothing(smollm2, smollm2_tokeni
 def test_nodes_restarted_before_their_peers_notice_lose_nothing(smollm2, smollm2_tokenizer):
     """`--restart NODE@S`: kill -9 and start again at once from the node file (a supervisor's
     restart), sooner than failure detection: the peers see a new incarnation at the same
-    address, never a death. The only decode stage (fog-2) restarted: the plan made for its new
+    address, never a death. A decode stage (fog-2) restarted: the plan made for its new
     life looked "unchanged", so its sequences waited out the gateway's 60 s stall timeout; the
     first gateway's node (fog-1) restarted: its API took requests before a plan reached it and
     answered HTTP 500. Now every request completes with the reference's tokens after a pause."""

@@ -21,15 +21,18 @@ meshllm's simulated saturation is 871-889 req/s). The decode FLOPs of a request 
 layers' only, as those steps count them (the LM head's FLOPs ride along as its weights are left
 out: counted per request, they put the bound 7 % below the decode step the simulator costs on a
 llama-3-8b device where decode memory binds). A node's `roles:` are the cluster's too, and no
-policy may break them: a device kept to decode counts in all the FLOPs at most at its best
-decode step, and not in the prompts' FLOPs; one kept to prefill decodes nothing, and the
+policy may break them (`device_caps`): a device kept to decode counts at most at its best decode
+step, and at most as fast as its port brings in the KV of the sequences it decodes; one kept to
+prefill decodes nothing and ships the KV of every prompt it prefills out of its port; and the
 devices that may prefill bound the rate by the prompts' FLOPs (`prefill_rate_per_s`, which
-binds only where roles keep most compute from prompts). On every cluster in clusters/ but
-demo.yaml the decode-memory rate is 1.5-4.9x the FLOPs one, so the FLOPs bound binds; on
+binds only where roles keep most compute from prompts). On every cluster in clusters/ without
+such roles the decode-memory rate is 1.6-4.9x the FLOPs one, so the FLOPs bound binds; on
 demo.yaml, whose stage nodes are kept to one phase each, the decode-only devices' memory-bound
-steps bind (53 req/s, against 451 for all FLOPs). Every relaxation is on the bound's side
+steps bind (53 req/s, against 451 for all FLOPs), on failure.yaml the prompts' FLOPs and the
+prefill-only Jetson's port (580 req/s, against 1393). Every relaxation is on the bound's side
 (the KV of a sequence at its mean decode context, no embedding or head weights, no pipeline
-bubbles, links or KV shipping). No plan can beat it; each policy's saturation is reported as
+bubbles, links, or KV shipping but where roles force it, each port's two directions at line
+rate for it alone). No plan can beat it; each policy's saturation is reported as
 a fraction of it.
 """
 
