@@ -17,18 +17,20 @@ leaves compute idle, which chunked prefill fills, so the two phases overlap on a
 rate is bounded by all the FLOPs at the devices' compute, and separately by the decode FLOPs
 at those decode caps (`decode_memory_rate_per_s`), not by a time-share of the two (one that
 split each device's time between the phases came out at 636 req/s on mesh-six, where
-meshllm's simulated saturation is 871-889 req/s). The decode FLOPs of a request are its
-layers' only, as those steps count them (the LM head's FLOPs ride along as its weights are left
-out: counted per request, they put the bound 7 % below the decode step the simulator costs on a
-llama-3-8b device where decode memory binds). A node's `roles:` are the cluster's too, and no
+meshllm's simulated saturation is 871-889 req/s). A step may hold the LM head (its weights
+read, its FLOPs done for each sequence), and a request's decode FLOPs count the head's of each
+decode token: counted per request against steps that left the head out, they put the bound
+7 % below the decode step the simulator costs on a llama-3-8b device where decode memory
+binds; both left out, the bound put SmolLM2's NUC 26 % above its full step (the head is a fifth
+of a SmolLM2 token's FLOPs). A node's `roles:` are the cluster's too, and no
 policy may break them (`device_caps`): a device kept to decode counts at most at its best decode
 step, and at most as fast as its port brings in the KV of the sequences it decodes; one kept to
 prefill decodes nothing and ships the KV of every prompt it prefills out of its port; and the
 devices that may prefill bound the rate by the prompts' FLOPs (`prefill_rate_per_s`, which
 binds only where roles keep most compute from prompts). On every cluster in clusters/ without
-such roles the decode-memory rate is 1.6-4.9x the FLOPs one, so the FLOPs bound binds; on
-demo.yaml, whose stage nodes are kept to one phase each, the decode-only devices' memory-bound
-steps bind (53 req/s, against 451 for all FLOPs), on failure.yaml the prompts' FLOPs and the
+such roles the decode-memory rate is 1.4-4.9x the FLOPs one, so the FLOPs bound binds; on
+demo.yaml, whose stage nodes are kept to one phase each, the decode-only devices' steps bind
+(42 req/s, against 451 for all FLOPs), on failure.yaml the prompts' FLOPs and the
 prefill-only Jetson's port (580 req/s, against 1393). Every relaxation is on the bound's side
 (the KV of a sequence at its mean decode context, no embedding or head weights, no pipeline
 bubbles, links, or KV shipping but where roles force it, each port's two directions at line
@@ -105,18 +107,20 @@ def device_flops_cap(inp: PlanInputs, i: int, ctx: float) -> float:
 
 def decode_flops_cap(inp: PlanInputs, i: int, ctx: float) -> float:
     """Decode FLOP/s device i can do at most: its best decode step (module docstring), every
-    sequence at `ctx` tokens of context."""
+    sequence at `ctx` tokens of context; a step may hold the LM head too (the last stage's),
+    whose weights it reads and whose FLOPs it does once per sequence."""
     mc, dev = inp.mc, inp.members[i].device
     per_token = mc.layer_flops_per_token + mc.attn_flops_per_token_ctx * ctx
     best = 0.0
     for n in range(1, min(mc.n_layers, memory_cap_layers(mc, dev, False, False, 0.0)) + 1):
-        batch = min(MAX_DECODE_BATCH, math.floor((dev.memory_bytes - n * mc.layer_bytes)
-                                                 / (n * ctx * mc.kv_bytes_per_token)))
-        if batch < 1:
-            break
-        flops = batch * n * per_token
-        best = max(best, flops / float(roofline(flops, n * (mc.layer_bytes + batch * ctx * mc.kv_bytes_per_token),
-                                                dev)))
+        for head in (0, 1):
+            batch = min(MAX_DECODE_BATCH, math.floor((dev.memory_bytes - n * mc.layer_bytes - head * mc.head_bytes)
+                                                     / (n * ctx * mc.kv_bytes_per_token)))
+            if batch < 1:
+                continue
+            flops = batch * (n * per_token + head * mc.head_flops_per_token)
+            nbytes = n * (mc.layer_bytes + batch * ctx * mc.kv_bytes_per_token) + head * mc.head_bytes
+            best = max(best, flops / float(roofline(flops, nbytes, dev)))
     return best
 
 
@@ -127,17 +131,16 @@ def phases(inp: PlanInputs) -> list[tuple[bool, bool]]:
 
 def per_request(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> tuple[float, float, float, float]:
     """Mean FLOPs of a request of `lengths`: all of them, its prefill's (the prompt and the first
-    token's LM head), its decode steps' layers' (the LM head's FLOPs of each decode token left
-    out, as decode_flops_cap's steps leave out the head's weights: with them, a step the roofline
-    costs came out faster than the bound allowed, 7 % on llama-3-8b, tests/test_sim.py); and
-    the bytes of KV it ships from a prefill replica to a decode one (none when the first token
-    ends it)."""
+    token's LM head), its decode steps' (the layers' and the LM head's of each decode token, as
+    decode_flops_cap's steps may hold the head: counted with steps that left the head's weights
+    out, they put the bound below a step the roofline costs, 7 % on llama-3-8b,
+    tests/test_sim.py); and the bytes of KV it ships from a prefill replica to a decode one
+    (none when the first token ends it)."""
     mc, n = inp.mc, len(lengths)
     total = sum(request_flops(mc, n_in, n_out) for n_in, n_out in lengths)
     pre = sum(prefill_work(mc, mc.n_layers, n_in, True)[0] for n_in, _ in lengths)
-    heads = sum(max(0, n_out - 1) * mc.head_flops_per_token for _, n_out in lengths)
     kv = sum(n_in * mc.n_layers * mc.kv_bytes_per_token for n_in, n_out in lengths if n_out > 1)
-    return total / n, pre / n, (total - pre - heads) / n, kv / n
+    return total / n, pre / n, (total - pre) / n, kv / n
 
 
 def device_caps(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> list[tuple[float, float, float]]:
