@@ -32,10 +32,10 @@ such roles the decode-memory rate is 1.4-4.9x the FLOPs one, so the FLOPs bound 
 demo.yaml, whose stage nodes are kept to one phase each, the decode-only devices' steps bind
 (42 req/s, against 451 for all FLOPs), on failure.yaml the prompts' FLOPs and the
 prefill-only Jetson's port (580 req/s, against 1393). Every relaxation is on the bound's side
-(the KV of a sequence at its mean decode context, no embedding or head weights, no pipeline
-bubbles, links, or KV shipping but where roles force it, each port's two directions at line
-rate for it alone). No plan can beat it; each policy's saturation is reported as
-a fraction of it.
+(the KV of a sequence at its mean decode context, no embedding weights, the LM head in a step
+of any layer count, no pipeline bubbles, links, or KV shipping but where roles force it, each
+port's two directions at line rate for it alone). No plan can beat it; each policy's
+saturation is reported as a fraction of it.
 """
 
 from __future__ import annotations
