@@ -17,7 +17,7 @@ from meshllm.partition.grouping import Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.plan import Plan
 from meshllm.partition.replica import ReplicaEval, decode_concurrency
-from meshllm.partition.steps import free_chunk_tokens, fused_step_s, prefill_batch_stage_s, prefill_stage_s
+from meshllm.partition.steps import free_chunk_tokens, fused_step_s, prefill_batch_stage_s
 
 CTX_BUCKET = 64  # tokens: step times are cached per context rounded to this (attention is a small term)
 CHUNK_BUCKET = 16  # tokens: step times are cached at prompt chunks of multiples of this, interpolated between
@@ -59,18 +59,11 @@ class SimReplica:
     def prefill_stages(self, tokens: int) -> tuple[list[float], float, float]:
         """(seconds per stage, occupancy, latency) of one prompt: a new prompt may enter every
         `occupancy` seconds, and one takes `latency` through all stages and links."""
-        key = ("p", tokens)
-        got = self.cache.get(key)
-        if got is None:
-            stages, hops = prefill_stage_s(self.inp.mc, self.members, self.counts, self.inp.net, tokens)
-            got = self.cache[key] = (stages, *pipeline_s(stages, hops))
-        return got
+        return self.prefill_batch((tokens,))
 
     def prefill_batch(self, lengths: tuple[int, ...]) -> tuple[list[float], float, float]:
         """prefill_stages of the prompts of `lengths` (sorted) prefilled together in one micro-batch."""
-        if len(lengths) == 1:
-            return self.prefill_stages(lengths[0])
-        key = ("pb", lengths)
+        key = ("p", lengths)
         got = self.cache.get(key)
         if got is None:
             stages, hops = prefill_batch_stage_s(self.inp.mc, self.members, self.counts, self.inp.net, lengths)
