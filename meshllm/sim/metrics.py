@@ -24,14 +24,17 @@ decode token: counted per request against steps that left the head out, they put
 binds; both left out, the bound put SmolLM2's NUC 26 % above its full step (the head is a fifth
 of a SmolLM2 token's FLOPs). A node's `roles:` are the cluster's too, and no
 policy may break them (`device_caps`): a device kept to decode counts at most at its best decode
-step, and at most as fast as its port brings in the KV of the sequences it decodes; one kept to
-prefill decodes nothing and ships the KV of every prompt it prefills out of its port; and the
-devices that may prefill bound the rate by the prompts' FLOPs (`prefill_rate_per_s`, which
+step, and its layers' FLOPs at most as fast as its port brings in their KV; one kept to prefill
+decodes nothing, and its layers' FLOPs go at most as fast as its port ships their KV out (a
+layer's FLOPs and KV go together on any share of the layers; the LM head's ship no KV: a cap of
+the whole request's FLOPs per byte put the bound 14 % below a pipeline whose last stage, on a
+slow port, held few layers and the head); and the devices that may prefill bound the rate by
+the prompts' FLOPs (`prefill_rate_per_s`, which
 binds only where roles keep most compute from prompts). On every cluster in clusters/ without
 such roles the decode-memory rate is 1.4-4.9x the FLOPs one, so the FLOPs bound binds; on
 demo.yaml, whose stage nodes are kept to one phase each, the decode-only devices' steps bind
 (42 req/s, against 451 for all FLOPs), on failure.yaml the prompts' FLOPs and the
-prefill-only Jetson's port (580 req/s, against 1393). Every relaxation is on the bound's side
+prefill-only Jetson's port (583 req/s, against 1393). Every relaxation is on the bound's side
 (the KV of a sequence at its mean decode context, no embedding weights, the LM head in a step
 of any layer count, no pipeline bubbles, links, or KV shipping but where roles force it, each
 port's two directions at line rate for it alone). No plan can beat it; each policy's
@@ -129,62 +132,76 @@ def phases(inp: PlanInputs) -> list[tuple[bool, bool]]:
     return [(f != "decode", f != "prefill") for f in inp.forced]
 
 
-def per_request(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> tuple[float, float, float, float]:
-    """Mean FLOPs of a request of `lengths`: all of them, its prefill's (the prompt and the first
-    token's LM head), its decode steps' (the layers' and the LM head's of each decode token, as
-    decode_flops_cap's steps may hold the head: counted with steps that left the head's weights
-    out, they put the bound below a step the roofline costs, 7 % on llama-3-8b,
-    tests/test_sim.py); and the bytes of KV it ships from a prefill replica to a decode one
-    (none when the first token ends it)."""
+def per_request(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> dict[str, float]:
+    """Mean FLOPs of a request of `lengths`: all of them (`total`), its prefill's (`pre`: the
+    prompt and the first token's LM head; `pre_layers` without the head), its decode steps'
+    (`dec`: the layers' and the LM head's of each decode token, as decode_flops_cap's steps may
+    hold the head -- counted with steps that left the head's weights out, they put the bound
+    below a step the roofline costs, 7 % on llama-3-8b, tests/test_sim.py; `dec_layers` without
+    the head); and the bytes of KV of all its layers that a prefill replica ships to a decode one
+    (`kv`; none when the first token ends it)."""
     mc, n = inp.mc, len(lengths)
-    total = sum(request_flops(mc, n_in, n_out) for n_in, n_out in lengths)
-    pre = sum(prefill_work(mc, mc.n_layers, n_in, True)[0] for n_in, _ in lengths)
-    kv = sum(n_in * mc.n_layers * mc.kv_bytes_per_token for n_in, n_out in lengths if n_out > 1)
-    return total / n, pre / n, (total - pre) / n, kv / n
+    total = sum(request_flops(mc, n_in, n_out) for n_in, n_out in lengths) / n
+    pre = sum(prefill_work(mc, mc.n_layers, n_in, True)[0] for n_in, _ in lengths) / n
+    heads = sum(max(0, n_out - 1) for _, n_out in lengths) / n * mc.head_flops_per_token
+    kv = sum(n_in * mc.n_layers * mc.kv_bytes_per_token for n_in, n_out in lengths if n_out > 1) / n
+    return {"total": total, "pre": pre, "pre_layers": pre - mc.head_flops_per_token, "dec": total - pre,
+            "dec_layers": total - pre - heads, "kv": kv}
 
 
-def device_caps(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> list[tuple[float, float, float]]:
-    """Per member: (all useful FLOP/s, prefill FLOP/s, decode FLOP/s) it can do at most. A device
-    free to run both phases: its compute (or port) for all and for prompts, its best decode step
-    for decode. One that its `roles:` keep to prefill decodes nothing, and every prompt it
-    prefills ships its KV out of its port (no decode replica holds its layers); one kept to decode
-    prefills nothing, decodes at most at its best step, and the KV of every sequence it decodes
-    came in through its port (full duplex: out and in are each at line rate)."""
+def device_caps(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> list[dict[str, float]]:
+    """Per member, the FLOP/s it can do at most: `all` (useful FLOPs), `pre` (prefill FLOPs) and
+    `pre_layers` (the prompts' layers', LM head left out), `dec` (decode FLOPs) and `dec_layers`.
+    A device free to run both phases: its compute (or port) for all and for prompts, its best
+    decode step for decode. One that its `roles:` keep to prefill decodes nothing, and the KV of
+    the layers it prefills leaves through its port (no decode replica holds them); one kept to
+    decode prefills nothing, decodes at most at its best step, and the KV of the layers it
+    decodes came in through its port (full duplex: each direction at line rate). A layer's
+    FLOPs and its KV go together, whatever share of the layers a device holds; the LM head's
+    FLOPs ship no KV, so the port caps the layers' FLOPs only."""
     ctx = inp.mix.decode_ctx
-    _, pre, dec, kv = per_request(inp, lengths)
+    per = per_request(inp, lengths)
     out = []
     for i, (may_pre, may_dec) in enumerate(phases(inp)):
         cap = device_flops_cap(inp, i, ctx)
         port = inp.members[i].device.network_mbps * 1e6 / 8  # bytes/s each way
+        kv_s = port / per["kv"] if per["kv"] > 0 else math.inf  # requests' KV per second through it
         if not may_dec:
-            cap = min(cap, port * pre / kv) if kv > 0 else cap
-            out.append((cap, cap, 0.0))
+            out.append({"all": cap, "pre": cap, "pre_layers": min(cap, kv_s * per["pre_layers"]),
+                        "dec": 0.0, "dec_layers": 0.0})
         elif not may_pre:
-            d = min(cap, decode_flops_cap(inp, i, ctx), port * dec / kv if kv > 0 else math.inf)
-            out.append((d, 0.0, d))
+            d = min(cap, decode_flops_cap(inp, i, ctx))
+            out.append({"all": d, "pre": 0.0, "pre_layers": 0.0, "dec": d,
+                        "dec_layers": min(d, kv_s * per["dec_layers"])})
         else:
-            out.append((cap, cap, decode_flops_cap(inp, i, ctx)))
+            d = decode_flops_cap(inp, i, ctx)
+            out.append({"all": cap, "pre": cap, "pre_layers": cap, "dec": d, "dec_layers": d})
     return out
+
+
+def rate_of(caps: list[dict[str, float]], per: dict[str, float], *kinds: str) -> float:
+    """Requests/s the devices' `kinds` of FLOP/s allow, the lowest over `kinds`."""
+    return min(sum(c[k] for c in caps) / per[k] if per[k] > 0 else math.inf for k in kinds)
 
 
 def flops_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
     """Requests/s at which every stage-capable device is busy at its compute (or port), each in
     the phases its `roles:` allow (device_caps)."""
-    return sum(c for c, _, _ in device_caps(inp, lengths)) / per_request(inp, lengths)[0]
+    caps, per = device_caps(inp, lengths), per_request(inp, lengths)
+    return sum(c["all"] for c in caps) / per["total"]
 
 
 def prefill_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
     """Requests/s at which every device that its `roles:` let prefill is busy prefilling at its
-    compute (or port): binds only where roles keep most devices from prompts."""
-    return sum(p for _, p, _ in device_caps(inp, lengths)) / per_request(inp, lengths)[1]
+    compute (or, for its layers' FLOPs, its port): binds only where roles keep most devices
+    from prompts."""
+    return rate_of(device_caps(inp, lengths), per_request(inp, lengths), "pre", "pre_layers")
 
 
 def decode_memory_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
-    """Requests/s at which every device that its `roles:` let decode decodes at its best step."""
-    dec = per_request(inp, lengths)[2]
-    if dec <= 0:
-        return math.inf
-    return sum(d for _, _, d in device_caps(inp, lengths)) / dec
+    """Requests/s at which every device that its `roles:` let decode decodes at its best step
+    (or, for its layers' FLOPs, at its port's rate)."""
+    return rate_of(device_caps(inp, lengths), per_request(inp, lengths), "dec", "dec_layers")
 
 
 def bound_rate_per_s(inp: PlanInputs, lengths: Sequence[tuple[int, int]]) -> float:
