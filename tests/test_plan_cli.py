@@ -94,6 +94,29 @@ def test_roles_limit_assignment():
     assert {"edge-1", "edge-2"} <= set(plan.drafters)
 
 
+def test_a_device_that_barely_computes_forms_no_replica_and_says_why():
+    """A profile of 1e-6 TFLOP/s (a typo, or a box that is mostly busy) holds the whole model, so
+    the search once made it a prefill replica with a 15-hour step beside two NUCs: a replica the
+    router would never use, holding the device from drafting. It adds under MIN_REPLICA_SHARE of
+    the capacity, so it forms none and drafts; alone, it is still a plan."""
+    from meshllm.partition.grouping import MIN_REPLICA_SHARE
+
+    slow = {"memory_gb": 16, "compute_tflops": 1e-6, "memory_bandwidth_gbps": 0.001, "network_mbps": 1000}
+    nodes = [{"id": "a", "device": "intel-nuc-13-i7", "zone": "z"}, {"id": "b", "device": "intel-nuc-13-i7", "zone": "z"},
+             {"id": "slow", "device": slow, "zone": "z"}]
+    work = {"arrival_rate_per_s": 5, "input_tokens": {"mean": 128}, "output_tokens": {"mean": 32}}
+    plan = plan_cluster(plan_inputs(parse_cluster({"model": "smollm2-135m", "nodes": nodes, "workload": work},
+                                                  "slow.yaml")), log=False)
+    without = plan_cluster(plan_inputs(parse_cluster({"model": "smollm2-135m", "nodes": nodes[:2], "workload": work},
+                                                     "two.yaml")), log=False)
+    assert plan.replica_of("slow") is None and "slow" in plan.drafters
+    assert plan.capacity_req_s == pytest.approx(without.capacity_req_s, rel=MIN_REPLICA_SHARE)
+    assert f"under {100 * MIN_REPLICA_SHARE:g} % of what the replicas serve" in plan.reasons["slow"]
+    alone = plan_cluster(plan_inputs(parse_cluster({"model": "smollm2-135m", "nodes": nodes[2:]}, "one.yaml")),
+                         log=False)
+    assert [s.node for r in alone.replicas for s in r.stages] == ["slow"]
+
+
 def test_only_drafters_is_infeasible():
     data = {"model": "smollm2-135m", "nodes": [{"id": "a", "device": "raspberry-pi-5-8gb", "zone": "e",
                                                 "roles": ["drafter"]}]}

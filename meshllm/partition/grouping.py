@@ -18,6 +18,11 @@ so does "all mixed" when that is better (slow ports make shipping KV cost more t
 saves). A lone replica is mixed. A replica holding a node
 whose `roles:` allow only prefill (or decode) keeps that role.
 
+A replica that could serve under MIN_REPLICA_SHARE of what the grouping's replicas could serve
+in all (each at its best role's rate) is not formed (`negligible`): the router would send it
+work only once every other queue held more than its own service time (hours, for a device
+whose profile says it barely computes), and its devices stay free to draft.
+
 Shared zone links cap a grouping's capacity (links.py). `Evaluator.latency` predicts the
 grouping's mean wait, TTFT and e2e at a rate (latency.py), the busiest shared link an M/D/1
 queue for everyone.
@@ -42,6 +47,7 @@ from meshllm.partition.replica import Mix, ReplicaEval, evaluate_replica, with_f
 NONE = -1
 ROLES_CACHE = 100_000  # groupings whose roles and capacity an Evaluator keeps
 CUT_NEIGHBOURS = 2  # cuts either side of the best pure prefill/decode cut whose surplus is turned mixed
+MIN_REPLICA_SHARE = 1e-4  # of the grouping's best-role rates summed: below it, a replica is not formed
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,12 @@ class Grouping:
     fitness: float  # sustainable requests/s (the capacity, shared zone links included)
     prediction: Prediction | None = None  # at the planned rate, when the planner made one
     link_req_s: float = math.inf  # requests/s the shared zone links let through (links.py)
+
+
+def negligible(rates: Sequence[tuple[float, float, float]], k: int) -> bool:
+    """Whether replica k could serve under MIN_REPLICA_SHARE of all the replicas' best-role
+    rates summed (`rates`: role_rates)."""
+    return max(rates[k]) < MIN_REPLICA_SHARE * sum(max(r) for r in rates)
 
 
 def surplus_keys(rates) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
@@ -193,6 +205,9 @@ class Evaluator:
                 forced.append(role)
                 keys.append(key)
                 rates.append(rate)
+        kept = [k for k in range(len(groups)) if not negligible(rates, k)]
+        if len(kept) < len(groups):
+            groups, evals, forced, keys, rates = ([xs[k] for k in kept] for xs in (groups, evals, forced, keys, rates))
         if not groups:
             return Grouping((), (), (), 0.0)
         sig = (tuple(keys), tuple(forced))

@@ -10,8 +10,9 @@ re-rated the plan after turning roles or re-splitting a pipeline (sim/turns.py, 
 
 from __future__ import annotations
 
+from meshllm.partition.capacity import role_rates
 from meshllm.partition.dp import memory_cap_layers, shortfall_reason
-from meshllm.partition.grouping import NONE, Evaluator, Grouping
+from meshllm.partition.grouping import MIN_REPLICA_SHARE, NONE, Evaluator, Grouping, negligible
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
 
@@ -58,6 +59,11 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -
         return f"no replica to join{alone_note}"
     cap, trial, where = move
     if cap <= cap0 * (1 + 1e-6):
+        if not alone.reason:
+            rates = role_rates((*base.evals, alone))
+            if negligible(rates, len(rates) - 1):
+                alone_note = (f"; alone it would serve {max(rates[-1]):.3g} req/s, under "
+                              f"{100 * MIN_REPLICA_SHARE:g} % of what the replicas serve, so it forms no replica")
         return (f"adds no capacity: at its best ({where}) the plan serves {cap:.3f} req/s, "
                 f"{cap0:.3f} without it{alone_note}")
     pred = grouping.prediction
