@@ -2,6 +2,7 @@
 
 Run:  python bench/planner.py [--quick] [--out bench/results] [--seed 0] [--clusters a,b]
       python bench/planner.py --tables     (the README's tables from bench/results/planner.json)
+      python bench/planner.py --bounds     (recompute the bound's caps there, where the bound did not move)
 
 Per cluster (clusters/bench-*.yaml, and saturation only for the small example clusters), side by
 side from one run, all policies on the same trace, router and simulator (meshllm/sim/):
@@ -94,10 +95,7 @@ def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_
     t0 = time.perf_counter()
     pols = sweep.build_policies(inp, seed, names, rate=0.0, sweep_requests=sweep_n)  # meshllm: for capacity
     planner_s = time.perf_counter() - t0
-    lengths = [(a, b) for _, a, b in sweep.make_trace(inp, 2000, seed)]
-    bound = bound_rate_per_s(inp, lengths)
-    memory = decode_memory_rate_per_s(inp, lengths)  # the roofline's other caps (metrics.py)
-    caps = dict(bound_flops=flops_rate_per_s(inp, lengths), bound_prefill=prefill_rate_per_s(inp, lengths))
+    caps = bound_caps(name, seed)  # the bound and the roofline's caps (metrics.py)
     # the stability rule on one trace is noisy (one policy: 16.0 to 18.3 req/s over four traces), so a
     # policy's saturation is the mean over `seeds` traces (seed, seed + 1, ...)
     swept = [p for p, pol in pols.items() if pol.replicas and p in SWEPT]
@@ -105,8 +103,7 @@ def bench_cluster(name: str, seed: int, names: tuple[str, ...], sweep_n: int, n_
                                        for k in range(seeds)]))  # in parallel processes: the same figures
     runs = {p: [next(got) for _ in range(seeds)] if p in swept else [0.0] for p in pols}
     sat = {p: sum(xs) / len(xs) for p, xs in runs.items()}
-    res = dict(name=name, model=cfg.model, devices=len(cfg.nodes), rate=inp.rate_per_s, bound=bound,
-               bound_decode_memory=memory, **caps, sat=sat,
+    res = dict(name=name, model=cfg.model, devices=len(cfg.nodes), rate=inp.rate_per_s, **caps, sat=sat,
                sat_runs=runs,
                planner_s=planner_s, replicas={p: len(pol.replicas) for p, pol in pols.items()},
                idle={p: len(pol.idle) for p, pol in pols.items()}, loads={})
@@ -134,14 +131,55 @@ def verdict(ok: bool) -> str:
     return "MET" if ok else "NOT MET"
 
 
+def bound_line(res: dict) -> str:
+    caps = {"all FLOPs at the devices' compute": res["bound_flops"],
+            "decode at its devices' memory-bound best step": res["bound_decode_memory"],
+            "the prompts' FLOPs at the compute of the devices that may prefill": res["bound_prefill"]}
+    return "bound   " + "; ".join(f"{k}: {v:.3f} req/s ({v / res['bound']:.2f}x)" for k, v in caps.items())
+
+
+def bound_caps(name: str, seed: int) -> dict:
+    """The bound of cluster `name` and each of its caps (metrics.py), on bench_cluster's trace."""
+    inp = plan_inputs(load_cluster(REPO / "clusters" / f"{name}.yaml"))
+    lengths = [(a, b) for _, a, b in sweep.make_trace(inp, 2000, seed)]
+    return dict(bound=bound_rate_per_s(inp, lengths), bound_decode_memory=decode_memory_rate_per_s(inp, lengths),
+                bound_flops=flops_rate_per_s(inp, lengths), bound_prefill=prefill_rate_per_s(inp, lengths))
+
+
+def refresh_bounds(out: Path, seed: int, chosen: list[str]) -> int:
+    """Recompute the bound's caps of `chosen` (all, if empty) in OUT/planner.json and their `bound`
+    lines in OUT/planner.txt, leaving every simulated figure: for a change to a cap that does not
+    bind. Exit 1, changing nothing, where the bound itself moved (its ratios need a re-run)."""
+    saved = json.loads((out / "planner.json").read_text())
+    txt = out / "planner.txt"
+    lines = txt.read_text().splitlines() if txt.exists() else []
+    moved = []
+    for res in saved["clusters"]:
+        if chosen and res["name"] not in chosen or "bound_flops" not in res:
+            continue
+        got = bound_caps(res["name"], seed)
+        if abs(got["bound"] - res["bound"]) > 1e-9 * res["bound"]:
+            moved.append(f"{res['name']} ({res['bound']:.3f} -> {got['bound']:.3f} req/s)")
+            continue
+        old = bound_line(res)
+        res.update(got)
+        new = bound_line(res)
+        print(f"{res['name']}: {new}")
+        lines = [new if x == old else x for x in lines]
+    if moved:
+        print("the bound itself moved on " + ", ".join(moved) + ": re-run those clusters", file=sys.stderr)
+        return 1
+    (out / "planner.json").write_text(json.dumps(saved, indent=1, default=str))
+    if lines:
+        txt.write_text("\n".join(lines) + "\n")
+    return 0
+
+
 def print_cluster(res: dict) -> None:
     print(f"\n## {res['name']}: {res['devices']} devices, {res['model']}, file rate {res['rate']:g} req/s, "
           f"bound {res['bound']:.3f} req/s, policies built in {res['planner_s']:.1f} s")
     if "bound_flops" in res:  # each cap of metrics.py; the lowest is the bound
-        caps = {"all FLOPs at the devices' compute": res["bound_flops"],
-                "decode at its devices' memory-bound best step": res["bound_decode_memory"],
-                "the prompts' FLOPs at the compute of the devices that may prefill": res["bound_prefill"]}
-        print("bound   " + "; ".join(f"{k}: {v:.3f} req/s ({v / res['bound']:.2f}x)" for k, v in caps.items()))
+        print(bound_line(res))
     elif "bound_decode_memory" in res:
         print(f"bound   all FLOPs at the devices' compute; decode at their memory-bound best step alone would allow "
               f"{res['bound_decode_memory']:.3f} req/s ({res['bound_decode_memory'] / res['bound']:.2f}x)")
@@ -367,6 +405,8 @@ def main() -> int:
     ap.add_argument("--times-only", action="store_true", help="only the planner's time against cluster size")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots from OUT/planner.json")
     ap.add_argument("--tables", action="store_true", help="only print the README's tables from OUT/planner.json")
+    ap.add_argument("--bounds", action="store_true", help="only recompute the bound's caps in OUT/planner.json and "
+                    "planner.txt (exit 1 where the bound itself moved: re-run those clusters)")
     a = ap.parse_args()
     if a.out:
         out = Path(a.out)
@@ -379,6 +419,8 @@ def main() -> int:
     if a.tables:
         print(markdown_tables(json.loads((out / "planner.json").read_text())))
         return 0
+    if a.bounds:
+        return refresh_bounds(out, a.seed, a.clusters.split(",") if a.clusters else [])
     if a.replot:
         saved = json.loads((out / "planner.json").read_text())
         for res in saved["clusters"]:

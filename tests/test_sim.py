@@ -600,6 +600,39 @@ def test_the_simulation_pool_leaves_no_process_when_its_parent_is_killed(tmp_pat
         time.sleep(0.2)
 
 
+def test_planner_bench_bounds_recomputes_the_caps_in_place_and_refuses_where_the_bound_moved(tmp_path):
+    """`bench/planner.py --bounds` rewrites a stale non-binding cap in planner.json and its `bound`
+    line in planner.txt, leaving every other line; where the bound itself moved it changes
+    nothing and exits 1 (the saturations' ratios need a re-run)."""
+    import json
+    import subprocess
+    import sys
+
+    saved = json.loads((REPO / "bench/results/planner.json").read_text())
+    wan = next(r for r in saved["clusters"] if r["name"] == "wan")
+    true_caps = {k: wan[k] for k in ("bound", "bound_decode_memory", "bound_flops", "bound_prefill")}
+    wan["bound_decode_memory"] = 99999.0
+    stale = ("bound   all FLOPs at the devices' compute: 13592.772 req/s (1.00x); decode at its devices' "
+             "memory-bound best step: 99999.000 req/s (7.36x); the prompts' FLOPs at the compute of the "
+             "devices that may prefill: 46590.146 req/s (3.43x)")
+    others = ["## wan: 6 devices", "policy  meshllm 1.0"]
+    (tmp_path / "planner.json").write_text(json.dumps(saved))
+    (tmp_path / "planner.txt").write_text("\n".join([others[0], stale, others[1]]) + "\n")
+    bench = [sys.executable, str(REPO / "bench/planner.py"), "--bounds", "--out", str(tmp_path), "--clusters", "wan"]
+    done = subprocess.run(bench, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = next(r for r in json.loads((tmp_path / "planner.json").read_text())["clusters"] if r["name"] == "wan")
+    assert {k: got[k] for k in true_caps} == pytest.approx(true_caps, rel=1e-9)
+    lines = (tmp_path / "planner.txt").read_text().splitlines()
+    assert lines[0] == others[0] and lines[2] == others[1] and "19192.110 req/s (1.41x)" in lines[1]
+    got["bound"] = 1.0  # as if the bound itself had moved since the run
+    before = json.dumps({"clusters": [got], "times": []})
+    (tmp_path / "planner.json").write_text(before)
+    done = subprocess.run(bench, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "the bound itself moved on wan" in done.stderr
+    assert (tmp_path / "planner.json").read_text() == before
+
+
 def test_a_multiprocessing_worker_that_made_a_simulation_pool_exits(tmp_path):
     """bench/planner.py plans each cluster in a ProcessPoolExecutor worker; with more than one
     simulation worker per cluster (any machine with more cores than --jobs) the judge made a pool
