@@ -115,6 +115,11 @@ def test_a_device_that_barely_computes_forms_no_replica_and_says_why():
     alone = plan_cluster(plan_inputs(parse_cluster({"model": "smollm2-135m", "nodes": nodes[2:]}, "one.yaml")),
                          log=False)
     assert [s.node for r in alone.replicas for s in r.stages] == ["slow"]
+    # a replica whose role the nodes' roles: force is formed all the same: here the only prefill one
+    forced = [{**nodes[0], "roles": ["decode"]}, {**nodes[2], "roles": ["prefill"]}]
+    asked = plan_cluster(plan_inputs(parse_cluster({"model": "smollm2-135m", "nodes": forced}, "forced.yaml")),
+                         log=False)
+    assert {(s.node, str(r.role)) for r in asked.replicas for s in r.stages} == {("a", "decode"), ("slow", "prefill")}
 
 
 def test_only_drafters_is_infeasible():

@@ -21,7 +21,8 @@ whose `roles:` allow only prefill (or decode) keeps that role.
 A replica that could serve under MIN_REPLICA_SHARE of what the grouping's replicas could serve
 in all (each at its best role's rate) is not formed (`negligible`): the router would send it
 work only once every other queue held more than its own service time (hours, for a device
-whose profile says it barely computes), and its devices stay free to draft.
+whose profile says it barely computes), and its devices stay free to draft. One whose nodes'
+`roles:` force its role is formed all the same: the cluster file asked for it.
 
 Shared zone links cap a grouping's capacity (links.py). `Evaluator.latency` predicts the
 grouping's mean wait, TTFT and e2e at a rate (latency.py), the busiest shared link an M/D/1
@@ -205,7 +206,7 @@ class Evaluator:
                 forced.append(role)
                 keys.append(key)
                 rates.append(rate)
-        kept = [k for k in range(len(groups)) if not negligible(rates, k)]
+        kept = [k for k in range(len(groups)) if forced[k] is not None or not negligible(rates, k)]
         if len(kept) < len(groups):
             groups, evals, forced, keys, rates = ([xs[k] for k in kept] for xs in (groups, evals, forced, keys, rates))
         if not groups:

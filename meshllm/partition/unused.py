@@ -59,7 +59,7 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -
         return f"no replica to join{alone_note}"
     cap, trial, where = move
     if cap <= cap0 * (1 + 1e-6):
-        if not alone.reason:
+        if not alone.reason and ev.forced[i] is None:
             rates = role_rates((*base.evals, alone))
             if negligible(rates, len(rates) - 1):
                 alone_note = (f"; alone it would serve {max(rates[-1]):.3g} req/s, under "
