@@ -149,11 +149,13 @@ def bound_caps(name: str, seed: int) -> dict:
 def refresh_bounds(out: Path, seed: int, chosen: list[str]) -> int:
     """Recompute the bound's caps of `chosen` (all, if empty) in OUT/planner.json and their `bound`
     lines in OUT/planner.txt, leaving every simulated figure: for a change to a cap that does not
-    bind. Exit 1, changing nothing, where the bound itself moved (its ratios need a re-run)."""
+    bind. Exit 1, changing nothing, where the bound itself moved (its ratios need a re-run), where
+    planner.txt does not hold the JSON's `bound` line exactly once, or a chosen cluster has none."""
     saved = json.loads((out / "planner.json").read_text())
     txt = out / "planner.txt"
     lines = txt.read_text().splitlines() if txt.exists() else []
-    moved = []
+    moved, unmatched = [], []
+    missing = sorted(set(chosen) - {r["name"] for r in saved["clusters"] if "bound_flops" in r})
     for res in saved["clusters"]:
         if chosen and res["name"] not in chosen or "bound_flops" not in res:
             continue
@@ -162,12 +164,20 @@ def refresh_bounds(out: Path, seed: int, chosen: list[str]) -> int:
             moved.append(f"{res['name']} ({res['bound']:.3f} -> {got['bound']:.3f} req/s)")
             continue
         old = bound_line(res)
+        if txt.exists() and lines.count(old) != 1:  # the txt is not this JSON's run: its line would stay stale
+            unmatched.append(f"{res['name']} ({lines.count(old)} times)")
+            continue
         res.update(got)
         new = bound_line(res)
         print(f"{res['name']}: {new}")
         lines = [new if x == old else x for x in lines]
+    if missing:
+        print("no bound's caps in planner.json for " + ", ".join(missing), file=sys.stderr)
+    if unmatched:
+        print("planner.txt holds the JSON's `bound` line not once for " + ", ".join(unmatched), file=sys.stderr)
     if moved:
         print("the bound itself moved on " + ", ".join(moved) + ": re-run those clusters", file=sys.stderr)
+    if missing or unmatched or moved:
         return 1
     (out / "planner.json").write_text(json.dumps(saved, indent=1, default=str))
     if lines:

@@ -122,6 +122,28 @@ def test_a_device_that_barely_computes_forms_no_replica_and_says_why():
     assert {(s.node, str(r.role)) for r in asked.replicas for s in r.stages} == {("a", "decode"), ("slow", "prefill")}
 
 
+def test_a_tiny_replica_that_is_its_roles_whole_pool_is_still_formed():
+    """The one node `roles:` let prefill is the grouping's bottleneck however slow: dropping it as
+    negligible left the NUCs no prefill at all (capacity 0), so one NUC sat unused."""
+    slow = {"memory_gb": 16, "compute_tflops": 1e-4, "memory_bandwidth_gbps": 0.1, "network_mbps": 1000}
+    nodes = [{"id": "a", "device": "intel-nuc-13-i7", "zone": "z", "roles": ["decode"]},
+             {"id": "b", "device": "intel-nuc-13-i7", "zone": "z", "roles": ["decode"]},
+             {"id": "slow", "device": slow, "zone": "z", "roles": ["prefill"]}]
+    work = {"arrival_rate_per_s": 0, "input_tokens": {"mean": 128}, "output_tokens": {"mean": 32}}
+    plan = plan_cluster(plan_inputs(parse_cluster({"model": "smollm2-135m", "nodes": nodes, "workload": work},
+                                                  "forced.yaml")), log=False)
+    assert sorted(s.node for r in plan.replicas for s in r.stages) == ["a", "b", "slow"]
+
+
+def test_many_negligible_replicas_are_dropped_only_up_to_the_share_in_all():
+    from meshllm.partition.grouping import MIN_REPLICA_SHARE, droppable
+
+    rates = [(1.0, 1.0, 1.0)] + [(0.9e-4, 0.9e-4, 0.9e-4)] * 300  # each under the share, 2.6 % together
+    drop = droppable(rates)
+    assert sum(max(rates[k]) for k in drop) < MIN_REPLICA_SHARE * sum(max(r) for r in rates)
+    assert len(drop) == 1
+
+
 def test_only_drafters_is_infeasible():
     data = {"model": "smollm2-135m", "nodes": [{"id": "a", "device": "raspberry-pi-5-8gb", "zone": "e",
                                                 "roles": ["drafter"]}]}

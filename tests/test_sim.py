@@ -631,6 +631,15 @@ def test_planner_bench_bounds_recomputes_the_caps_in_place_and_refuses_where_the
     done = subprocess.run(bench, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "the bound itself moved on wan" in done.stderr
     assert (tmp_path / "planner.json").read_text() == before
+    got["bound"] = true_caps["bound"]  # a txt that is not this JSON's run: refused, not left stale
+    got["bound_decode_memory"] = 88888.0
+    before = json.dumps({"clusters": [got], "times": []})
+    (tmp_path / "planner.json").write_text(before)
+    done = subprocess.run(bench, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "not once for wan (0 times)" in done.stderr
+    assert (tmp_path / "planner.json").read_text() == before
+    done = subprocess.run(bench[:-1] + ["nosuch"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "nosuch" in done.stderr
 
 
 def test_a_multiprocessing_worker_that_made_a_simulation_pool_exits(tmp_path):

@@ -19,10 +19,12 @@ saves). A lone replica is mixed. A replica holding a node
 whose `roles:` allow only prefill (or decode) keeps that role.
 
 A replica that could serve under MIN_REPLICA_SHARE of what the grouping's replicas could serve
-in all (each at its best role's rate) is not formed (`negligible`): the router would send it
+in all (each at its best role's rate) is not formed (`droppable`): the router would send it
 work only once every other queue held more than its own service time (hours, for a device
-whose profile says it barely computes), and its devices stay free to draft. One whose nodes'
-`roles:` force its role is formed all the same: the cluster file asked for it.
+whose profile says it barely computes), and its devices stay free to draft. The smallest go
+first, and only while those dropped add up to under that share, and only if the grouping then
+keeps all but that share of its capacity (a replica that is its role's whole pool, e.g. the
+one a node's `roles:` let prefill, is the grouping's bottleneck, not negligible).
 
 Shared zone links cap a grouping's capacity (links.py). `Evaluator.latency` predicts the
 grouping's mean wait, TTFT and e2e at a rate (latency.py), the busiest shared link an M/D/1
@@ -61,10 +63,19 @@ class Grouping:
     link_req_s: float = math.inf  # requests/s the shared zone links let through (links.py)
 
 
-def negligible(rates: Sequence[tuple[float, float, float]], k: int) -> bool:
-    """Whether replica k could serve under MIN_REPLICA_SHARE of all the replicas' best-role
-    rates summed (`rates`: role_rates)."""
-    return max(rates[k]) < MIN_REPLICA_SHARE * sum(max(r) for r in rates)
+def droppable(rates: Sequence[tuple[float, float, float]]) -> list[int]:
+    """The replicas (by index) not to form: the smallest negligible ones, while those dropped add
+    up to under MIN_REPLICA_SHARE of all the best-role rates (one by one, each under it, many
+    could add up to a real share of the capacity)."""
+    best = [max(r) for r in rates]
+    room = MIN_REPLICA_SHARE * sum(best)
+    out, acc = [], 0.0
+    for k in sorted(range(len(rates)), key=lambda k: (best[k], k)):
+        if acc + best[k] >= room:
+            break
+        acc += best[k]
+        out.append(k)
+    return out
 
 
 def surplus_keys(rates) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
@@ -206,11 +217,19 @@ class Evaluator:
                 forced.append(role)
                 keys.append(key)
                 rates.append(rate)
-        kept = [k for k in range(len(groups)) if forced[k] is not None or not negligible(rates, k)]
-        if len(kept) < len(groups):
-            groups, evals, forced, keys, rates = ([xs[k] for k in kept] for xs in (groups, evals, forced, keys, rates))
         if not groups:
             return Grouping((), (), (), 0.0)
+        g = self.assigned(groups, evals, forced, keys, rates)
+        drop = set(droppable(rates)) if len(groups) > 1 else set()
+        if drop:
+            kept = [k for k in range(len(groups)) if k not in drop]
+            h = self.assigned(*([xs[k] for k in kept] for xs in (groups, evals, forced, keys, rates)))
+            if h.fitness >= g.fitness * (1 - MIN_REPLICA_SHARE):
+                return h
+        return g
+
+    def assigned(self, groups, evals, forced, keys, rates) -> Grouping:
+        """The grouping of these replicas (decode's lists), its roles and capacity (cached)."""
         sig = (tuple(keys), tuple(forced))
         got = self.roles_cache.get(sig)
         if got is not None:
@@ -221,6 +240,20 @@ class Evaluator:
             self.roles_cache.clear()
         self.roles_cache[sig] = (g.roles, g.fitness, g.link_req_s)
         return g
+
+    def formed(self, g: Grouping) -> Grouping:
+        """`g` (roles given, e.g. a baseline's) without the replicas `decode` would not form."""
+        if len(g.groups) < 2:
+            return g
+        rates = role_rates(g.evals)
+        drop = set(droppable(rates))
+        if not drop:
+            return g
+        kept = [k for k in range(len(g.groups)) if k not in drop]
+        roles = tuple(g.roles[k] for k in kept)
+        h = self.with_links(Grouping(tuple(g.groups[k] for k in kept), roles, tuple(g.evals[k] for k in kept),
+                                     capacity([rates[k] for k in kept], roles)[0]))
+        return h if h.fitness >= g.fitness * (1 - MIN_REPLICA_SHARE) else g
 
     def with_links(self, g: Grouping, rates: Sequence[tuple[float, float, float]] | None = None) -> Grouping:
         """`g` with its capacity capped by the shared zone links (a no-op without such links;

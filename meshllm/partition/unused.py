@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from meshllm.partition.capacity import role_rates
 from meshllm.partition.dp import memory_cap_layers, shortfall_reason
-from meshllm.partition.grouping import MIN_REPLICA_SHARE, NONE, Evaluator, Grouping, negligible
+from meshllm.partition.grouping import MIN_REPLICA_SHARE, NONE, Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
 
@@ -59,9 +59,11 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -
         return f"no replica to join{alone_note}"
     cap, trial, where = move
     if cap <= cap0 * (1 + 1e-6):
-        if not alone.reason and ev.forced[i] is None:
-            rates = role_rates((*base.evals, alone))
-            if negligible(rates, len(rates) - 1):
+        if not alone.reason and base.groups:
+            solo = list(genes)
+            solo[i] = max(genes) + 1
+            if not any(i in grp for grp in ev.decode(solo).groups):  # decode's rule left it out
+                rates = role_rates((*base.evals, alone))
                 alone_note = (f"; alone it would serve {max(rates[-1]):.3g} req/s, under "
                               f"{100 * MIN_REPLICA_SHARE:g} % of what the replicas serve, so it forms no replica")
         return (f"adds no capacity: at its best ({where}) the plan serves {cap:.3f} req/s, "

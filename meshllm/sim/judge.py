@@ -85,8 +85,9 @@ SIMULATED = ("mean_wait_ms", "p99_wait_ms", "ttft_p50_ms", "ttft_p99_ms", "mean_
 
 
 def operator_groupings(inp: PlanInputs, ev: Evaluator) -> list[Grouping]:
-    """mixed-dp's and tuned Splitwise's replicas and roles, exactly as sim/baselines.py builds
-    them, as groupings of `inp.members` (each member list in its evaluation's order)."""
+    """mixed-dp's and tuned Splitwise's replicas and roles, as sim/baselines.py builds them (less
+    any replica `Evaluator.decode` would not form), as groupings of `inp.members` (each member
+    list in its evaluation's order)."""
     index = {m.id: i for i, m in enumerate(inp.members)}
     out = []
     sub, _ = baselines.unforced(inp)
@@ -96,8 +97,10 @@ def operator_groupings(inp: PlanInputs, ev: Evaluator) -> list[Grouping]:
     evs, roles, cap, _ = baselines.splitwise_pools(inp)
     if cap >= 0:
         out.append((evs, roles, cap))
-    return [ev.with_links(Grouping(tuple(tuple(index[m.id] for m in e.members) for e in evs), tuple(roles),
-                                   tuple(evs), cap)) for evs, roles, cap in out]
+    # without the replicas the search would not form (grouping.py's MIN_REPLICA_SHARE): a device that
+    # barely computes would otherwise come back as mixed-dp's replica, which wins ties in capacity
+    return [ev.formed(ev.with_links(Grouping(tuple(tuple(index[m.id] for m in e.members) for e in evs), tuple(roles),
+                                             tuple(evs), cap))) for evs, roles, cap in out]
 
 
 def eligible_for(sat: Sequence[float], floor_from: Sequence[int], rate: float, given: bool) -> list[int]:
