@@ -151,3 +151,70 @@ def test_200_devices_80_layers_plan():
     assert inp.args.n_layers == 80 and len(inp.nodes) == 200
     plan = plan_cluster(inp, log=False)
     assert plan.replicas and plan.capacity_req_s > 0
+
+
+SLOW_ZONES = {
+    "model": "llama-3-8b",
+    "nodes": [
+        {"id": "a1", "device": "desktop-rtx-3060-12gb", "zone": "A"},
+        {"id": "a2", "device": "desktop-rtx-3060-12gb", "zone": "A"},
+        {"id": "b1", "device": "jetson-orin-nx-16gb", "zone": "B"},
+        {"id": "b2", "device": "mac-mini-m2", "zone": "B"},
+        {"id": "c1", "device": "intel-nuc-13-i7", "zone": "C"},
+        {"id": "c2", "device": "jetson-agx-orin-64gb", "zone": "C"},
+    ],
+    "links": [{"zones": ["A", "B"], "rtt_ms": 200, "bandwidth_mbps": 1},
+              {"zones": ["B", "C"], "rtt_ms": 300, "bandwidth_mbps": 0.5},
+              {"zones": ["A", "C"], "rtt_ms": 500, "bandwidth_mbps": 0.1}],
+    "workload": {"arrival_rate_per_s": 0.5, "input_tokens": {"mean": 512}, "output_tokens": {"mean": 128}},
+}
+
+
+def slow_link_evaluator(cluster: dict, where: dict[str, int]):
+    from meshllm.config import parse_cluster, plan_inputs
+    from meshllm.partition.plan import planner_evaluator
+
+    inp = plan_inputs(parse_cluster(cluster, "test"))
+    ev = planner_evaluator(inp)
+    return inp, ev, [where[m.id] for m in ev.members]
+
+
+def test_roles_that_ship_kv_over_a_slow_zone_link_lose_to_every_replica_mixed():
+    """assign_roles rates the ports only; the shared zone links cap its pick afterwards. Here it
+    made the two zones' pairs prefill for mixed replicas in the third zone, across links of 0.1-1
+    Mb/s: capacity 0.0003 req/s with the Jetson AGX Orin as a replica of its own, so the plan left
+    that device (the zone's strongest) out at 2.60 req/s, where every replica mixed serves 4.57."""
+    from meshllm.partition.plan import plan_cluster
+
+    inp, ev, genes = slow_link_evaluator(SLOW_ZONES, {"a1": 0, "a2": 0, "b1": 1, "b2": 1, "c1": 2, "c2": 3})
+    every_mixed, port_pick = ev.options(genes)
+    assert every_mixed.roles == ("mixed",) * 4 and every_mixed.fitness > 4
+    assert "prefill" in port_pick.roles and port_pick.fitness < 0.001  # capped by the links
+    assert ev.decode(genes) == every_mixed
+    plan = plan_cluster(inp, log=False)
+    assert "c2" in {s.node for r in plan.replicas for s in r.stages}
+    assert plan.capacity_req_s >= every_mixed.fitness * (1 - 1e-9)
+
+
+def test_at_a_rate_the_link_capped_roles_are_still_offered_where_they_wait_less():
+    """Two pipelines, each an RTX 4090 in zone A and a Mac mini in zone B (100 Mb/s between):
+    every replica mixed sustains 2.38 req/s, one prefilling for the other only 1.51 (the link caps
+    the KV it ships), but at 0.3 req/s that one's users wait far less. The capacity phase takes
+    the first; the latency phase rates both and keeps the cheaper one that holds its floor."""
+    cluster = {"model": "llama-3-8b",
+               "nodes": [{"id": "a1", "device": "desktop-rtx-4090", "zone": "A"},
+                         {"id": "a2", "device": "desktop-rtx-4090", "zone": "A"},
+                         {"id": "b1", "device": "mac-mini-m2", "zone": "B"},
+                         {"id": "b2", "device": "mac-mini-m2", "zone": "B"}],
+               "links": [{"zones": ["A", "B"], "rtt_ms": 20, "bandwidth_mbps": 100}],
+               "workload": {"arrival_rate_per_s": 0.3, "input_tokens": {"mean": 512}, "output_tokens": {"mean": 128}}}
+    _, ev, genes = slow_link_evaluator(cluster, {"a1": 0, "a2": 1, "b1": 0, "b2": 1})
+    every_mixed, port_pick = ev.options(genes)
+    assert every_mixed.roles == ("mixed", "mixed") and sorted(port_pick.roles) == ["mixed", "prefill"]
+    assert every_mixed.fitness > 2.3 and 1.4 < port_pick.fitness < 1.6 and ev.decode(genes) == every_mixed
+    costs = [ev.latency(g, 0.3).cost(WAIT_WEIGHT) for g in (every_mixed, port_pick)]
+    assert costs[1] < 0.5 * costs[0]
+    score, picked = ev.rated(genes, 0.3, 1.0)
+    assert picked == port_pick and score == (1.0, -costs[1])
+    score, picked = ev.rated(genes, 0.3, 2.0)  # a floor the port pick does not hold
+    assert picked == every_mixed and score == (2.0, -costs[0])

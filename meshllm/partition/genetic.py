@@ -28,7 +28,6 @@ seeded here and restored afterwards.
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import sys
 import time
@@ -185,12 +184,7 @@ def capacity_score(ev: Evaluator) -> Memo:
 
 
 def latency_score(ev: Evaluator, rate: float, floor: float) -> Memo:
-    def score(genes: Sequence[int]) -> tuple[float, float]:
-        g = ev.decode(genes)
-        if g.fitness < floor or rate >= g.fitness:
-            return min(g.fitness, floor), -math.inf
-        return floor, -ev.latency(g, rate).cost(WAIT_WEIGHT)
-    return Memo(score)
+    return Memo(lambda genes: ev.rated(genes, rate, floor)[0])
 
 
 def seeded(seed: int, fn: Callable[[random.Random], Grouping]) -> Grouping:
@@ -248,15 +242,22 @@ def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> 
         if cap <= 0:
             return Search(ev.decode(pop[0]), (), cap, rate)
         lam = rate if rate > 0 else NO_RATE_LOAD * cap
-        score = latency_score(ev, lam, CAPACITY_FLOOR * cap)
+        floor = CAPACITY_FLOOR * cap
+        score = latency_score(ev, lam, floor)
         phase1 = pop[0]
         pop = run_ga(score, pop, len(ev.members), LATENCY_GENERATIONS, LATENCY_STALL, log, "latency")
         genes, _ = polish(score, pop[0])
-        genes = fill_unused(ev, genes, lam)
-        picks = [genes, phase1] + [g for g in pop[1:] if score(g)[0] >= score(genes)[0]][:RUNNERS_UP]
+        genes = fill_unused(ev, genes, lam, floor)
+        ups = [g for g in pop[1:] if score(g)[0] >= score(genes)[0]][:RUNNERS_UP]
+        picks = [genes, phase1] + ups
+        # the latency phase's picks with the roles it rated at the rate; the others' for capacity; then
+        # each one's other roles (`Evaluator.options`: a judge may find the link-capped ones wait less)
         picks += [pack(ev, type_order(ev), slack) for slack in PACK_SLACK[:2]]
-        cands = [ev.decode(g) for g in picks]
-        typed = ev.decode(type_genes(ev))  # one device type per replica: what an operator runs
+        cands = [ev.rated(g, lam, floor)[1] if k == 0 or 2 <= k < 2 + len(ups) else ev.decode(g)
+                 for k, g in enumerate(picks)]
+        typed_genes = type_genes(ev)
+        cands += [o for g in picks + [typed_genes] for o in ev.options(g)[1:]]
+        typed = ev.decode(typed_genes)  # one device type per replica: what an operator runs
         standard = [typed] + [m for m in (all_mixed(ev, typed),) if m is not None]
         unique = list({(c.groups, c.roles): c for c in cands + standard if c.fitness > 0}.values())
         keys = {(c.groups, c.roles) for c in standard}
@@ -267,16 +268,17 @@ def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> 
     return seeded(seed, run)
 
 
-def fill_unused(ev: Evaluator, genes: list[int], rate: float) -> list[int]:
+def fill_unused(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.0) -> list[int]:
     """Every device that adds capacity is used: each device outside the replicas, fastest first,
     takes the move (into a replica, or alone) that adds the most capacity among those that do
-    not raise the predicted cost at `rate` by more than FILL_COST_SLACK."""
+    not raise the predicted cost at `rate` by more than FILL_COST_SLACK (each grouping's roles
+    as the latency phase rates them, `Evaluator.rated` at `floor`)."""
     genes = list(genes)
     for i in sorted(range(len(genes)), key=lambda i: -ev.members[i].device.compute_tflops):
         if genes[i] != NONE:
             continue
         g0 = ev.decode(genes)
-        cost0 = ev.latency(g0, rate).cost(WAIT_WEIGHT)
+        cost0 = ev.latency(ev.rated(genes, rate, floor)[1], rate).cost(WAIT_WEIGHT)
         labels = sorted(set(genes) - {NONE})
         fresh = next(x for x in range(len(genes) + 1) if x not in labels)
         moves = sorted(((ev.fitness(genes[:i] + [g] + genes[i + 1:]), g) for g in labels + [fresh]), reverse=True)
@@ -284,7 +286,7 @@ def fill_unused(ev: Evaluator, genes: list[int], rate: float) -> list[int]:
             if cap <= g0.fitness * (1 + 1e-6):
                 break
             trial = genes[:i] + [g] + genes[i + 1:]
-            if ev.latency(ev.decode(trial), rate).cost(WAIT_WEIGHT) <= cost0 * (1 + FILL_COST_SLACK):
+            if ev.latency(ev.rated(trial, rate, floor)[1], rate).cost(WAIT_WEIGHT) <= cost0 * (1 + FILL_COST_SLACK):
                 genes = trial
                 break
     return genes

@@ -26,7 +26,10 @@ first, and only while those dropped add up to under that share, and only if the 
 keeps all but that share of its capacity (a replica that is its role's whole pool, e.g. the
 one a node's `roles:` let prefill, is the grouping's bottleneck, not negligible).
 
-Shared zone links cap a grouping's capacity (links.py). `Evaluator.latency` predicts the
+Shared zone links cap a grouping's capacity (links.py). `assign_roles` rates the ports only:
+where a link caps its pick (KV shipped across a slow link) and every free replica mixed
+sustains more, `decode` takes every replica mixed; `options` offers the capped pick too, which
+at a rate may wait less (the GA's latency phase rates both: `rated`). `Evaluator.latency` predicts the
 grouping's mean wait, TTFT and e2e at a rate (latency.py), the busiest shared link an M/D/1
 queue for everyone.
 """
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 from meshllm.partition.capacity import capacity, role_rates, trade_order
 from meshllm.partition.cost import ModelCosts
 from meshllm.partition.dp import Member, Net, Splitter
-from meshllm.partition.latency import Prediction, predict
+from meshllm.partition.latency import WAIT_WEIGHT, Prediction, predict
 from meshllm.partition.links import LinkLoad
 from meshllm.partition.queueing import md1_wait
 from meshllm.partition.replica import Mix, ReplicaEval, evaluate_replica, with_free_tokens
@@ -195,6 +198,12 @@ class Evaluator:
         return False if len(want) > 1 else (want.pop() if want else None)
 
     def decode(self, genes: Sequence[int]) -> Grouping:
+        """The grouping of a chromosome, its roles chosen for capacity."""
+        return self.options(genes)[0]
+
+    def options(self, genes: Sequence[int]) -> tuple[Grouping, ...]:
+        """The grouping of a chromosome under each role assignment worth asking about at a rate:
+        `decode`'s first (`assigned`)."""
         labels = self.labels_by_rank(genes)
         # positions by label, a stable sort: each replica's members come out in canonical order
         by_label = itertools.groupby(sorted(range(len(labels)), key=labels.__getitem__), key=labels.__getitem__)
@@ -218,28 +227,51 @@ class Evaluator:
                 keys.append(key)
                 rates.append(rate)
         if not groups:
-            return Grouping((), (), (), 0.0)
+            return (Grouping((), (), (), 0.0),)
         g = self.assigned(groups, evals, forced, keys, rates)
         drop = set(droppable(rates)) if len(groups) > 1 else set()
         if drop:
             kept = [k for k in range(len(groups)) if k not in drop]
             h = self.assigned(*([xs[k] for k in kept] for xs in (groups, evals, forced, keys, rates)))
-            if h.fitness >= g.fitness * (1 - MIN_REPLICA_SHARE):
+            if h[0].fitness >= g[0].fitness * (1 - MIN_REPLICA_SHARE):
                 return h
         return g
 
-    def assigned(self, groups, evals, forced, keys, rates) -> Grouping:
-        """The grouping of these replicas (decode's lists), its roles and capacity (cached)."""
+    def rated(self, genes: Sequence[int], rate: float, floor: float) -> tuple[tuple[float, float], Grouping]:
+        """The latency phase's score of a chromosome, (min(capacity, floor), -predicted cost at
+        `rate`, or -inf below the floor or at or above capacity), compared lexicographically, and
+        the option of `options` that scores best (the first of equals)."""
+        best = None
+        for g in self.options(genes):
+            if g.fitness < floor or rate >= g.fitness:
+                score = (min(g.fitness, floor), -math.inf)
+            else:
+                score = (floor, -self.latency(g, rate).cost(WAIT_WEIGHT))
+            if best is None or score > best[0]:
+                best = (score, g)
+        return best
+
+    def assigned(self, groups, evals, forced, keys, rates) -> tuple[Grouping, ...]:
+        """The grouping of these replicas (decode's lists) under the roles `assign_roles` picks,
+        capacity first (cached). `assign_roles` rates the ports only: where a shared zone link
+        caps its pick (KV shipped across a slow link) and every free replica mixed sustains more,
+        that comes first, and the pick second (at a rate it may still wait less)."""
         sig = (tuple(keys), tuple(forced))
         got = self.roles_cache.get(sig)
-        if got is not None:
-            return Grouping(tuple(groups), got[0], tuple(evals), got[1], None, got[2])
-        fit, roles = assign_roles(rates, forced)
-        g = self.with_links(Grouping(tuple(groups), tuple(roles), tuple(evals), fit), rates)
-        if len(self.roles_cache) >= ROLES_CACHE:
-            self.roles_cache.clear()
-        self.roles_cache[sig] = (g.roles, g.fitness, g.link_req_s)
-        return g
+        if got is None:
+            fit, roles = assign_roles(rates, forced)
+            opts = [self.with_links(Grouping(tuple(groups), tuple(roles), tuple(evals), fit), rates)]
+            if opts[0].fitness < fit and any(r != "mixed" and f is None for r, f in zip(roles, forced, strict=True)) \
+                    and all(e.mixed is not None for e, f in zip(evals, forced, strict=True) if f is None):
+                every_mixed = tuple(f or "mixed" for f in forced)
+                alt = self.with_links(Grouping(tuple(groups), every_mixed, tuple(evals),
+                                               capacity(rates, every_mixed)[0]), rates)
+                if alt.fitness > opts[0].fitness * (1 + 1e-12):
+                    opts.insert(0, alt)
+            if len(self.roles_cache) >= ROLES_CACHE:
+                self.roles_cache.clear()
+            got = self.roles_cache[sig] = tuple((g.roles, g.fitness, g.link_req_s) for g in opts)
+        return tuple(Grouping(tuple(groups), roles, tuple(evals), fit, None, link) for roles, fit, link in got)
 
     def formed(self, g: Grouping) -> Grouping:
         """`g` (roles given, e.g. a baseline's) without the replicas `decode` would not form."""

@@ -5,7 +5,8 @@ hold one layer beside the KV budget, or because no replica gains from it: every 
 that puts it to work (joining one of the replicas, or alone as a new one) is tried, and the
 reason quotes the best one's capacity against the plan's (or its cost at the planned rate,
 when it adds capacity but the users would wait longer). Both sides are the search's analytic
-rating (`Evaluator.decode`: the DP's splits, the GA's roles), also where the simulated judge
+rating (`Evaluator.decode`: the DP's splits, the GA's roles for capacity; for the cost, the roles
+that wait least at the rate, `Evaluator.rated`), also where the simulated judge
 re-rated the plan after turning roles or re-splitting a pipeline (sim/turns.py, steps 6-7)."""
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -
     pred = grouping.prediction
     if pred is None:
         return f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but was not chosen"
-    g = ev.decode(trial)
-    before, after = (ev.latency(x, pred.rate_per_s).cost(WAIT_WEIGHT) for x in (base, g))
+    # each grouping under its roles that wait least at the rate (`Evaluator.rated`), as fill_unused rates them
+    before, after = (ev.latency(ev.rated(x, pred.rate_per_s, 0.0)[1], pred.rate_per_s).cost(WAIT_WEIGHT)
+                     for x in (genes, trial))
     cost = f"at {pred.rate_per_s:.3f} req/s the predicted cost (e2e + {WAIT_WEIGHT:g} x wait)"
     if after > before:
         return f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but {cost} rises from {before:.3f} s to {after:.3f} s"
