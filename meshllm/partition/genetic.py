@@ -249,14 +249,13 @@ def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> 
         genes, _ = polish(score, pop[0])
         genes = fill_unused(ev, genes, lam, floor)
         ups = [g for g in pop[1:] if score(g)[0] >= score(genes)[0]][:RUNNERS_UP]
-        picks = [genes, phase1] + ups
-        # the latency phase's picks with the roles it rated at the rate; the others' for capacity; then
-        # each one's other roles (`Evaluator.options`: a judge may find the link-capped ones wait less)
-        picks += [pack(ev, type_order(ev), slack) for slack in PACK_SLACK[:2]]
-        cands = [ev.rated(g, lam, floor)[1] if k == 0 or 2 <= k < 2 + len(ups) else ev.decode(g)
-                 for k, g in enumerate(picks)]
+        packs = [pack(ev, type_order(ev), slack) for slack in PACK_SLACK[:2]]
         typed_genes = type_genes(ev)
-        cands += [o for g in picks + [typed_genes] for o in ev.options(g)[1:]]
+        # the latency phase's picks with the roles it rated at the rate, the others' for capacity; then
+        # each one's other roles (`Evaluator.options`: a judge may find the link-capped ones wait less)
+        cands = ([ev.rated(genes, lam, floor)[1], ev.decode(phase1)] + [ev.rated(g, lam, floor)[1] for g in ups]
+                 + [ev.decode(g) for g in packs])
+        cands += [o for g in [genes, phase1, *ups, *packs, typed_genes] for o in ev.options(g)[1:]]
         typed = ev.decode(typed_genes)  # one device type per replica: what an operator runs
         standard = [typed] + [m for m in (all_mixed(ev, typed),) if m is not None]
         unique = list({(c.groups, c.roles): c for c in cands + standard if c.fitness > 0}.values())
