@@ -257,8 +257,8 @@ def cmd_cluster(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from meshllm.config import split_hostport
     from meshllm.mesh.node import format_status, query_status
+    from meshllm.yaml_fields import split_hostport
 
     split_hostport(a.status.rpartition("@")[2], "--status", "[ID@]HOST:PORT")
     st = query_status(a.status, timeout_s=a.timeout or 3.0)

@@ -18,12 +18,9 @@ from meshllm.config import (
     LinkSpec,
     SpeculationSpec,
     Workload,
-    _check_keys,
-    _choice,
     _draft,
     _links,
     _model,
-    _num,
     _plan_inputs,
     _roles,
     _spec,
@@ -33,11 +30,6 @@ from meshllm.config import (
     check_draft_groups,
     check_lengths,
     file_model_args,
-    given,
-    node_id,
-    read_text_file,
-    read_yaml,
-    split_hostport,
 )
 from meshllm.defaults import (
     DEFAULT_MODEL,
@@ -58,6 +50,16 @@ from meshllm.mesh.ingress import RateLimit
 from meshllm.mesh.keys import NodeKeys, read_authorized_keys
 from meshllm.partition.inputs import PlanInputs, PlanNode
 from meshllm.shapes import transformer_configs
+from meshllm.yaml_fields import (
+    check_keys,
+    choice,
+    given,
+    node_id,
+    number,
+    read_text_file,
+    read_yaml,
+    split_hostport,
+)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "mo
 
 
 def parse_node(data: dict, src: str) -> NodeConfig:
-    _check_keys(data, NODE_KEYS, {"id", "device", "listen"}, src, "")
+    check_keys(data, NODE_KEYS, {"id", "device", "listen"}, src, "")
     node_id(data["id"], src, "id")
     split_hostport(data["listen"], src, "listen")
     if data.get("advertise") is not None:
@@ -134,9 +136,9 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         raise ConfigError(src, "mdns", f"must be true or false, got {mdns!r}")
     # Links in a node file (written by the emulator) name zones of other nodes: no zone check here.
     links = _links(data, src, None)
-    hb = float(_num(data.get("heartbeat_interval_s", HEARTBEAT_INTERVAL_S), src, "heartbeat_interval_s",
+    hb = float(number(data.get("heartbeat_interval_s", HEARTBEAT_INTERVAL_S), src, "heartbeat_interval_s",
                     strict=True))
-    fail = float(_num(data.get("failure_timeout_s", FAILURE_TIMEOUT_S), src, "failure_timeout_s", strict=True))
+    fail = float(number(data.get("failure_timeout_s", FAILURE_TIMEOUT_S), src, "failure_timeout_s", strict=True))
     if fail <= hb:
         raise ConfigError(src, "failure_timeout_s", f"must be larger than heartbeat_interval_s ({hb:g}), got {fail:g}")
     model, weights = _model(data.get("model", DEFAULT_MODEL), src), _weights_keys(data, src)
@@ -195,10 +197,10 @@ def _gateway(data: dict, src: str) -> dict[str, Any]:
     v = data["gateway"]
     if v is None:  # a bare `gateway:` ran no API, and said nothing
         raise ConfigError(src, "gateway", "is empty: give {listen: HOST:PORT}, or leave the key out")
-    _check_keys(v, {"listen", "api_token", "max_concurrent", "drain_s"}, {"listen"}, src, "gateway.")
-    limit = int(_num(v.get("max_concurrent", GATEWAY_MAX_CONCURRENT), src, "gateway.max_concurrent", lo=1,
+    check_keys(v, {"listen", "api_token", "max_concurrent", "drain_s"}, {"listen"}, src, "gateway.")
+    limit = int(number(v.get("max_concurrent", GATEWAY_MAX_CONCURRENT), src, "gateway.max_concurrent", lo=1,
                      integer=True))
-    drain = float(_num(v.get("drain_s", GATEWAY_DRAIN_S), src, "gateway.drain_s"))
+    drain = float(number(v.get("drain_s", GATEWAY_DRAIN_S), src, "gateway.drain_s"))
     if drain > MAX_DRAIN_S:  # also .inf: a stop must end
         raise ConfigError(src, "gateway.drain_s", f"must be at most {MAX_DRAIN_S:g} s, got {drain:g}")
     split_hostport(v["listen"], src, "gateway.listen", 65535)
@@ -248,10 +250,10 @@ def _seeds(v: Any, src: str, authorized: dict | None) -> tuple[tuple[str, ...], 
 def _rate_limit(v: Any, src: str) -> RateLimit:
     if v is None:
         return RateLimit()
-    _check_keys(v, {"messages_per_s", "burst"}, set(), src, "rate_limit.")
+    check_keys(v, {"messages_per_s", "burst"}, set(), src, "rate_limit.")
     default = RateLimit()
-    rate = float(_num(v.get("messages_per_s", default.messages_per_s), src, "rate_limit.messages_per_s", strict=True))
-    burst = float(_num(v.get("burst", default.burst), src, "rate_limit.burst", lo=1.0))
+    rate = float(number(v.get("messages_per_s", default.messages_per_s), src, "rate_limit.messages_per_s", strict=True))
+    burst = float(number(v.get("burst", default.burst), src, "rate_limit.burst", lo=1.0))
     return RateLimit(rate, burst)
 
 
@@ -266,9 +268,9 @@ def _serving(d: dict, src: str) -> dict[str, Any]:
             raise ConfigError(src, key, f"must be true or false, got {v!r}")
     return dict(
         draft=_draft(given(d, "draft", {}), src), speculation=_spec(given(d, "speculation", {}), src),
-        weights_dtype=_choice(d.get("weights_dtype", DEFAULT_WEIGHT_DTYPE), WEIGHT_DTYPES, src, "weights_dtype"),
+        weights_dtype=choice(d.get("weights_dtype", DEFAULT_WEIGHT_DTYPE), WEIGHT_DTYPES, src, "weights_dtype"),
         workload=_workload(given(d, "workload", {}), src), expect_nodes=tuple(expect),
-        plan_settle_s=float(_num(d.get("plan_settle_s", PLAN_SETTLE_S), src, "plan_settle_s")), plan_judge=judge,
+        plan_settle_s=float(number(d.get("plan_settle_s", PLAN_SETTLE_S), src, "plan_settle_s")), plan_judge=judge,
         pace=pace, time_scale=_time_scale(d.get("time_scale", 1.0), src), fault_injection=faults,
         busy_poll_ms=_busy_poll_ms(d.get("busy_poll_ms", 0.0), src),
     )

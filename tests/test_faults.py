@@ -12,10 +12,11 @@ import time
 import pytest
 import zmq
 
-from meshllm.config import parse_cluster, read_yaml
+from meshllm.config import parse_cluster
 from meshllm.errors import InputError
 from meshllm.faults import Fault, FaultInjector, parse_faults
 from meshllm.mesh.protocol import MsgType, decode, encode, make
+from meshllm.yaml_fields import read_yaml
 from tests.conftest import REPO, run_cli
 
 CLUSTER = REPO / "clusters" / "failure.yaml"

@@ -37,8 +37,8 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
-from meshllm.config import read_text_file
 from meshllm.errors import ConfigError, InputError
+from meshllm.yaml_fields import read_text_file
 
 log = logging.getLogger("meshllm.mesh.keys")
 
