@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import random
 import threading
 import time
@@ -43,6 +42,7 @@ from meshllm.roles.coordinator import live_plan_inputs
 from meshllm.roles.kv_book import KvBook, KvDenied
 from meshllm.roles.metrics import GatewayMetrics, summed
 from meshllm.roles.model_info import ModelInfo
+from meshllm.roles.readiness import Readiness
 from meshllm.roles.route_view import RequestError, RouterView, Stream, kv_fit
 from meshllm.sim.replica import from_plan
 
@@ -59,7 +59,7 @@ MAX_PENDING = 4096  # TOKENS held out of order per request (and token ids per TO
 SEQ_COUNTER_MASK = (1 << 32) - 1  # a sequence id: this gateway's random prefix | a counter below it
 
 
-class Gateway:
+class Gateway(Readiness):
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo, cfg: NodeConfig):
         self.t, self.members, self.me_info, self.cfg = transport, members, me, cfg
         self.me, self.address, self.model_spec = me.id, me.address, cfg.model
@@ -130,23 +130,6 @@ class Gateway:
         for seq, s, node in hit:
             self._fail(s, f"node {node} of its replica died", seq)
 
-    def dead_nodes(self) -> set[str]:
-        """The nodes this node's membership has seen dead (or leave)."""
-        return {p.info.id for p in self.members.peers() if p.state.value in ("dead", "left")}
-
-    def unservable(self) -> str | None:
-        """Why no replica will be ready, where the coordinator says it cannot plan the live nodes
-        (not "still planning or loading": an operator's health check must tell the two apart)."""
-        why = self.planner_error()
-        return None if why is None or self.ready() else f"the mesh cannot serve now: {why}"
-
-    def planner_error(self) -> str | None:
-        """Why the coordinator could not plan the live nodes (its heartbeat's `planner_error`;
-        this node's own if it is the coordinator), or None."""
-        loads = [self.local_load()] + [p.load for p in self.members.peers() if p.state.value == "alive"]
-        return next((ld["planner_error"] for ld in loads
-                     if isinstance(ld, dict) and isinstance(ld.get("planner_error"), str)), None)
-
     def wake(self) -> None:
         """Any thread: news that may make a replica ready (a plan applied here, a peer's heartbeat
         saying which plan it has loaded): requests waiting for one look again at once, not at
@@ -170,36 +153,6 @@ class Gateway:
             with self._lock:
                 if fut in self._waiting:
                     self._waiting.remove(fut)
-
-    def node_version(self, node: str) -> int:
-        """The plan version `node` has loaded, as its last heartbeat says (-1: none, or it refused a
-        request of ours since: a node restarted at its address, which its peers have not yet heard
-        from, answers for its earlier life's heartbeats; resumed requests would be refused there
-        at once, each an attempt, until the request failed)."""
-        if node == self.me:
-            return self.local_version
-        p = self.members.get(node)
-        if p is None or p.state.value != "alive" or p.last_heard <= self._refused.get(node, -math.inf):
-            return -1
-        v = p.load.get("plan_version")
-        return v if isinstance(v, int) else -1
-
-    def ready_replicas(self) -> list[int]:
-        ctx = self.ctx
-        if ctx is None:
-            return []
-        return [r.id for r in ctx.plan.replicas if all(self.node_version(s.node) == ctx.version for s in r.stages)]
-
-    def ready(self) -> bool:
-        """Serving: every replica of the current plan is loaded, and so is every drafter when
-        speculation is on (requests are routed to what is ready before that)."""
-        ctx = self.ctx
-        if ctx is None or not ctx.plan.replicas or self.model.tokenizer is None:
-            return False
-        ready = set(self.ready_replicas())
-        drafters = ctx.plan.drafters if self.cfg.speculation.mode != "off" else ()
-        return ready == {r.id for r in ctx.plan.replicas} and all(
-            self.node_version(d) == ctx.version for d in drafters)
 
     # -- requests ---------------------------------------------------------------------------------
     async def submit(self, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
