@@ -77,6 +77,7 @@ class NodeConfig:
     roles: tuple[Role, ...] | None = None
     node_key: str | None = None  # this node's CURVE secret key file (with authorized_keys: CURVE on)
     authorized_keys: str | None = None  # the mesh's `NODE_ID Z85_PUBLIC_KEY` lines
+    cluster_key: str | None = None  # one CURVE secret key file that every node holds (instead of the two above)
     rate_limit: RateLimit = RateLimit()  # per-peer message rate limit of the transport
     links: tuple[LinkSpec, ...] = ()  # zone links: the planner's input; the emulator also shapes them
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S  # liveness: see mesh/membership.py
@@ -118,7 +119,7 @@ def plan_inputs_for_nodes(cfg: NodeConfig, nodes: tuple[PlanNode, ...], source: 
 
 # -- node file ------------------------------------------------------------------------------
 NODE_KEYS = {"id", "device", "zone", "listen", "advertise", "seeds", "mdns", "model", "roles", "node_key",
-             "authorized_keys", "rate_limit", "links", "heartbeat_interval_s", "failure_timeout_s", "gateway", "draft", "speculation",
+             "authorized_keys", "cluster_key", "rate_limit", "links", "heartbeat_interval_s", "failure_timeout_s", "gateway", "draft", "speculation",
              "weights_dtype", "workload", "expect_nodes", "plan_settle_s", "pace", "time_scale", "fault_injection",
              "fetch_weights", "weights_cache", "busy_poll_ms", "plan_judge"}
 
@@ -149,7 +150,7 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         zone=_zone(data.get("zone", "default"), src, "zone"), listen=data["listen"], advertise=data.get("advertise"),
         seeds=seeds, seed_ids=seed_ids, mdns=mdns, model=model,
         roles=_roles(data.get("roles"), src, "roles"), node_key=security.get("node_key"),
-        authorized_keys=security.get("authorized_keys"), rate_limit=_rate_limit(data.get("rate_limit"), src),
+        authorized_keys=security.get("authorized_keys"), cluster_key=security.get("cluster_key"), rate_limit=_rate_limit(data.get("rate_limit"), src),
         links=links, heartbeat_interval_s=hb, failure_timeout_s=fail, **_gateway(data, src),
         **weights,
         **_serving(data, src),
@@ -214,8 +215,16 @@ def _gateway(data: dict, src: str) -> dict[str, Any]:
 
 
 def _node_security(d: dict, src: str) -> dict[str, Any]:
-    """node_key + authorized_keys (both or neither): CURVE with this node's own key pair."""
-    key, auth = d.get("node_key"), d.get("authorized_keys")
+    """node_key + authorized_keys (both or neither): CURVE with this node's own key pair; or
+    cluster_key: CURVE with the key pair every node holds."""
+    key, auth, shared = d.get("node_key"), d.get("authorized_keys"), d.get("cluster_key")
+    if shared is not None:
+        if key is not None or auth is not None:
+            raise ConfigError(src, "cluster_key", "give cluster_key, or node_key with authorized_keys; not both")
+        if not isinstance(shared, str) or not shared:
+            raise ConfigError(src, "cluster_key", f"must be a file path, got {shared!r}")
+        NodeKeys.cluster(str(d["id"]), shared, src)  # a bad key file: ConfigError
+        return {"cluster_key": shared}
     if key is None and auth is None:
         return {}
     if key is None or auth is None:

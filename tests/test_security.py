@@ -551,6 +551,68 @@ def test_cli_keygen_and_status_of_a_curve_mesh(tmp_path: Path) -> None:
             p.wait(timeout=30)
 
 
+# -- one cluster key -------------------------------------------------------------------------------
+def cluster_cfg(nid: str, listen: str, key: str, seeds: tuple[str, ...] = ()) -> NodeConfig:
+    return NodeConfig(source="test", id=nid, device=DEV, zone="z", listen=listen, seeds=seeds, mdns=False,
+                      heartbeat_interval_s=0.2, failure_timeout_s=1.0, model="tiny", plan_settle_s=60.0,
+                      cluster_key=key)
+
+
+def test_a_cluster_key_admits_its_holders_and_refuses_any_other_key(tmp_path: Path, closing: list,
+                                                                    monkeypatch) -> None:
+    """`cluster_key:` (one key file on every node): a and b hold it and form a mesh from a plain
+    HOST:PORT seed, on CURVE sockets; x holds another key and is never admitted nor listed;
+    `--status` answers a holder of the key (no node id needed) and no one else."""
+    generate_key(tmp_path / "cluster.key")
+    generate_key(tmp_path / "other.key")
+    key, other = str(tmp_path / "cluster.key"), str(tmp_path / "other.key")
+    a_addr = addr()
+    a = Node(cluster_cfg("a", a_addr, key)).start()
+    closing.append(a)
+    b = Node(cluster_cfg("b", addr(), key, (a_addr,))).start()
+    closing.append(b)
+    x = Node(cluster_cfg("x", addr(), other, (a_addr,))).start()
+    closing.append(x)
+    assert wait_for(lambda: alive(a) == {"b"} and alive(b) == {"a"})
+    # x's handshakes fail (they are made for another server key); a client that knows the cluster's
+    # public key but holds another secret key gets as far as ZAP, which refuses it
+    outsider = NodeKeys.cluster("", other)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    closing.append(sock)
+    sock.curve_secretkey, sock.curve_publickey = outsider.secret, outsider.public
+    sock.curve_serverkey = NodeKeys.cluster("", key).public
+    sock.connect(endpoint(a_addr, 0))
+    sock.send_multipart(encode(make(MsgType.PING)))
+    assert wait_for(lambda: a.transport.rejected >= 1)
+    assert not sock.poll(300)
+    assert "x" not in {p.info.id for p in a.members.peers()} | {p.info.id for p in b.members.peers()}
+    assert x.members.peers() == []
+    assert a.transport.router.mechanism == zmq.CURVE and a.transport.pub.mechanism == zmq.CURVE
+    monkeypatch.setenv("MESHLLM_CLUSTER_KEY", key)  # what `--status` reads
+    assert query_status(a_addr, timeout_s=5.0)["node"] == "a"
+    monkeypatch.setenv("MESHLLM_CLUSTER_KEY", other)
+    with pytest.raises(TimeoutError):
+        query_status(a_addr, timeout_s=0.5)
+
+
+def test_a_node_file_s_cluster_key_is_checked(tmp_path: Path) -> None:
+    generate_key(tmp_path / "cluster.key")
+    garbage = tmp_path / "garbage.key"
+    garbage.write_text("not a key\n")
+    base = {"id": "a", "device": DEVICE, "listen": "127.0.0.1:7700", "cluster_key": str(tmp_path / "cluster.key"),
+            "seeds": ["127.0.0.1:7800"]}
+    p = tmp_path / "n.yaml"
+    p.write_text(yaml.safe_dump(base))
+    n = load_node(p)
+    assert n.cluster_key == base["cluster_key"] and n.seeds == ("127.0.0.1:7800",) and n.node_key is None
+    for bad, why in [({"cluster_key": str(garbage)}, "cluster_key: .* is not a meshllm key file"),
+                     ({"cluster_key": ""}, "cluster_key: must be a file path"),
+                     ({"node_key": str(tmp_path / "cluster.key")}, "cluster_key: give cluster_key, or node_key")]:
+        p.write_text(yaml.safe_dump({**base, **bad}))
+        with pytest.raises(ConfigError, match=why):
+            load_node(p)
+
+
 # -- the emulator, end to end ------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_cluster_with_curve_and_an_api_token_serves_the_reference(tmp_path, smollm2, smollm2_tokenizer) -> None:

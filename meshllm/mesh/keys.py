@@ -18,6 +18,12 @@ public key: the node id at that address (`pin`, from seeds `ID@HOST:PORT`, gossi
 is looked up in the authorized keys, so a reply or a publication on that connection can only
 come from that node.
 
+A simpler mode shares one key pair among all nodes (`cluster_key:` in the node file, a key file
+made with `--keygen` and copied to every node; `NodeKeys.cluster`): every socket is still CURVE,
+encrypted, and a client without that key is refused during the handshake, but the key names no
+node, so a holder of it may speak as any node id (`ANY_NODE`: its messages say who sent them).
+Per-node keys are the stronger mode; a cluster key keeps outsiders out, nothing more.
+
 A running node re-reads its authorized-keys file when it changes (`NodeKeys.refresh`, every
 AUTH_RELOAD_S on the node's I/O thread): a node added to the file can join without restarting
 anyone; a node removed (or re-keyed) loses its pins and connections, its messages are dropped
@@ -46,6 +52,7 @@ KEY_FILE_HEADER = "# meshllm CURVE secret key (z85). Keep it private: whoever ho
 Z85_KEY_CHARS = 40  # a 32-byte CURVE key in z85
 AUTH_RELOAD_S = 2.0  # a node checks its authorized-keys file for changes this often
 _domains = itertools.count(1)
+ANY_NODE = "*"  # who a cluster key's holder is (no node id has a '*': yaml_fields.node_id)
 
 
 class UnknownPeerKey(TimeoutError):
@@ -116,10 +123,10 @@ class NodeKeys:
     """One node's CURVE identity, the mesh's authorized keys, and the address -> node id pins of
     its client connections. Thread-safe."""
 
-    def __init__(self, node_id: str, secret: bytes, authorized: dict[str, bytes]):
-        self.node_id, self.secret = node_id, secret
+    def __init__(self, node_id: str, secret: bytes, authorized: dict[str, bytes], shared: bool = False):
+        self.node_id, self.secret, self.shared = node_id, secret, shared
         self.public = zmq.curve_public(secret)
-        if authorized.get(node_id) != self.public:
+        if not shared and authorized.get(node_id) != self.public:
             raise ValueError(f"the authorized keys list no key for {node_id!r} matching its key file")
         self.authorized = dict(authorized)
         self._ids = {k: nid for nid, k in authorized.items()}
@@ -140,10 +147,21 @@ class NodeKeys:
         return keys
 
     @staticmethod
+    def cluster(node_id: str, key_file: str, src: str = "node file") -> NodeKeys:
+        """One key pair that every node of the mesh holds (`cluster_key:`): any holder is admitted."""
+        return NodeKeys(node_id, read_secret_key(key_file, src, "cluster_key"), {}, shared=True)
+
+    @staticmethod
     def from_env(node_id: str = "") -> NodeKeys | None:
-        """The CLI's identity: $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS (None if unset). Its id is
-        the authorized-keys line whose key matches the key file (`node_id` is only a hint)."""
+        """The CLI's identity: $MESHLLM_CLUSTER_KEY, or $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS
+        (None if unset). With per-node keys its id is the authorized-keys line whose key matches
+        the key file (`node_id` is only a hint)."""
         key, auth = os.environ.get("MESHLLM_NODE_KEY"), os.environ.get("MESHLLM_AUTHORIZED_KEYS")
+        shared = os.environ.get("MESHLLM_CLUSTER_KEY")
+        if shared and (key or auth):
+            raise InputError("give $MESHLLM_CLUSTER_KEY, or $MESHLLM_NODE_KEY with $MESHLLM_AUTHORIZED_KEYS; not both")
+        if shared:
+            return NodeKeys.cluster(node_id, shared, "$MESHLLM_CLUSTER_KEY")
         if not key and not auth:
             return None
         if not key or not auth:
@@ -161,7 +179,7 @@ class NodeKeys:
         """Put a new authorized-keys list in force: (ids added or re-keyed, ids removed or re-keyed,
         addresses whose pin named one of the latter: their pins are dropped, so no connection to
         them is made or kept). ValueError if the list lacks this node's own key."""
-        if authorized.get(self.node_id) != self.public:
+        if self.shared or authorized.get(self.node_id) != self.public:
             raise ValueError(f"the authorized keys list no key for {self.node_id!r} matching its key file")
         old = self.authorized
         gone = {nid for nid, k in old.items() if authorized.get(nid) != k}
@@ -195,20 +213,24 @@ class NodeKeys:
 
     # -- identities ------------------------------------------------------------------------
     def who(self, z85_public: str | bytes | None) -> str | None:
-        """The node id of an authorized z85 public key (a ZAP User-Id), else None."""
+        """The node id of an authorized z85 public key (a ZAP User-Id), ANY_NODE for the cluster
+        key, else None."""
         if z85_public is None:
             return None
-        return self._ids.get(z85_public.encode() if isinstance(z85_public, str) else z85_public)
+        key = z85_public.encode() if isinstance(z85_public, str) else z85_public
+        if self.shared:
+            return ANY_NODE if key == self.public else None
+        return self._ids.get(key)
 
     def admits(self, node_id: str) -> bool:
-        return node_id in self.authorized
+        return self.shared or node_id in self.authorized
 
     def pin(self, node_id: str, address: str, first_hand: bool) -> bool:
         """Say that the node at `address` is `node_id`: its connections will demand that node's key.
         First-hand news (a seed in the node file, a HELLO or a PEERS entry about its authenticated
         sender itself) replaces any pin; second-hand news (other gossip entries, mDNS) only fills a
         gap. False if `node_id` is not admitted or second-hand news names another node than the pin."""
-        if node_id not in self.authorized:
+        if not self.admits(node_id):
             return False
         with self._lock:
             old = self._pins.get(address)
@@ -226,6 +248,8 @@ class NodeKeys:
         with self._lock:
             pinned = self._pins.get(address)
         if pinned is None:
+            if self.shared:  # every node's key is the cluster key: who it is, its messages say
+                return ANY_NODE
             raise UnknownPeerKey(f"no public key known for the node at {address} (its node id is not known yet; "
                                  "a seed must be given as ID@HOST:PORT)")
         return pinned[0]
@@ -242,7 +266,7 @@ class NodeKeys:
         Returns that peer's node id. Raises UnknownPeerKey."""
         peer = self.peer_at(address)
         sock.curve_secretkey, sock.curve_publickey = self.secret, self.public
-        sock.curve_serverkey = self.authorized[peer]
+        sock.curve_serverkey = self.public if self.shared else self.authorized[peer]
         return peer
 
 

@@ -57,7 +57,8 @@ class Node:
         self.stopped = threading.Event()
         self.members = Membership(cfg.id, heartbeat_interval_s=cfg.heartbeat_interval_s,
                                   failure_timeout_s=cfg.failure_timeout_s)
-        keys = NodeKeys.load(cfg.id, cfg.node_key, cfg.authorized_keys, cfg.source) if cfg.node_key else None
+        keys = (NodeKeys.load(cfg.id, cfg.node_key, cfg.authorized_keys, cfg.source) if cfg.node_key
+                else NodeKeys.cluster(cfg.id, cfg.cluster_key, cfg.source) if cfg.cluster_key else None)
         self.transport = Transport(cfg.id, cfg.zone, cfg.listen, LinkShaper(cfg.zone, cfg.links, cfg.time_scale),
                                    keys=keys, rate=cfg.rate_limit)
         self.transport.local_address = cfg.advertise_address
@@ -233,12 +234,12 @@ def split_target(target: str) -> tuple[str | None, str]:
 
 
 def _ask(target: str, msg, keys: NodeKeys | None) -> zmq.Socket:
-    """A DEALER to the node at '[ID@]HOST:PORT' with `msg` sent. With CURVE (`keys`, default from
-    $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS) the node's id must be given: its public key is
-    pinned."""
+    """A DEALER to the node at '[ID@]HOST:PORT' with `msg` sent. With per-node CURVE keys (`keys`,
+    default from $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS) the node's id must be given: its
+    public key is pinned. With $MESHLLM_CLUSTER_KEY it need not."""
     keys = keys if keys is not None else NodeKeys.from_env()
     node_id, address = split_target(target)
-    if keys is not None:
+    if keys is not None and not keys.shared:  # (with a cluster key any node's key is the one the CLI holds)
         if node_id is None or not keys.pin(node_id, address, first_hand=True):
             raise InputError(f"{target}: a mesh with CURVE needs the node's id as ID@HOST:PORT, with ID in "
                              "the authorized keys")

@@ -25,7 +25,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from meshllm.mesh.ingress import LinkShaper, RateLimiter, Rejections
-from meshllm.mesh.keys import NodeKeys, UnknownPeerKey
+from meshllm.mesh.keys import ANY_NODE, NodeKeys, UnknownPeerKey
 from meshllm.mesh.protocol import MAX_MESSAGE_BYTES, Message, MsgType, ProtocolError, decode, encode
 
 log = logging.getLogger("meshllm.mesh.transport")
@@ -331,6 +331,8 @@ class Inbox:
             self.forged += 1
             self.rejections.reject(("?", "a message"), ProtocolError("no authenticated sender"), "dropped")
             return None
+        if who == ANY_NODE:  # a cluster key's holder: the key names no node, the message says who sent it
+            who = None
         if not self.limiter.allow(who or conn, arrived):
             self.rejections.reject((who or "?", "a message"), ProtocolError(
                 f"over the rate limit of {self.limiter.limit.messages_per_s:g}/s"), "dropped")
