@@ -14,6 +14,8 @@ from pathlib import Path
 
 # the repository's devices/, through the package's link to it, so that a wheel carries the profiles
 DEVICES_DIR = Path(__file__).parent / "devices"
+# a product's short name -> the profile of its commonest model (the BRIEF's example names a `raspberry-pi-5`)
+ALIASES = {"raspberry-pi-5": "raspberry-pi-5-8gb"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def known_devices(devices_dir: Path = DEVICES_DIR) -> list[str]:
 
 
 def load_device(spec: str | dict, where: str = "<config>", devices_dir: Path = DEVICES_DIR) -> DeviceProfile:
-    """`spec` is a profile name in devices/, an inline mapping, or 'auto'."""
+    """`spec` is a profile name in devices/ (or an alias of one: ALIASES), an inline mapping, or 'auto'."""
 
     from meshllm.errors import ConfigError
 
@@ -68,12 +70,14 @@ def load_device(spec: str | dict, where: str = "<config>", devices_dir: Path = D
         return device_from_mapping(str(spec.get("name", "inline")), spec, where)
     if spec == "auto":
         return probe_this_machine()
+    if isinstance(spec, str) and not (devices_dir / f"{spec}.yaml").is_file():
+        spec = ALIASES.get(spec, spec)
     path = devices_dir / f"{spec}.yaml"
     # a name, not a path: devices/../clusters/demo.yaml is no profile (its keys were reported as one's)
     if not isinstance(spec, str) or "/" in spec or "\\" in spec or spec.startswith(".") or not path.is_file():
         raise ConfigError(where, "device", f"unknown device {spec!r}; known: {', '.join(known_devices(devices_dir))}, "
                                            "auto, or an inline mapping")
-    from meshllm.config import read_yaml  # (config imports this module)
+    from meshllm.yaml_fields import read_yaml
 
     return device_from_mapping(spec, read_yaml(path), str(path))
 

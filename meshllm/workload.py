@@ -340,7 +340,8 @@ def speculation(specs: list[dict]) -> dict[str, Any]:
 
     if not specs:
         return {"acceptance_rate": None, "mean_acceptance_length": None, "drafted_tokens": None,
-                "accepted_tokens": None}
+                "accepted_tokens": None, "draft_blocks": None, "acceptance_by_position": None,
+                "gamma_histogram": None}
     st = AcceptanceStats()
     for sp in specs:
         st.merge(sp)

@@ -304,3 +304,13 @@ def test_the_number_hint_spells_a_number_yaml_reads_as_one(text):
     assert isinstance(yaml.safe_load(f"x: {text}")["x"], str)
     spelled = re.search(r"write (\S+)\)$", number_hint(text)).group(1)
     assert yaml.safe_load(f"x: {spelled}")["x"] == pytest.approx(float(text))
+
+
+def test_a_device_s_short_name_is_its_commonest_model(tmp_path):
+    """The BRIEF's example cluster names a `raspberry-pi-5`: the 8 GB profile (an exit 2 before)."""
+    from meshllm.device import load_device
+
+    assert load_device("raspberry-pi-5") == load_device("raspberry-pi-5-8gb")
+    p = tmp_path / "c.yaml"
+    p.write_text("model: smollm2-135m\nnodes:\n  - {id: edge-1, device: raspberry-pi-5, zone: edge}\n")
+    assert load_cluster(p).nodes[0].device.name == "raspberry-pi-5-8gb"

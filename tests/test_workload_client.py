@@ -209,3 +209,12 @@ def test_recovery_figures_come_from_the_requests_that_completed():
     plain = Outcome("p", token_ids=[1, 2, 3], finish_reason="length")
     assert recovery_figures([failed, done, plain]) == {"resumed_requests": 1, "recovery_gap_ms_max": 120.0}
     assert recovery_figures([failed]) == {"resumed_requests": 0, "recovery_gap_ms_max": None}
+
+
+def test_the_speculation_metrics_have_the_same_keys_null_without_speculation():
+    """README: the speculation fields are null when it is off; three of them were missing."""
+    on = workload.speculation([{"drafted": 8, "accepted": 5, "blocks": 2, "per_position": {"0": 2, "1": 2, "2": 1},
+                                "offered": {"0": 2, "1": 2, "2": 2, "3": 2}, "gamma_histogram": {"4": 2}}])
+    assert on["acceptance_by_position"] and on["draft_blocks"] == 2
+    off = workload.speculation([])
+    assert set(off) == set(on) and all(v is None for v in off.values())

@@ -48,7 +48,7 @@ def draw_plan(plan: Plan, inp: PlanInputs, path: str) -> None:
                      labels=nx.get_node_attributes(g, "label"), node_size=1800, font_size=6, node_shape="s")
     for col, r in enumerate(plan.replicas):
         ax.text(col * 2.0, 0.7, f"replica {r.id}\n{r.role}", ha="center", fontsize=8, weight="bold")
-    fig.suptitle(f"{plan.model}: {len(plan.replicas)} replicas, {plan.capacity_req_s:.2f} req/s predicted")
+    fig.suptitle(f"{plan.model}: {len(plan.replicas)} replica{'s' * (len(plan.replicas) != 1)}, {plan.capacity_req_s:.2f} req/s predicted")
     ax.axis("off")
     ax.margins(0.1)
     fig.tight_layout()

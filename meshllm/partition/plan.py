@@ -129,7 +129,7 @@ class Plan:
         return None
 
     def describe(self) -> str:
-        lines = [f"plan for {self.model} ({self.n_layers} layers, {self.dtype}): {len(self.replicas)} replicas, "
+        lines = [f"plan for {self.model} ({self.n_layers} layers, {self.dtype}): {len(self.replicas)} replica{'s' * (len(self.replicas) != 1)}, "
                  f"capacity {self.capacity_req_s:.3f} req/s, planned in {self.planner_s:.2f} s"]
         for r in self.replicas:
             stages = "  ".join(f"{s.node}[{s.layers[0]},{s.layers[1]})" for s in r.stages)
