@@ -11,6 +11,7 @@ through the emulator's `with`, which tears every node down.
 
 from __future__ import annotations
 
+import random
 import signal
 import sys
 import time
@@ -35,6 +36,8 @@ from meshllm.faults import HEAL_TIMEOUT_S, FaultInjector, parse_faults
 from meshllm.partition.plan import Plan, PlanError
 from meshllm.workload import Job, node_figures, recovery_figures, run_jobs, serving_figures, summarize
 
+SYNTHETIC_REQUESTS = 8  # a workload without prompts and without `requests`: this many synthetic ones
+SYNTHETIC_LOW_ID = 1000  # synthetic prompts' token ids start here (below: special tokens, bytes)
 METRIC_KEYS = ("ttft_ms_mean", "ttft_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s",
                "queue_wait_ms_mean", "acceptance_rate", "mean_acceptance_length", "drafted_tokens",
                "accepted_tokens")
@@ -48,9 +51,10 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
 
     timeout_s = getattr(args, "timeout", None) or FORMATION_TIMEOUT_S
     serve = getattr(args, "serve", False)
-    plan = plan_cluster(plan_inputs(cfg), seed=0, log=False)  # infeasible -> exit 2 before any spawn
+    inp = plan_inputs(cfg)
+    plan = plan_cluster(inp, seed=0, log=False)  # infeasible -> exit 2 before any spawn
     # bad input -> exit 2 before anything starts (a served mesh takes its requests from the API)
-    jobs = [] if serve else workload_jobs(cfg, args)
+    jobs = [] if serve else workload_jobs(cfg, args, inp.args)
     faults = parse_faults(cfg, getattr(args, "kill", None) or [], getattr(args, "partition", None) or [],
                           gateway_nodes(cfg), getattr(args, "restart", None) or [], getattr(args, "pause", None) or [])
     log.info("plan: %d replica(s), %d drafter(s), planned in %.2f s%s", len(plan.replicas), len(plan.drafters),
@@ -104,24 +108,42 @@ def healing_watch(cluster: EmulatedCluster, faults: list, time_scale: float) -> 
     return live_plan, in_use, HEAL_TIMEOUT_S * time_scale, kinds
 
 
-def workload_jobs(cfg: ClusterConfig, args: Any) -> list[Job]:
-    """The requests of a run: `--prompt`s, or the cluster file's prompts cycled to `requests`."""
+def workload_jobs(cfg: ClusterConfig, args: Any, model: Any) -> list[Job]:
+    """The requests of a run: `--prompt`s, or the cluster file's prompts cycled to `requests`, or
+    without either, synthetic ones (`synthetic_prompts`); `model`: the model's ModelArgs."""
     wl = cfg.workload
     prompts = list(getattr(args, "prompt", None) or wl.prompts)
-    if not prompts:
-        raise InputError(f"{cfg.source}: workload.prompts: no prompts to run (give --prompt TEXT or list "
-                         "workload.prompts)")
     chat = bool(getattr(args, "chat", False))
+    max_tokens = getattr(args, "max_tokens", None) or wl.max_tokens
+    temp = getattr(args, "temperature", None)
+    temp = wl.temperature if temp is None else temp
+    seed, top_p, top_k = getattr(args, "seed", 0) or 0, getattr(args, "top_p", 1.0) or 1.0, getattr(args, "top_k", 0) or 0
+    if not prompts:
+        if chat:
+            raise InputError(f"{cfg.source}: workload.prompts: no prompts, and synthetic ones are token ids, which "
+                             "the chat endpoint does not take (give --prompt TEXT, or list workload.prompts)")
+        return [Job(ids, n_out, temp, seed, False, top_p, top_k)
+                for ids, n_out in synthetic_prompts(cfg, model, max_tokens, seed)]
     if "" in prompts and not chat:  # no tokens to start from (the API would refuse each: 400)
         where = "--prompt" if getattr(args, "prompt", None) else f"{cfg.source}: workload.prompts"
         raise InputError(f"{where}: an empty prompt encodes to zero tokens (give text, or --chat)")
     n = len(prompts) if getattr(args, "prompt", None) else (wl.requests or len(prompts))
-    max_tokens = getattr(args, "max_tokens", None) or wl.max_tokens
-    temp = getattr(args, "temperature", None)
-    temp = wl.temperature if temp is None else temp
-    return [Job(prompts[i % len(prompts)], max_tokens, temp, getattr(args, "seed", 0) or 0,
-                chat, getattr(args, "top_p", 1.0) or 1.0,
-                getattr(args, "top_k", 0) or 0) for i in range(n)]
+    return [Job(prompts[i % len(prompts)], max_tokens, temp, seed, chat, top_p, top_k) for i in range(n)]
+
+
+def synthetic_prompts(cfg: ClusterConfig, model: Any, max_tokens: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens) of a workload without prompts: `requests` of them
+    (SYNTHETIC_REQUESTS if 0), lengths drawn from `input_tokens` and `output_tokens` (the
+    workload `--simulate` assumes; at most `max_tokens` out, and the two within the context),
+    ids drawn uniformly above the low ids where tokenizers keep their special tokens. Seeded."""
+    wl, rng = cfg.workload, random.Random(seed)
+    low = min(SYNTHETIC_LOW_ID, model.vocab_size // 2)
+    out = []
+    for _ in range(wl.requests or SYNTHETIC_REQUESTS):
+        n_in, n_out = wl.input_tokens.draw(rng), min(max_tokens, wl.output_tokens.draw(rng))
+        n_in = max(1, min(n_in, model.max_seq_len - n_out))
+        out.append(([rng.randrange(low, model.vocab_size) for _ in range(n_in)], n_out))
+    return out
 
 
 def serve_until_interrupted(cluster: EmulatedCluster) -> None:

@@ -48,7 +48,7 @@ UNREACHABLE_S = 120.0  # x time_scale: the longest a request waits in a row for 
 
 @dataclass(frozen=True)
 class Job:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (synthetic prompts: cluster_run.synthetic_prompts)
     max_tokens: int
     temperature: float = 0.0
     seed: int = 0
@@ -60,7 +60,7 @@ class Job:
 
 @dataclass
 class Outcome:
-    prompt: str
+    prompt: str | list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -381,7 +381,8 @@ def format_report(r: dict[str, Any]) -> str:
     """Readable `--cluster` output: each prompt's text, then a small metrics table."""
     lines = []
     for i, res in enumerate(r["results"]):
-        lines.append(f"--- [{i}] {res['prompt']!r}")
+        p = res["prompt"]
+        lines.append(f"--- [{i}] {p!r}" if isinstance(p, str) else f"--- [{i}] ({len(p)} synthetic prompt tokens)")
         lines.append(res.get("error") and f"ERROR: {res['error']}" or res["text"].strip())
     m = r["metrics"]
     lines.append("--- metrics")

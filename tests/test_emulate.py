@@ -291,9 +291,31 @@ def test_a_node_that_cannot_take_its_part_of_the_plan_is_planned_around_and_the_
         assert ok, why
 
 
-def test_a_cluster_run_without_prompts_is_bad_input(tmp_path: Path) -> None:
-    r = run_cli("--cluster", str(cluster_yaml(tmp_path, 2, workload={"max_tokens": 3})), "--json", timeout=60)
-    assert r.returncode == 2 and "workload.prompts" in r.stderr and r.stdout == ""
+def test_a_cluster_run_without_prompts_sends_synthetic_ones_of_the_workload_s_lengths(tmp_path: Path,
+                                                                                      smollm2) -> None:
+    """The BRIEF's `input_tokens` shapes synthetic prompts (it was an exit 2: no prompts): token
+    ids, seeded, of the workload's lengths, at most max_tokens out; greedy, the reference's tokens."""
+    from meshllm.engine.generate import GenerationOptions, generate
+    from meshllm.engine.tokenizer import load_tokenizer
+    from meshllm.engine.weights import resolve_model
+    from tests.serving_util import same_up_to_tie
+
+    wl = {"max_tokens": 3, "requests": 2, "input_tokens": {"mean": 12, "dist": "fixed"},
+          "output_tokens": {"mean": 8, "dist": "fixed"}}
+    path = cluster_yaml(tmp_path, 2, workload=wl, weights_dtype="fp32")
+    r = run_cli("--cluster", str(path), "--chat", "--json", timeout=60)
+    assert r.returncode == 2 and "workload.prompts" in r.stderr and "chat" in r.stderr and r.stdout == ""
+    r = run_cli("--cluster", str(path), "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    results = json.loads(r.stdout)["results"]
+    assert len(results) == 2 and results[0]["prompt"] != results[1]["prompt"]
+    eos = load_tokenizer(resolve_model("smollm2-135m")).eos_ids
+    for res in results:
+        ids = res["prompt"]
+        assert len(ids) == 12 and all(1000 <= i < smollm2.args.vocab_size for i in ids)
+        ref = generate(smollm2, ids, GenerationOptions(3, 0.0), eos)
+        ok, why = same_up_to_tie(res["token_ids"], {"token_ids": ref.token_ids, "margins": ref.margins})
+        assert ok, why
 
 
 @pytest.mark.parametrize("data, where", [
