@@ -20,6 +20,7 @@ from meshllm.defaults import (
     DEFAULT_SPEC_MODE,
     DEFAULT_WEIGHT_DTYPE,
     GROUP_SIZES,
+    MAX_REQUEST_TOKENS,
     NODE_ROLES,
     QUANTS,
     SPEC_MODES,
@@ -228,7 +229,7 @@ def _workload(d: Any, src: str) -> Workload:
     return Workload(
         prompts=tuple(prompts),
         max_tokens=int(number(d.get("max_tokens", DEFAULT_MAX_TOKENS), src, "workload.max_tokens", lo=1,
-                            integer=True)),
+                              integer=True, hi=MAX_REQUEST_TOKENS)),
         temperature=float(number(d.get("temperature", 0.0), src, "workload.temperature", hi=MAX_TEMPERATURE)),
         arrival_rate_per_s=float(number(d.get("arrival_rate_per_s", 0.0), src, "workload.arrival_rate_per_s")),
         requests=int(number(d.get("requests", 0), src, "workload.requests", integer=True, hi=MAX_WORKLOAD_REQUESTS)),

@@ -29,6 +29,7 @@ TOKEN_BUDGET = 256  # rows per micro-batch, decodes first, then prompt chunks (c
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_TOKENS = 48
+MAX_REQUEST_TOKENS = 1 << 31  # a request's max_tokens at most (the API's bound, and a workload's)
 
 # draft models: W4A16 / W8A16 quantizations of the target; "none": no draft. Two references for
 # tests and benchmarks: "fp32", the target itself (acceptance 1), and "random", random weights of

@@ -31,6 +31,9 @@ import sys
 
 from meshllm.errors import InputError
 
+MAX_THREADS = 1024  # --threads: more segfaulted torch (100 000) or ran for minutes (5 000)
+MAX_TIMEOUT_S = 7 * 86400.0  # --timeout: a week (1e300 overflowed a C long)
+
 log = logging.getLogger("meshllm")
 
 
@@ -144,12 +147,13 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) 
                          "as a drafter does")
     inf = float("inf")
     checks = [("max_tokens", is_int(a.max_tokens, 1), ">= 1"),
-              ("threads", is_int(a.threads, 1), "a number of threads >= 1"),
+              ("threads", is_int(a.threads, 1) and a.threads <= MAX_THREADS, f"a number of threads in 1..{MAX_THREADS}"),
               ("temperature", is_num(a.temperature, 0.0, MAX_TEMPERATURE), f"in [0, {MAX_TEMPERATURE:g}] (0: greedy)"),
               ("top_k", is_int(a.top_k, 0), ">= 0 (0: all tokens)"),
               ("top_p", is_num(a.top_p, 0.0, 1.0) and a.top_p > 0, "in (0, 1]"),
               ("rate", is_num(a.rate) and 0 < a.rate < inf, "a number of requests per second > 0"),
-              ("timeout", is_num(a.timeout) and 0 < a.timeout < inf, "a number of seconds > 0")]
+              ("timeout", is_num(a.timeout) and 0 < a.timeout <= MAX_TIMEOUT_S,
+               f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]")]
     for dest, ok, want in checks:
         if getattr(a, dest) is not None and not ok:
             raise InputError(f"{flag(dest)} must be {want}, got {getattr(a, dest):g}")

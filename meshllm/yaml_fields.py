@@ -75,7 +75,10 @@ def read_yaml(path: str | Path) -> dict:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "(file)"
-        raise ConfigError(str(path), where, f"invalid YAML: {getattr(e, 'problem', e)}") from None
+        problem = getattr(e, "problem", None) or getattr(e, "reason", None) or str(e)  # (a ReaderError: `reason`)
+        raise ConfigError(str(path), where, f"invalid YAML: {' '.join(str(problem).split())}") from None
+    except RecursionError:  # `[[[[...]]]]` a thousand deep: the parser's recursion, not this program's fault
+        raise ConfigError(str(path), "(file)", "invalid YAML: nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(str(path), "(top level)", "expected a mapping")
     return data
@@ -130,7 +133,8 @@ def number(v: Any, src: str, fld: str, *, lo: float = 0.0, integer: bool = False
     if isinstance(v, bool) or not ok or v < lo or (strict and v == lo) or (hi is not None and v > hi):
         kind = "an integer" if integer else "a finite number"
         if hi is not None:
-            raise ConfigError(src, fld, f"must be {kind} in [{lo:g}, {hi:g}], got {v!r}{number_hint(v)}")
+            bounds = f"[{lo:g}, {int(hi) if integer else f'{hi:g}'}]"  # (2**31, not 2.14748e+09)
+            raise ConfigError(src, fld, f"must be {kind} in {bounds}, got {v!r}{number_hint(v)}")
         raise ConfigError(src, fld, f"must be {kind} {'>' if strict else '>='} {lo:g}, got {v!r}{number_hint(v)}")
     return v
 

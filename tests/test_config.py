@@ -56,7 +56,7 @@ def test_valid_cluster_defaults():
     ({"draft": {"group_size": 48}}, "draft.group_size", "must be one of 32, 64, 128, 256"),
     ({"draft": {"group_size": 96}}, "draft.group_size", "must be one of 32, 64, 128, 256"),  # torch's int4 kernel
     ({"speculation": {"mode": "eager"}}, "speculation.mode", "must be one of"),
-    ({"workload": {"max_tokens": 0}}, "workload.max_tokens", ">= 1"),
+    ({"workload": {"max_tokens": 0}}, "workload.max_tokens", "in [1, 2147483648]"),
     # 10**12 was taken: --simulate ran a trace that long until killed, saying nothing
     ({"workload": {"requests": 10 ** 12}}, "workload.requests", "in [0, 100000]"),
     ({"workload": {"input_tokens": {"mean": 5, "dist": "zipf"}}}, "workload.input_tokens.dist", "zipf"),
@@ -314,3 +314,18 @@ def test_a_device_s_short_name_is_its_commonest_model(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("model: smollm2-135m\nnodes:\n  - {id: edge-1, device: raspberry-pi-5, zone: edge}\n")
     assert load_cluster(p).nodes[0].device.name == "raspberry-pi-5-8gb"
+
+
+def test_yaml_too_deep_a_nul_byte_and_a_huge_max_tokens_are_one_line_config_errors(tmp_path):
+    """Each was something else: a RecursionError (a runtime error, exit 1), a two-line message,
+    and a run whose every request the API refused (max_tokens above its 2**31)."""
+    cases = [("nodes: " + "[" * 1000 + "]" * 1000 + "\n", "nested too deeply"),
+             ("model: x\x00\n", "special characters are not allowed"),
+             ("model: smollm2-135m\nnodes: [{id: a, device: raspberry-pi-5-8gb, zone: z}]\n"
+              "workload: {prompts: [hi], max_tokens: 10000000000}\n", "workload.max_tokens")]
+    for i, (text, why) in enumerate(cases):
+        p = tmp_path / f"c{i}.yaml"
+        p.write_text(text)
+        with pytest.raises(ConfigError, match=why) as e:
+            load_cluster(p)
+        assert "\n" not in str(e.value)

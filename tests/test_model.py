@@ -260,3 +260,15 @@ def test_a_batched_decode_step_costs_few_torch_calls_per_sequence(tiny_model):
 
     per_seq_layer = (calls(9) - calls(1)) / (8 * tiny_model.args.n_layers)
     assert per_seq_layer <= 20, per_seq_layer  # ~16 through the K/V slab, 27.4 with `attend` per span
+
+
+def test_generate_allocates_kv_for_what_the_context_lets_it_generate(tiny_model, monkeypatch):
+    """`--reference --max-tokens 1000000000` asked the allocator for 23 TB of KV cache (a
+    RuntimeError): the cache is sized for the budget the context leaves."""
+    from meshllm.engine.generate import GenerationOptions, generate
+
+    asked = []
+    real = KVCache.allocate
+    monkeypatch.setattr(KVCache, "allocate", lambda self, slot, n, *a, **k: asked.append(n) or real(self, slot, n, *a, **k))
+    r = generate(tiny_model, [1, 2, 3], GenerationOptions(max_tokens=10 ** 9))
+    assert asked == [tiny_model.args.max_seq_len] and len(r.token_ids) == tiny_model.args.max_seq_len - 3

@@ -77,7 +77,9 @@ def test_bad_inputs_exit_2(tmp_path):
     (["--plan", ""], "--plan: the argument is empty"),
     (["--cluster", "clusters/demo.yaml", "--prompt", "hi", "--prompt", ""], "--prompt: an empty prompt encodes to zero"),
     (["--keygen", ""], "--keygen: the argument is empty"),
-    (["--reference", "--threads", "0"], "--threads must be a number of threads >= 1"),
+    (["--reference", "--threads", "0"], "--threads must be a number of threads in 1..1024"),
+    (["--reference", "--threads", "100000"], "--threads must be a number of threads in 1..1024"),  # a segfault
+    (["--status", "127.0.0.1:9", "--timeout", "1e300"], "--timeout must be a number of seconds in (0, 604800]"),
     (["--reference", "--temperature", "-1"], "--temperature must be in [0, 2]"),
     (["--reference", "--temperature", "2.5"], "--temperature must be in [0, 2]"),
     (["--reference", "--top-k", "-3"], "--top-k must be >= 0"),

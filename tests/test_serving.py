@@ -476,6 +476,8 @@ def test_continuous_batching_short_request_overtakes_a_long_one(disagg):
     ({"model": "smollm2-135m", "prompt": "hi " * 9000}, 400, "context_length_exceeded"),
     ({"model": "smollm2-135m", "prompt": "hi", "temperature": -1}, 400, "invalid_value"),
     ({"model": "smollm2-135m", "messages": "hello"}, 400, "invalid_value"),
+    ({"model": "smollm2-135m", "messages": [{"role": ["user"], "content": "hi"}]}, 400, "invalid_value"),  # was a 500
+    ({"model": "smollm2-135m", "messages": [{"role": "user", "content": ""}] * 9000}, 400, "context_length_exceeded"),
     ({"model": "smollm2-135m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
      400, "invalid_value"),
     # OpenAI fields this server does not implement are refused, not ignored (the output would not be what was asked)

@@ -37,6 +37,32 @@ def test_tokenizer_special_tokens_and_digits(smollm2_tokenizer):
     assert chat.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in chat
 
 
+def test_a_long_text_is_tokenized_without_holding_the_gil(smollm2_tokenizer):
+    """A gateway tokenizing a 4 MB prompt held the GIL for 2.7 s: its node's I/O thread starved
+    and its peers declared it dead. A long text now goes through encode_batch, which lets go of
+    it: another thread runs meanwhile (a handful of turns, not hundreds, when it did not), and
+    the ids are encode's."""
+    import threading
+    import time
+
+    text = "hello world " * 100_000
+    turns, done = [0], threading.Event()
+
+    def other() -> None:
+        while not done.is_set():
+            turns[0] += 1
+            time.sleep(0.0005)
+
+    th = threading.Thread(target=other)
+    th.start()
+    try:
+        ids = smollm2_tokenizer.encode(text)
+    finally:
+        done.set()
+        th.join()
+    assert ids == smollm2_tokenizer._tok.encode(text, add_special_tokens=False).ids
+    assert turns[0] >= 20, turns
+
 def test_forward_matches_llamacpp_logits(smollm2, fixture_json):
     data = fixture_json("smollm2_logits_llamacpp.json")
     assert len(data["cases"]) == 3

@@ -60,10 +60,11 @@ def generate(model: Transformer, prompt_ids: list[int], opts: GenerationOptions,
     room = model.args.max_seq_len - len(prompt_ids)
     if room < 1:
         raise InputError(f"prompt of {len(prompt_ids)} tokens exceeds the context of {model.args.max_seq_len}")
+    budget = min(opts.max_tokens, room)  # (a --max-tokens of 10**9 asked for 23 TB of KV cache)
     cache = model.new_cache()
-    cache.allocate(0, len(prompt_ids) + opts.max_tokens)
+    cache.allocate(0, len(prompt_ids) + budget)
     logits = prefill(model, cache, 0, prompt_ids)
-    out, marg, budget = [], [], min(opts.max_tokens, room)
+    out, marg = [], []
     while True:
         (tok,), (m,) = choose_tokens(logits, opts.sampling, opts.seed, len(out))
         out.append(tok)

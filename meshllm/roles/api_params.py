@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from meshllm.defaults import DECODE_TARGETS
+from meshllm.defaults import DECODE_TARGETS, MAX_REQUEST_TOKENS
 from meshllm.mesh.fields import MAX_TEMPERATURE
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if key == "max_completion_tokens" and body.get("max_tokens") not in (None, body[key]):
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", key, "invalid_value")
-    max_tokens = _number(body, key, DEFAULT_MAX_TOKENS if not chat else gw.model.max_context, 1, 1 << 31,
+    max_tokens = _number(body, key, DEFAULT_MAX_TOKENS if not chat else gw.model.max_context, 1, MAX_REQUEST_TOKENS,
                          integer=True)
     if not _number_at(1)(body.get("n")):
         raise ApiError(400, "only n=1 is supported", "n", "invalid_value")
@@ -214,6 +214,9 @@ def _chat_ids(body: dict, gw: Gateway) -> list[int]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
+    if len(msgs) > gw.model.max_context:  # each renders to a token or more (100 000 took 2.5 s to render)
+        raise ApiError(400, f"{len(msgs)} messages; this model's context holds {gw.model.max_context} tokens",
+                       "messages", "context_length_exceeded")
     clean = []
     for i, m in enumerate(msgs):
         content = m.get("content") if isinstance(m, dict) else None
@@ -221,7 +224,8 @@ def _chat_ids(body: dict, gw: Gateway) -> list[int]:
                 isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                 for part in content):
             content = "".join(part["text"] for part in content)  # OpenAI's content parts, text only
-        role = {"developer": "system"}.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None
+        role = m.get("role") if isinstance(m, dict) else None
+        role = {"developer": "system"}.get(role, role) if isinstance(role, str) else None  # (a list: a 500)
         if role not in ("system", "user", "assistant") or not isinstance(content, str):
             raise ApiError(400, f"messages[{i}] must be {{role: system|developer|user|assistant, content: a string "
                                 "or a list of text parts}", f"messages[{i}]", "invalid_value")

@@ -144,8 +144,8 @@ async def _generate(request: web.Request, gw: Gateway, chat: bool, body_s: float
     except UnicodeEncodeError:
         return ApiError(400, "the request body is not valid Unicode text (a lone surrogate escape such as "
                              "\\ud800)", None, "invalid_json").response()
-    try:
-        p = parse_params(body, gw, chat)
+    try:  # off the event loop: a long prompt's tokenizing would stall every other request's stream
+        p = await asyncio.get_running_loop().run_in_executor(None, parse_params, body, gw, chat)
         if (n := gw.in_flight()) >= gw.cfg.max_concurrent:  # no await before `holding` counts it: no race
             resp = ApiError(429, f"this gateway has {n} requests in flight, its limit "
                                  "(gateway.max_concurrent); retry later, or at another gateway", None,
