@@ -5,7 +5,7 @@ Run:  python bench/bound_gap.py [--clusters bench-edge-8b,bench-fog-40-8b,bench-
       (~13 min on 2 cores for the default three clusters, ~2 more for the replicas table,
       ~14 more for the splits table)
 
-The bound (meshllm/sim/metrics.py, BRIEF) is the rate at which every stage-capable device is
+The bound (meshllm/sim/metrics.py, README) is the rate at which every stage-capable device is
 100% busy on useful FLOPs. Per device type of a cluster, the type's devices alone (the same
 workload, links and trace lengths) are served as tuned Splitwise and mixed-dp would serve them,
 and the better one's saturation (sim/sweep.py's stability rule) is printed as a fraction of

@@ -16,8 +16,8 @@ incarnation at the same address before they would have seen it dead); then, per 
 `--pause NODE@S1-S2` (SIGSTOP for PAUSE_S, then SIGCONT: a node that does not run for a while)
 of the decode stage alone, and of the coordinator with the decode stage 0.5 s later. `--only
 KIND` runs the rows of one kind (kill, takeover, partition, restart, pause). Printed per run:
-requests, resumed requests, whether every output equals the single-process reference (BRIEF's
-tie rule), and the recovery gaps (the longest pause between two tokens a client saw across a
+requests, resumed requests, whether every output equals the single-process reference (up to
+engine/sampling.py's tie rule), and the recovery gaps (the longest pause between two tokens a client saw across a
 resume); for a partition or a pause, how long after its end the mesh used every node again. Goal: every gap <= 5 s with the
 default failure detection (heartbeat 0.5 s, dead after 2.5 s). Bounded: each run has a timeout.
 """
@@ -71,7 +71,7 @@ class Reference:
         self.cache: dict[str, tuple[list[int], list[float]]] = {}
 
     def same(self, prompt: str, got: list[int]) -> bool:
-        """BRIEF's identity rule: equal, or equal up to a first divergence at a numerical tie."""
+        """The identity rule: equal, or equal up to a first divergence at a numerical tie."""
         if prompt not in self.cache:
             r = generate(self.model, self.tok.encode(prompt), GenerationOptions(MAX_TOKENS), self.tok.eos_ids)
             self.cache[prompt] = (r.token_ids, r.margins)

@@ -3,7 +3,7 @@
 The cluster file's workload (or `--prompt`s) is checked and the cluster planned before any
 process starts (bad input exits 2); then the emulator spawns the nodes, waits until the mesh
 serves, runs the requests through the gateway's OpenAI API (with `--kill` / `--restart` /
-`--pause` / `--partition` faults injected on their schedule, faults.py) and reports the BRIEF's `--cluster`
+`--pause` / `--partition` faults injected on their schedule, faults.py) and reports the README's `--cluster`
 JSON: the results, the metrics (METRIC_KEYS and each node's memory and traffic) and the plan the mesh
 served. With `--serve` it keeps serving until Ctrl-C instead. SIGINT and SIGTERM unwind
 through the emulator's `with`, which tears every node down.
@@ -173,7 +173,7 @@ def serve_until_interrupted(cluster: EmulatedCluster) -> None:
 
 def cluster_report(cfg: ClusterConfig, cluster: EmulatedCluster, outs: list, formed_s: float,
                    statuses: dict[str, dict]) -> dict[str, Any]:
-    """The BRIEF's `--cluster` JSON: results, metrics (with each node's memory and traffic) and the
+    """The README's `--cluster` JSON: results, metrics (with each node's memory and traffic) and the
     plan the mesh actually served."""
     _, live = http_json(f"http://{cluster.gateway}/v1/plan", headers=cluster.api_headers)
     nodes, dead = {}, cluster.dead()

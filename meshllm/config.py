@@ -1,4 +1,4 @@
-"""Typed, validated configuration: cluster files (BRIEF schema), and the cluster-file sections
+"""Typed, validated configuration: cluster files (README schema), and the cluster-file sections
 that node files (node_config.py) share with them (draft, speculation, workload, links).
 
 YAML is read (yaml_fields.py) and checked once, here; everything downstream trusts these frozen
@@ -88,7 +88,7 @@ class ClusterConfig:
     speculation: SpeculationSpec = SpeculationSpec()
     workload: Workload = Workload()
     weights_dtype: str = DEFAULT_WEIGHT_DTYPE
-    time_scale: float = 1.0  # every emulated device and link this many times slower (BRIEF)
+    time_scale: float = 1.0  # every emulated device and link this many times slower (README)
     security: SecuritySpec = SecuritySpec()
 
     def link(self, zone_a: str, zone_b: str) -> LinkSpec | None:

@@ -1,5 +1,5 @@
 """Names and defaults shared by every floor: roles, quantizations, speculation modes, the default
-model, liveness intervals. One constant each, imported everywhere (STYLE.md 15). Pure."""
+model, liveness intervals. One constant each, imported everywhere. Pure."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 # the repository's devices/, through the package's link to it, so that a wheel carries the profiles
 DEVICES_DIR = Path(__file__).parent / "devices"
-# a product's short name -> the profile of its commonest model (the BRIEF's example names a `raspberry-pi-5`)
+# a product's short name -> the profile of its commonest model (`raspberry-pi-5`, as people say it)
 ALIASES = {"raspberry-pi-5": "raspberry-pi-5-8gb"}
 
 

@@ -1,4 +1,4 @@
-"""Node files (`--node-config`, BRIEF schema): one node's identity, address, peers, security,
+"""Node files (`--node-config`, README schema): one node's identity, address, peers, security,
 and the settings it serves and plans with.
 
 Checked once, here, with the cluster file's field checks (config.py); every error is a

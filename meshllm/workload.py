@@ -310,7 +310,7 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def summarize(outs: list[Outcome]) -> dict[str, Any]:
-    """The BRIEF's `metrics` object (speculation fields are filled in by the caller)."""
+    """The README's `metrics` object (speculation fields are filled in by the caller)."""
     ok = [o for o in outs if o.error is None]
     ttft = [o.ttft_ms for o in ok if o.ttft_ms is not None]
     itl = [x for o in ok for x in o.itl_ms]

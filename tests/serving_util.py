@@ -133,5 +133,5 @@ def reference(model, tokenizer, prompt: str, max_tokens: int, chat: bool = False
 
 
 def same_up_to_tie(got: list[int], ref: dict) -> tuple[bool, str]:
-    """BRIEF's identity rule against a `reference` result (engine/sampling.py same_up_to_tie)."""
+    """The identity rule against a `reference` result (engine/sampling.py same_up_to_tie)."""
     return sampling.same_up_to_tie(got, ref["token_ids"], ref["margins"])

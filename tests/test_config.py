@@ -307,7 +307,7 @@ def test_the_number_hint_spells_a_number_yaml_reads_as_one(text):
 
 
 def test_a_device_s_short_name_is_its_commonest_model(tmp_path):
-    """The BRIEF's example cluster names a `raspberry-pi-5`: the 8 GB profile (an exit 2 before)."""
+    """`device: raspberry-pi-5`, as people say it, is the 8 GB profile (it was an exit 2)."""
     from meshllm.device import load_device
 
     assert load_device("raspberry-pi-5") == load_device("raspberry-pi-5-8gb")

@@ -293,7 +293,7 @@ def test_a_node_that_cannot_take_its_part_of_the_plan_is_planned_around_and_the_
 
 def test_a_cluster_run_without_prompts_sends_synthetic_ones_of_the_workload_s_lengths(tmp_path: Path,
                                                                                       smollm2) -> None:
-    """The BRIEF's `input_tokens` shapes synthetic prompts (it was an exit 2: no prompts): token
+    """`input_tokens` shapes synthetic prompts (it was an exit 2: no prompts): token
     ids, seeded, of the workload's lengths, at most max_tokens out; greedy, the reference's tokens."""
     from meshllm.engine.generate import GenerationOptions, generate
     from meshllm.engine.tokenizer import load_tokenizer

@@ -17,7 +17,7 @@ every node file, applied by each receiver to messages from the other zone). The 
 was used and measures it with PINGs from the edge namespace (loosely: >= 100 ms).
 
 It then generates through the gateway (greedy, drafts published by the edge drafter and verified
-in the fog) and compares with the single-process reference (BRIEF's tie rule). Teardown (kill
+in the fog) and compares with the single-process reference (the tie rule of engine/sampling.py). Teardown (kill
 every node's process group, delete the namespaces and with them the bridge and veths) runs in a
 `finally`, whatever happened. Skipped, with the reason, when not root, without `ip`, or when
 `ip netns add` fails; CI runs as root and runs it.

@@ -1,4 +1,4 @@
-"""`--plan`: a valid plan (BRIEF schema) for every cluster file; impossible clusters exit 2."""
+"""`--plan`: a valid plan (README schema) for every cluster file; impossible clusters exit 2."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 --pause NODE@S1-S2 --partition ...`): a decode stage, the coordinator, a prefill node and
 drafters are killed with `kill -9` at seeded random points of a workload (or killed and started
 again at once, or stopped for a while); every
-request must still complete with exactly the reference's tokens (BRIEF's tie rule): nothing lost,
+request must still complete with exactly the reference's tokens (the tie rule of engine/sampling.py): nothing lost,
 nothing duplicated. The recovery gap (the pause the
 client saw) is printed; its goal is <= 5 s with the default failure detection (2.5 s), checked
 by the figures in the README, not asserted here (timing on a shared box)."""

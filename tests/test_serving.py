@@ -1,6 +1,6 @@
 """Distributed serving end to end: emulated meshes of real node processes (`--cluster --serve`),
 requests through the OpenAI API (the official `openai` client and raw HTTP), every output
-compared token for token with the single-process reference (BRIEF's tie rule).
+compared token for token with the single-process reference (the tie rule of engine/sampling.py).
 
 Plans exercised: two 1-stage replicas (prefill -> decode), and a 2-stage prefill replica that
 ships KV to a 3-stage decode replica splitting the layers differently.

@@ -1,6 +1,6 @@
 """Speculative drafting end to end on emulated meshes (`--cluster --serve`, real processes):
 edge drafters 80 ms away publish drafts to decode replicas that verify many tenants' blocks in
-one batch. Every greedy output must equal the single-process reference (BRIEF's tie rule),
+one batch. Every greedy output must equal the single-process reference (the tie rule of engine/sampling.py),
 asynchronous or synchronous, with a draft that is always wrong or always right, with 8 tenants
 sharing the verifiers while one of their drafters is killed, and while sessions move between
 the two decode replicas."""

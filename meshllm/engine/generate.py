@@ -101,7 +101,7 @@ def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtyp
 
 def reference_main(model_spec: str, prompts: list[str], opts: GenerationOptions, draft: str | None = None,
                    group_size: int = 64, dtype: str = "float32") -> tuple[dict, str]:
-    """Run the reference; returns (the BRIEF's JSON object, human-readable text)."""
+    """Run the reference; returns (the README's JSON object, human-readable text)."""
     model, tok = load_for_reference(model_spec, draft, group_size, dtype)
     results = []
     for p in prompts:

@@ -48,11 +48,11 @@ def token_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(((seed * _SEED_MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) % (1 << 63))
 
 
-TIE = 1e-3  # BRIEF: a first divergence where the reference's margin is below this is a numerical tie
+TIE = 1e-3  # the identity rule: a first divergence where the reference's margin is below this is a numerical tie
 
 
 def same_up_to_tie(got: list[int], want: list[int], want_margins: list[float]) -> tuple[bool, str]:
-    """BRIEF's identity rule: equal token lists, or equal up to a first divergence at a numerical
+    """The identity rule: equal token lists, or equal up to a first divergence at a numerical
     tie (the reference's top-1 minus top-2 logit there below TIE); and why."""
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:

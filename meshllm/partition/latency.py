@@ -39,7 +39,7 @@ ROUTE_WAIT_WEIGHT = 10.0  # the router's score, e2e + this x wait: higher keeps 
 
 @dataclass(frozen=True)
 class Prediction:
-    wait_s: float  # mean waiting time (BRIEF: every moment not computing or transferring)
+    wait_s: float  # mean waiting time (README: every moment not computing or transferring)
     ttft_s: float  # mean time to first token
     e2e_s: float  # mean end-to-end latency
     capacity_req_s: float

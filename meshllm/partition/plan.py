@@ -1,11 +1,11 @@
-"""The Plan: replicas (stages + roles), drafters, unused nodes; JSON (BRIEF schema), validation.
+"""The Plan: replicas (stages + roles), drafters, unused nodes; JSON (README schema), validation.
 
 `plan_cluster(inp)` is the planner: GA grouping (genetic.py) over the nodes allowed to hold a
 stage, DP split per replica (dp.py), prefill / decode / mixed roles (grouping.py), latency at
 the workload's rate (latency.py), drafters among the rest, and why each node outside a
 replica is there (unused.py). Its
 input is a plain `PlanInputs` (inputs.py), built from a cluster file by config.py or from the
-peer table by a live coordinator. `Plan.to_json` / `Plan.from_json` are the BRIEF's `--plan`
+peer table by a live coordinator. `Plan.to_json` / `Plan.from_json` are the README's `--plan`
 object and the PLAN message's payload.
 """
 

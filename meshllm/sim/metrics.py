@@ -1,4 +1,4 @@
-"""What a run reports (BRIEF "Words and metrics"), and the cluster's physical bound.
+"""What a run reports (the README's metric definitions), and the cluster's physical bound.
 
 Per run: mean / p99 waiting time, mean prefill wait, TTFT mean / p50 / p99, ITL p50 / p99 (over
 every gap between two tokens of every request, as `vllm bench serve` reports it), end-to-end

@@ -50,7 +50,7 @@
   their compute idle, until the next slot freed. One RTX 4090 alone (bench-edge-8b's profile,
   mixed), flooded with 4000 requests of that cluster's trace at 30 req/s, served them all at
   0.862 of its bound's rate that way, at 0.943 with the rule (its ramp and final drain included).
-- Waiting time (BRIEF): the prefill queue + port and link queueing (activations and KV) +
+- Waiting time (README): the prefill queue + port and link queueing (activations and KV) +
   waiting for a decode slot + decode pauses for other requests' prefills. It is what the
   request's end-to-end latency has beyond its own compute and transfers at idle ports.
 - ITL: per request, the gaps between its tokens: the first decode gap also holds the KV

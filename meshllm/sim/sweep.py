@@ -230,7 +230,7 @@ def build_policies(inp: PlanInputs, seed: int, names: Sequence[str] = POLICIES, 
 
 def report(pol: Policy, inp: PlanInputs, rate: float, seed: int, bound: float,
            sweep_requests: int = SWEEP_REQUESTS, capacity: Policy | None = None) -> dict | None:
-    """BRIEF fields at `rate`, the saturation rate from a sweep and its fraction of the bound
+    """The README's fields at `rate`, the saturation rate from a sweep and its fraction of the bound
     (None: the policy has no usable replica); `capacity`: the policy whose saturation is
     reported, if not `pol` (meshllm's plan made for the highest rate)."""
     if not pol.replicas:
