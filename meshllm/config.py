@@ -219,10 +219,19 @@ def _dist(d: Any, src: str, fld: str, default: float) -> LengthDist:
                       choice(d.get("dist", "lognormal"), DISTS, src, fld + ".dist"))
 
 
-def _workload(d: Any, src: str) -> Workload:
-    allowed = {"prompts", "max_tokens", "temperature", "arrival_rate_per_s", "requests", "input_tokens",
-               "output_tokens"}
-    check_keys(d, allowed, set(), src, "workload.")
+PLANNED_WORKLOAD_KEYS = {"arrival_rate_per_s", "requests", "input_tokens", "output_tokens"}  # what a plan is for
+CLIENT_WORKLOAD_KEYS = {"prompts", "max_tokens", "temperature"}  # what the cluster run's client sends
+
+
+def _workload(d: Any, src: str, node: bool = False) -> Workload:
+    """A cluster file's workload, or (`node`) a node file's: only what the coordinator plans for,
+    since a node sends no requests (prompts, max_tokens, temperature there would silently do nothing)."""
+    if node and isinstance(d, dict):
+        for k in sorted(CLIENT_WORKLOAD_KEYS & set(d)):
+            raise ConfigError(src, f"workload.{k}", "a node file's workload is what the coordinator plans for "
+                                                    f"({', '.join(sorted(PLANNED_WORKLOAD_KEYS))}); {k} belongs "
+                                                    "to the cluster file or the API request")
+    check_keys(d, PLANNED_WORKLOAD_KEYS | CLIENT_WORKLOAD_KEYS, set(), src, "workload.")
     prompts = given(d, "prompts", [])
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise ConfigError(src, "workload.prompts", "must be a list of strings")

@@ -278,7 +278,7 @@ def _serving(d: dict, src: str) -> dict[str, Any]:
     return dict(
         draft=_draft(given(d, "draft", {}), src), speculation=_spec(given(d, "speculation", {}), src),
         weights_dtype=choice(d.get("weights_dtype", DEFAULT_WEIGHT_DTYPE), WEIGHT_DTYPES, src, "weights_dtype"),
-        workload=_workload(given(d, "workload", {}), src), expect_nodes=tuple(expect),
+        workload=_workload(given(d, "workload", {}), src, node=True), expect_nodes=tuple(expect),
         plan_settle_s=float(number(d.get("plan_settle_s", PLAN_SETTLE_S), src, "plan_settle_s")), plan_judge=judge,
         pace=pace, time_scale=_time_scale(d.get("time_scale", 1.0), src), fault_injection=faults,
         busy_poll_ms=_busy_poll_ms(d.get("busy_poll_ms", 0.0), src),

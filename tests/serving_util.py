@@ -48,6 +48,12 @@ class Served:
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         self.url = self._wait_url()
 
+    def node_logs(self) -> str:
+        """What the mesh's nodes have logged so far (the emulator names their folder)."""
+        m = re.search(r"logs in (\S+?)\)", self.log.read_text(errors="replace"))
+        assert m, self.log.read_text()[-2000:]
+        return "".join(p.read_text(errors="replace") for p in sorted(Path(m.group(1)).glob("*.log")))
+
     def _wait_url(self) -> str:
         deadline = time.monotonic() + SERVE_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -272,13 +272,22 @@ def test_node_file(tmp_path):
     p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700",
                                  "gateway": {"listen": "127.0.0.1:7702"}}))
     assert load_node(p).gateway == "127.0.0.1:7702"
+    p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700",
+                                 "workload": {"arrival_rate_per_s": 2, "requests": 40, "input_tokens": {"mean": 64},
+                                              "output_tokens": {"mean": 16}}}))
+    wl = load_node(p).workload
+    assert (wl.arrival_rate_per_s, wl.requests, wl.input_tokens.mean, wl.output_tokens.mean) == (2, 40, 64, 16)
     for bad, field in [({"listen": "nowhere"}, "listen"), ({"seeds": ["x:99999"]}, "seeds[0]"),
                        ({"mdns": "yes"}, "mdns"), ({"node_key": str(tmp_path / "k")}, "authorized_keys"),
                        ({"busy_poll_ms": -1}, "busy_poll_ms"), ({"busy_poll_ms": 5000}, "busy_poll_ms"),
                        ({"busy_poll_ms": True}, "busy_poll_ms"), ({"id": "x/y"}, "id"), ({"id": ""}, "id"),
                        # the API on the node's own ROUTER or PUB port: it failed at start (exit 1)
                        ({"gateway": {"listen": "127.0.0.1:7700"}}, "gateway.listen"),
-                       ({"gateway": {"listen": "0.0.0.0:7701"}}, "gateway.listen")]:
+                       ({"gateway": {"listen": "0.0.0.0:7701"}}, "gateway.listen"),
+                       # a node sends no requests: these were accepted and silently did nothing
+                       ({"workload": {"prompts": ["hi"]}}, "workload.prompts: a node file's workload"),
+                       ({"workload": {"max_tokens": 8}}, "workload.max_tokens: .*cluster file"),
+                       ({"workload": {"temperature": 0}}, "workload.temperature")]:
         p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700", **bad}))
         with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
             load_node(p)

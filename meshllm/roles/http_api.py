@@ -46,6 +46,18 @@ from meshllm.roles.route_view import RequestError, Stream
 
 log = logging.getLogger("meshllm.http")
 
+
+def _not_an_answered_body_error(record: logging.LogRecord) -> bool:
+    """aiohttp reads what is left of a body after the handler has answered, and logs a traceback
+    ("Unhandled exception") when that body cannot be decoded (Content-Encoding: gzip on a body that
+    is not): the client already has its 400 (`invalid_body`), so that record is noise."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, web.RequestPayloadError)
+
+
+server_log = logging.getLogger("meshllm.http.server")  # aiohttp's per-connection logger, as ours
+server_log.addFilter(_not_an_answered_body_error)
+
 MAX_BODY_BYTES = 4 * 1024 * 1024
 BODY_IDLE_FACTOR = 4  # a request body must arrive within 4 x HTTP_IDLE_S (60 s: 4 MiB at 0.6 Mbit/s)
 
@@ -405,7 +417,7 @@ class ApiServer:
         host, _, port = self.listen.rpartition(":")
         try:
             self._runner = web.AppRunner(build_app(self.gw, self.token, self.idle_s), handler_cancellation=True,
-                                         access_log=None,
+                                         access_log=None, logger=server_log,
                                          shutdown_timeout=self.drain_s + 5,  # our deadline comes first
                                          keepalive_timeout=self.idle_s)  # from the connection's start too
             self.loop.run_until_complete(self._runner.setup())
