@@ -131,6 +131,23 @@ def test_the_gateway_books_shipped_kv_on_the_ports_it_routes_with(inp):
     assert view.route(ready, 2000, 32) == (1 - pre, 5 - dec)  # the other prefill and the other decode replica
 
 
+def test_a_request_pinned_to_a_decode_replica_is_prefilled_by_a_mixed_one_while_no_prefill_replica_is(inp):
+    """A request pinned (`decode_replica`) to a decode replica took its prompt from prefill
+    replicas only: while the one prefill replica's node restarted, pinned requests waited for it
+    (recovery gaps of 6-13 s) though a mixed replica was ready. A prefill replica stays first."""
+    from meshllm.roles.gateway import RequestError, RouterView
+
+    reps = [rep(inp, 0, "mixed", "fog-1"), rep(inp, 1, "prefill", "fog-3"), rep(inp, 2, "decode", "fog-2")]
+    view = RouterView()
+    view.replan({r.id: r for r in reps}, inp, set())
+    assert view.route({0, 1, 2}, 2000, 32, pin=2) == (1, 2)
+    assert view.route({0, 2}, 2000, 32, pin=2) == (0, 2)  # was "no replica is ready"
+    assert view.route({0, 2}, 2000, 32, pin=0) == (0, 0)  # a mixed pin prefills its own
+    assert view.route({0, 2}, 2000, 32) == (0, 0)  # unpinned: a mixed replica never ships
+    with pytest.raises(RequestError, match="no replica is ready"):
+        view.route({2}, 2000, 32, pin=2)
+
+
 def test_the_simulator_routes_with_this_router(inp):
     reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-2")]
     sim = Simulator(reps, [])

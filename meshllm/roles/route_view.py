@@ -123,7 +123,9 @@ class RouterView:
             reps = [r for rid, r in self.reps.items() if rid in ready]
             if pin is not None and self.reps[pin].role == "mixed":
                 return pin, pin
-            if pin is not None:  # a pinned decode replica takes its prompts from a prefill replica
+            if pin is not None and any(r.role == "prefill" for r in reps):
+                # a pinned decode replica takes its prompts from a prefill replica; with none ready
+                # (its node restarting) a mixed one prefills and ships, rather than the request waiting
                 reps = [r for r in reps if r.role != "mixed"]
             if not any(r.role in DECODE_TARGETS for r in reps):
                 reps = []  # a prefill replica needs a decode (or mixed) one to ship to
@@ -132,9 +134,11 @@ class RouterView:
             router = self.router_for(reps)
             now = self.clock()
             pre = router.pick_prefill(self.loads, n_in, n_out, now)
+            if pin is not None:
+                return pre, pin
             if router.reps[pre].role == "mixed":
                 return pre, pre
-            return pre, pin if pin is not None else router.pick_decode(pre, self.loads, n_in, n_out, now)
+            return pre, router.pick_decode(pre, self.loads, n_in, n_out, now)
 
     def ship(self, s: Stream) -> None:
         """A sequence prefilled on another replica has its first token: its prompt's KV leaves the
