@@ -316,3 +316,38 @@ def test_a_node_gives_freed_heap_back_once_it_holds_no_sequence() -> None:
     trim.tick(False, 512)
     assert len(calls) == 3
     IdleTrim().trim()  # the real one (malloc_trim where glibc has it) runs here
+
+
+def test_a_stage_whose_range_moved_keeps_the_layers_it_held_and_loads_only_the_rest() -> None:
+    """A re-plan that moves a stage's boundary by a few layers (a node died, or restarted and
+    came back) read the stage's whole range again: a 4-stage replica's first node loaded 13
+    layers for 5 s to take 3 more. Now the layers held are kept and only those around them are
+    read, and the shard is the one a fresh load gives (same names, same tensors)."""
+    from types import SimpleNamespace
+
+    from meshllm.roles.shard import ShardHolder
+
+    read: list[tuple[int, int]] = []
+
+    class FileSource:  # the model file here (what MeshWeights.source gives then), recording each range read
+        def source(self, a: int, b: int | None):
+            read.append((a, b))
+            return "smollm2-135m"
+
+    shard = ShardHolder("n1", SimpleNamespace(model="smollm2-135m"), FileSource())
+    n = 30
+    for layers, reads in [((10, 20), [(10, 20)]), ((8, 24), [(8, 10), (20, 24)]), ((0, 12), [(0, 8)]),
+                          ((5, n), [(12, n)]), ((6, 9), []),  # carved: inside what is held
+                          ((20, 25), [(20, 25)]),  # no overlap: read whole
+                          ((0, n), [(0, n)])]:  # both ends to read (a tied head twice): read whole
+        read.clear()
+        got = shard.load(layers)
+        assert read == reads, (layers, read)
+        want = load_transformer("smollm2-135m", *layers)
+        assert (got.start, got.end, got.has_embed, got.has_head) == (want.start, want.end, want.has_embed,
+                                                                      want.has_head)
+        mine, theirs = got.state_dict(), want.state_dict()
+        assert list(mine) == list(theirs), layers
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine), layers
+    ids = [1, 504, 3458, 314, 4115, 314]
+    assert torch.equal(logits_of(shard.model, ids), logits_of(load_transformer("smollm2-135m"), ids))

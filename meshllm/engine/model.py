@@ -227,6 +227,21 @@ class Transformer(nn.Module):
         sub._rope = self._rope
         return sub.eval()
 
+    @classmethod
+    def joined(cls, parts: list[Transformer]) -> Transformer:
+        """Consecutive shards (each one's end the next one's start) as one shard, sharing their
+        weights (no copy): the embedding of the first, the head of the last."""
+        first, last = parts[0], parts[-1]
+        if any(p.end != q.start for p, q in zip(parts, parts[1:])):
+            raise ValueError(f"shards {[(p.start, p.end) for p in parts]} are not consecutive")
+        with torch.device("meta"):
+            out = cls(first.args, first.start, last.end, first.has_embed, last.has_head)
+        out.layers = nn.ModuleList(layer for p in parts for layer in p.layers)
+        out.tok_embeddings = first.tok_embeddings
+        out.norm, out.output = last.norm, last.output
+        out._rope = next((p._rope for p in parts if p._rope is not None), None)
+        return out.eval()
+
     def new_cache(self, dtype: torch.dtype | None = None) -> KVCache:
         dtype = dtype or next(self.parameters()).dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):

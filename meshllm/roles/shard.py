@@ -2,8 +2,10 @@
 target as a warm spare, or the quantized draft. Runs on the node's compute thread.
 
 A new layer range is carved out of the shard held when it lies inside it (a warm spare, or a
-stage whose range shrank: no file read); otherwise the old shard is freed first and the range
-is loaded from the model file, or fetched from a peer that has it (roles/weights_fetch.py).
+stage whose range shrank: no file read); when it overlaps it, the overlap is kept and only the
+layers around it are loaded (a re-plan that moves a stage boundary by a few layers reads those
+few); otherwise the old shard is freed first and the range is loaded. Layers are loaded from
+the model file, or fetched from a peer that has them (roles/weights_fetch.py).
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ class ShardHolder:
 
     def load(self, layers: tuple[int, int | None]):
         """The target's layers [a, b): the shard held already, carved out of a larger shard held,
-        or loaded from the model."""
+        the layers held that it keeps with the rest loaded around them, or loaded from the model."""
         key = (self.model_spec, tuple(layers))
         if key == self.key:
             return self.model
+        from meshllm.engine.model import Transformer
         from meshllm.engine.weights import load_transformer, release_freed_memory, weight_bytes
 
         t0 = time.perf_counter()
@@ -41,6 +44,16 @@ class ShardHolder:
                 and (a > 0 or held.has_embed) and (b < held.args.n_layers or held.has_head):
             self.model = held.sub_shard(a, b)  # the rest of `held` is freed with it
             how = "carved from the layers held"
+        elif held is not None and b is not None and (kept := self._overlap(held, a, b)) is not None:
+            self.model = held = None  # what is not kept is freed before the rest is loaded
+            release_freed_memory()
+            parts = [load_transformer(self.weights.source(a, kept.start), a, kept.start)] if a < kept.start else []
+            parts.append(kept)
+            if kept.end < b:
+                parts.append(load_transformer(self.weights.source(kept.end, b), kept.end, b))
+            self.model = Transformer.joined(parts)
+            how = f"loaded around layers [{kept.start}, {kept.end}) kept"
+            del parts, kept
         else:
             self.model = None  # free the old shard before loading the new one
             self.model = load_transformer(self.weights.source(a, b), a, b)  # fetched from a peer if not here
@@ -52,6 +65,19 @@ class ShardHolder:
         log.info("%s: layers [%d, %d) of %s %s in %.1f s (resident %.0f MB)", self.me, a, self.model.end,
                  self.model_spec, how, time.perf_counter() - t0, rss_mb())
         return self.model
+
+    @staticmethod
+    def _overlap(held, a: int, b: int):
+        """The layers of `held` that the range [a, b) keeps, as a shard of their own (with the
+        embedding or head if [a, b) begins or ends with them), or None when none are kept: no
+        overlap, an embedding or head that `held` lacks, or both ends to load (a tied head would be
+        read a second time, apart from its embedding)."""
+        lo, hi, n = max(a, held.start), min(b, held.end), held.args.n_layers
+        if lo >= hi or (lo == 0 and not held.has_embed) or (hi == n and not held.has_head):
+            return None
+        if a < lo and hi < b and a == 0 and b == n:
+            return None
+        return held.sub_shard(lo, hi)
 
     def draft(self):
         """The W4A16 (or W8A16) draft of the whole target at the cluster's group size: quantized as
