@@ -150,6 +150,33 @@ def test_a_running_mesh_reloads_its_authorized_keys(ring: Keyring, closing: list
     assert not a.transport.keys.admits("x") and not b.transport.keys.admits("x")
     with pytest.raises(UnknownPeerKey):
         a.transport.keys.peer_at(x.cfg.listen)
+    # x's own connections to a's and b's PUB went too: it hears no heartbeat, plan or draft (it
+    # read them all for as long as it ran), and a and b, whose subscribers reconnected, stay alive
+    assert wait_for(lambda: alive(x) == set(), timeout_s=10), alive(x)
+    assert alive(a) == {"b"} and alive(b) == {"a"}
+
+
+def test_a_node_refused_before_its_peer_reloaded_its_keys_hears_it_once_admitted(ring: Keyring,
+                                                                                closing: list) -> None:
+    """x is added to a's list first and learns of b from a; b, which has not reloaded yet, refuses
+    x's handshake to its PUB, and libzmq never tries that connection again: x saw b alive (gossip)
+    and dead (no heartbeat) by turns for as long as it ran. Once b admits x, x hears b itself."""
+    a_addr = addr()
+    a = Node(node_cfg("a", a_addr, ring, ring.authorized(["a", "b", "x"], "a_keys"))).start()
+    closing.append(a)
+    b_keys = ring.authorized(["a", "b"], "b_keys")
+    b = Node(node_cfg("b", addr(), ring, b_keys, ((a_addr, "a"),))).start()
+    closing.append(b)
+    assert wait_for(lambda: alive(a) == {"b"} and alive(b) == {"a"})
+    x = Node(node_cfg("x", addr(), ring, ring.authorized(["a", "b", "x"], "x_keys"), ((a_addr, "a"),))).start()
+    closing.append(x)
+    assert wait_for(lambda: "x" in alive(a) and b.transport.rejected >= 1)  # x's SUB to b: refused by ZAP
+    ring.authorized(["a", "b", "x"], "b_keys")
+    assert wait_for(lambda: alive(x) == {"a", "b"} and alive(b) == {"a", "x"}, timeout_s=15)
+    end = time.monotonic() + 3 * x.cfg.failure_timeout_s  # b stays alive to x: its heartbeats arrive
+    while time.monotonic() < end:
+        assert "b" in alive(x)
+        time.sleep(0.02)
 
 
 def test_an_unadmitted_subscriber_reads_no_publications(ring: Keyring, closing: list) -> None:

@@ -151,13 +151,15 @@ class Node:
             self.transport.pin(seed_id, address, first_hand=True)
 
     def _reload_keys(self) -> None:
-        """A changed authorized-keys file (keys.py): close what leads to removed nodes; a seed
-        re-keyed in the file is pinned again."""
+        """A changed authorized-keys file (keys.py): close what leads to removed nodes, and their
+        connections to this node's PUB; a seed re-keyed in the file is pinned again."""
         changes = self.transport.keys.refresh()
         if changes is None:
             return
         for address in changes[2]:
             self.transport.forget(address)
+        if changes[1] or changes[2]:  # a removed (or re-keyed) node's own connection to our PUB goes too
+            self.transport.cut_subscribers()
         self._pin_seeds()
 
     def _refuse(self, why: str) -> None:

@@ -173,6 +173,9 @@ class PeerSockets:
         self.owner: dict[zmq.Socket, tuple[str, str | None, bool]] = {}  # DEALER/SUB -> (address, id, is SUB)
         self.monitors: dict[zmq.Socket, str] = {}  # a SUB's monitor socket -> the peer address
         self._retries: dict[str, int] = {}  # address -> reconnects scheduled since its SUB lost its connection
+        # SUBs whose handshake the peer refused (its ZAP had not admitted this node yet, or no longer
+        # does): closed, so that the next subscribe(), when the peer is seen alive, connects afresh
+        self.refused_subs: set[str] = set()
 
     def dealer(self, address: str) -> zmq.Socket | None:
         """The DEALER to `address` (None, logged, if no key is pinned for it)."""
@@ -200,7 +203,8 @@ class PeerSockets:
             sock.setsockopt(zmq.SUBSCRIBE, t)
         self.subs[address], self.owner[sock] = sock, (address, peer, True)
         self.poller.register(sock, zmq.POLLIN)
-        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self.monitors[mon] = address
         self.poller.register(mon, zmq.POLLIN)
 
@@ -223,6 +227,14 @@ class PeerSockets:
             elif event == zmq.EVENT_CONNECT_RETRIED and address in self._retries:
                 self._retries[address] += 1
                 gone = gone or self._retries[address] == 2
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # libzmq never tries this SUB again
+                self.refused_subs.add(address)
+
+    def drop_sub(self, address: str) -> None:
+        """Close the SUB to a peer that refused its handshake (the next subscribe() makes another)."""
+        log.info("%s: the node at %s refused this node's key; its subscription is made again when that "
+                 "node is next seen alive", self.who, address)
+        self._drop(self.subs, address)
 
     def forget(self, address: str) -> None:
         """Close the SUB and the DEALER to a peer (the next send or subscription connects afresh)."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -54,6 +55,7 @@ log = logging.getLogger("meshllm.mesh.transport")
 
 _NOBLOCK = int(zmq.NOBLOCK)  # an int: IntFlag ops are slow
 Handler = Callable[[Message, Callable[[Message], None]], None]
+REBIND_WAIT_S = 1.0  # cut_subscribers: how long the PUB may wait for libzmq to free its port
 TOPIC_MESH = b"mesh\0"  # heartbeats, gossip, plans: every node subscribes
 
 
@@ -207,6 +209,30 @@ class Transport:
         """Drop the SUB connection and the control DEALER to a peer that left."""
         self.loop.defer(lambda: self.peers.forget(address))
 
+    def cut_subscribers(self) -> None:
+        """Close every connection to this node's PUB: its subscribers reconnect at once (libzmq,
+        ~0.1 s) and pass ZAP again, so a node whose key was removed reads no more publications
+        (plans, heartbeats, drafts) over the connection it had. What is published meanwhile is
+        lost to all, as a heartbeat or a draft may be: plans are published again, heartbeats go on."""
+        self.loop.defer(self._rebind_pub)
+
+    def _rebind_pub(self) -> None:
+        where = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pub.unbind(where)  # closes the connections it accepted; libzmq frees the port a moment later
+        deadline = time.monotonic() + REBIND_WAIT_S
+        while True:
+            try:
+                self.pub.bind(where)
+                break
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    log.error("%s: cannot listen on %s again after closing its subscribers' connections: %s",
+                              self.node_id, where, e)
+                    return
+                time.sleep(0.001)
+        log.info("%s: closed every connection to its PUB (a key was removed); its subscribers reconnect",
+                 self.node_id)
+
     # -- I/O thread -------------------------------------------------------------------------
     def _stamp(self, msg: Message) -> None:
         msg.src, msg.zone = self.node_id, self.zone
@@ -239,6 +265,8 @@ class Transport:
                         gone = self.peers.refused(sock)
                         if gone is not None and self.on_peer_gone is not None:
                             guard(lambda gone=gone: self.on_peer_gone(gone), self.node_id)
+                        while self.peers.refused_subs:
+                            self.loop.defer(lambda a=self.peers.refused_subs.pop(): self.peers.drop_sub(a))
                     else:
                         self.inbox.receive(sock, None if sock is self.router else self.peers.owner[sock],
                                            self._dispatch, self.loop.hold)
