@@ -153,18 +153,23 @@ def serve_until_interrupted(cluster: EmulatedCluster) -> None:
     print(f"meshllm: serving on {first}", file=sys.stderr, flush=True)
     for url in others:
         print(f"meshllm: another gateway on {url}", file=sys.stderr, flush=True)
+    if cluster.api_headers:  # security.api_token: without it every request is a 401
+        print(f"meshllm: the API wants `Authorization: Bearer TOKEN`; TOKEN is in {cluster.workdir / 'api_token'} "
+              "(deleted when the mesh stops)", file=sys.stderr, flush=True)
     reported: set[str] = set()
+    order: list[str] = []  # the nodes that died, in the order they were seen dead
     try:
         while True:
             raise_if_interrupted()
-            for nid in cluster.dead() - reported:
+            for nid in sorted(cluster.dead() - reported):
                 reported.add(nid)
+                order.append(nid)
                 log.warning("node %s exited (code %s); the mesh goes on without it%s", nid,
                             cluster.procs[nid].returncode, f" (its API at http://{cluster.gateways[nid]} is gone)"
                             if nid in cluster.gateways else "")
             if set(cluster.gateways) <= reported:
-                raise RuntimeError(f"the gateway node {cluster.gateway_node} exited: "
-                                   f"{cluster.log_tail(cluster.gateway_node)}")
+                last = max(cluster.gateways, key=lambda nid: order.index(nid))
+                raise RuntimeError(f"the last gateway node, {last}, exited: {cluster.log_tail(last)}")
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("meshllm: stopping the emulated mesh", file=sys.stderr, flush=True)

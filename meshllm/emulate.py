@@ -140,8 +140,10 @@ class EmulatedCluster:
         atexit.unregister(self.close)
         if exc_type is None and self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-        elif self._own_workdir:
-            log.error("node files and logs kept in %s", self.workdir)
+        elif self._own_workdir:  # a failure or an interrupt: the logs stay for a look, the secrets do not
+            shutil.rmtree(self.workdir / "keys", ignore_errors=True)
+            (self.workdir / "api_token").unlink(missing_ok=True)
+            log.error("node files and logs kept in %s (its keys and API token deleted)", self.workdir)
 
     def start(self) -> None:
         import yaml

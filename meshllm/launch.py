@@ -262,10 +262,15 @@ def cmd_cluster(a: argparse.Namespace) -> int:
 
 def cmd_status(a: argparse.Namespace) -> int:
     from meshllm.mesh.node import format_status, query_status
-    from meshllm.yaml_fields import split_hostport
+    from meshllm.yaml_fields import node_id, split_hostport
 
-    split_hostport(a.status.rpartition("@")[2], "--status", "[ID@]HOST:PORT")
+    who, at, where = a.status.rpartition("@")
+    split_hostport(where, "--status", "[ID@]HOST:PORT")
+    if at:
+        node_id(who, "--status", "ID")
     st = query_status(a.status, timeout_s=a.timeout or 3.0)
+    if at and isinstance(st, dict) and st.get("node") != who:  # without CURVE nothing else checks the id
+        raise InputError(f"--status {a.status}: the node at {where} is {st.get('node')!r:.70}, not {who!r}")
     try:
         text = None if a.json else format_status(st)
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # another version's node, or not a node

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -221,6 +222,65 @@ def test_nodes_die_with_a_killed_emulator(tmp_path: Path) -> None:
     os.kill(proc.pid, signal.SIGKILL)  # no teardown code runs: PR_SET_PDEATHSIG must do it
     proc.communicate(timeout=60)
     assert gone(kids), [p for p in kids if psutil.pid_exists(p)]
+
+
+def test_a_run_that_fails_or_is_interrupted_keeps_its_logs_but_not_its_secrets(tmp_path: Path) -> None:
+    """The emulator's run directory holds every node's secret key and the API token: a run that
+    ended by an error or Ctrl-C left them in /tmp (the logs are kept for a look); a clean end
+    removes the whole directory."""
+    from meshllm.emulate import EmulatedCluster
+
+    cfg = parse_cluster(yaml.safe_load(cluster_yaml(tmp_path, 2, security={"curve": True, "api_token": True})
+                                       .read_text()), "test")
+    for stop in (RuntimeError("a failure"), KeyboardInterrupt()):
+        with pytest.raises(type(stop)), EmulatedCluster(cfg) as em:
+            assert any((em.workdir / "keys").iterdir()) and (em.workdir / "api_token").is_file()
+            raise stop
+        assert not (em.workdir / "keys").exists() and not (em.workdir / "api_token").exists()
+        assert {p.name for p in em.workdir.glob("*.log")} == {"n0.log", "n1.log"}
+        shutil.rmtree(em.workdir)
+    with EmulatedCluster(cfg) as em:
+        pass
+    assert not em.workdir.exists()
+
+
+@pytest.mark.slow
+def test_serve_says_where_its_api_token_is_and_names_the_last_gateway_to_die(tmp_path: Path) -> None:
+    """`--serve` with `security: {api_token: true}` printed only its URL, and every request was a
+    401 until one found the token's file; when the last gateway node died, the error named the
+    first gateway (already dead), not the last one."""
+    from tests.serving_util import Served, small_device, write_cluster
+
+    dev = small_device("nuc-like", 8.0)
+    path = write_cluster(tmp_path / "two-gw.yaml", [
+        {"id": "g1", "device": dev, "zone": "fog", "roles": ["prefill", "decode", "gateway"]},
+        {"id": "g2", "device": dev, "zone": "fog", "roles": ["prefill", "decode", "gateway"]}],
+        security={"api_token": True})
+    served = Served(path, tmp_path / "serve.log")
+    try:
+        m = re.search(r"the API wants `Authorization: Bearer TOKEN`; TOKEN is in (\S+) ", served.log.read_text())
+        assert m, served.log.read_text()[-2000:]
+        token = Path(m.group(1)).read_text().strip()
+        assert token not in served.log.read_text()  # the file is named, the secret is not printed
+        req = urllib.request.Request(served.url + "/v1/models", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+        assert served.get("/v1/models")[0] == 401
+        (other,) = re.findall(r"meshllm: another gateway on (http://\S+)", served.log.read_text())
+
+        def pid(url: str, node: str) -> int:
+            req = urllib.request.Request(url + "/v1/mesh", headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read())["nodes"][node]["load"]["pid"]
+
+        os.killpg(pid(served.url, "g1"), signal.SIGKILL)
+        assert wait_for(lambda: "node g1 exited" in served.log.read_text(), 30)
+        os.killpg(pid(other, "g2"), signal.SIGKILL)
+        served.proc.wait(timeout=60)
+        assert served.proc.returncode == 1
+        assert "the last gateway node, g2, exited" in served.log.read_text(), served.log.read_text()[-2000:]
+    finally:
+        served.stop()
 
 
 def test_node_processes_can_be_pinned_to_cores_round_robin(tmp_path: Path) -> None:

@@ -328,11 +328,18 @@ def test_malformed_frame_is_dropped_and_status_still_answers(mesh: Mesh) -> None
     r = run_cli("--status", mesh.addrs["solo"], "--json", timeout=60)
     assert r.returncode == 0 and json.loads(r.stdout)["node"] == "solo"
     assert "dropped a malformed message" in mesh.logs()
+    # an ID@ that names another node, or is no node id: without CURVE it was ignored (rc 0, the
+    # other node's status), and `a@b@HOST:PORT` waited for its timeout (rc 1)
+    assert run_cli("--status", "solo@" + mesh.addrs["solo"], "--json", timeout=60).returncode == 0
+    r = run_cli("--status", "wrong@" + mesh.addrs["solo"], timeout=60)
+    assert r.returncode == 2 and "is 'solo', not 'wrong'" in r.stderr and r.stdout == "", r.stderr
+    r = run_cli("--status", "a@b@" + mesh.addrs["solo"], timeout=60)
+    assert r.returncode == 2 and "--status: ID: must be 1 to 63" in r.stderr, r.stderr
 
 
 def test_status_of_nothing_is_a_runtime_error() -> None:
     r = run_cli("--status", f"127.0.0.1:{free_port_pair()}", "--timeout", "0.5", timeout=60)
-    assert r.returncode == 1 and "no status reply" in r.stderr
+    assert r.returncode == 1 and "no status reply" in r.stderr and "MESHLLM_CLUSTER_KEY" in r.stderr
 
 
 def test_the_status_table_writes_a_stage_s_layers_half_open() -> None:

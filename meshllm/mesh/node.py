@@ -266,7 +266,8 @@ def query_status(target: str, timeout_s: float = 3.0, keys: NodeKeys | None = No
             if reply.type is MsgType.STATUS_REP:
                 return reply["status"]
         raise TimeoutError(f"no status reply from {target} within {timeout_s:g} s (is a node running there? "
-                           "a mesh with CURVE also needs MESHLLM_NODE_KEY, MESHLLM_AUTHORIZED_KEYS and ID@HOST:PORT)")
+                           "a mesh with CURVE also needs MESHLLM_NODE_KEY, MESHLLM_AUTHORIZED_KEYS and ID@HOST:PORT, "
+                           "or MESHLLM_CLUSTER_KEY with a cluster key)")
     finally:
         sock.close(linger=0)
 
