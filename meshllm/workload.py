@@ -29,6 +29,7 @@ shipped per prefilled token, and the readable text `--cluster` prints without `-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -201,11 +202,18 @@ async def _run(urls: list[str], model: str, jobs: list[Job], rate: float, seed: 
         if bar is not None:
             bar.update(1)
 
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
-                                     headers=headers) as session:
-        await asyncio.gather(*(go(i, session) for i in range(len(jobs))))
-    if bar is not None:
-        bar.close()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    # log lines (a gateway gone, a fault) print above the bar, not glued to its end; the bar goes
+    # however the run ends (an interrupt left it, and the lines after it, on one line)
+    with logging_redirect_tqdm() if bar is not None else contextlib.nullcontext():
+        try:
+            async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                             headers=headers) as session:
+                await asyncio.gather(*(go(i, session) for i in range(len(jobs))))
+        finally:
+            if bar is not None:
+                bar.close()
     return outs
 
 
