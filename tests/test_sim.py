@@ -719,10 +719,22 @@ def test_judge_holds_capacity_to_the_baselines_only_when_planning_for_capacity()
     assert eligible_for(sat, [1, 2], 4.0 / HEADROOM * 1.01, given=True) == [0, 1, 2, 3]
 
 
+def fake_reps(n: int) -> list:
+    """Replicas as pick() tells candidates apart (role, nodes, layer counts): n different ones."""
+    from types import SimpleNamespace
+
+    return [[SimpleNamespace(role="mixed", ids=[f"n{i}"], counts=[30])] for i in range(n)]
+
+
 def test_judge_confirms_a_plan_of_its_own_on_runs_as_long_as_the_reported_sweep(monkeypatch):
     """Shorter confirming runs (N 1200) hid a decode backlog: on bench-mesh-200 they put a plan
     with five prefill replicas 11% above mixed-dp's grouping, which at N = 2000 was 4% below it.
-    The demo's judged plan is one of the search's own, so it goes through the confirmation."""
+    A plan of the search's own that leads on the short runs is confirmed on all four traces, with
+    runs as long as the reported sweep's. One that is a baseline's grouping (the same replicas:
+    the demo's search finds mixed-dp's) is not confirmed against itself: a 1-node cluster spent
+    two minutes of `--plan --judge` on that, and its plan is the same without it."""
+    from types import SimpleNamespace
+
     from meshllm.partition.plan import plan_cluster
     from meshllm.sim import judge, sweep, trials
 
@@ -731,15 +743,19 @@ def test_judge_confirms_a_plan_of_its_own_on_runs_as_long_as_the_reported_sweep(
 
     def recorded(inp, runs):
         calls.extend((requests, seed) for _, _, requests, seed in runs)
-        return real(inp, runs)
+        return real(inp, runs) if not isinstance(inp, SimpleNamespace) else [1.0 for _ in runs]
 
     monkeypatch.setattr(trials, "saturations", recorded)
-    plan_cluster(plan_inputs(load_cluster(REPO / "clusters" / "demo.yaml")), seed=0, log=False,
-                 judge=judge.simulated_judge)
+    judge.pick(SimpleNamespace(rate_per_s=0.0), [0, 1], fake_reps(2), [2.0, 1.0], range(1, 2), [1], 0.0,
+               trials.JUDGE_SWEEP_REQUESTS)
     confirming = {(n, seed) for n, seed in calls if seed in trials.CAPACITY_SEEDS}
     assert confirming and min(n for n, _ in confirming) >= sweep.SWEEP_REQUESTS
     # on all four traces (full sweeps on them tie bench-fog-40-8b's plan with mixed-dp's sized grouping; on two it led by 4 %)
     assert {seed for _, seed in confirming} == set(trials.CAPACITY_SEEDS) and len(trials.CAPACITY_SEEDS) == 4
+    calls.clear()
+    plan = plan_cluster(plan_inputs(load_cluster(REPO / "clusters" / "demo.yaml")), seed=0, log=False,
+                        judge=judge.simulated_judge)
+    assert not [c for c in calls if c[1] in trials.CAPACITY_SEEDS] and len(plan.replicas) == 3
 
 
 def test_for_capacity_the_judge_confirms_up_to_three_of_its_own_before_a_baselines_grouping(monkeypatch):
@@ -767,7 +783,7 @@ def test_for_capacity_the_judge_confirms_up_to_three_of_its_own_before_a_baselin
     ops = range(4, 6)
 
     def picked() -> int:  # for capacity (no rate), the judge's short-run figures above
-        return judge.pick(SimpleNamespace(rate_per_s=0.0), list(range(6)), [None] * 6, short, ops, list(ops), 0.0,
+        return judge.pick(SimpleNamespace(rate_per_s=0.0), list(range(6)), fake_reps(6), short, ops, list(ops), 0.0,
                           600)[0]
 
     assert picked() == 2 and 3 not in tried

@@ -222,23 +222,35 @@ def pick(inp: PlanInputs, cands: Sequence[Grouping], reps, sat: Sequence[float],
     longer = round(sweep_requests * CONFIRM_SCALE)
     theirs: dict[int, list[float]] = {}
 
-    def best_op() -> int:
+    top = max(sat[j] for j in op_idx)
+    short = [j for j in op_idx if sat[j] >= OP_SHORTLIST * top]
+
+    def best_op(runs: bool = True) -> int:
         """The baseline grouping with the highest saturation summed over CAPACITY_SEEDS (those
-        within OP_SHORTLIST of the best on the short runs)."""
+        within OP_SHORTLIST of the best on the short runs); with one such grouping and no `runs`
+        asked for (nothing to compare it with), that one without running them."""
+        if not runs and len(short) == 1:
+            return short[0]
         if not theirs:
-            top = max(sat[j] for j in op_idx)
-            short = [j for j in op_idx if sat[j] >= OP_SHORTLIST * top]
             got = iter(trials.saturations(inp, [(cands[j], reps[j], longer, s) for j in short for s in CAPACITY_SEEDS]))
             theirs.update({j: [next(got) for _ in CAPACITY_SEEDS] for j in short})
         return max(theirs, key=lambda j: (sum(theirs[j]), -j))
 
+    keys = {replicas_key(reps[j]) for j in op_idx}
     for i in order[:CONFIRM_TOP]:
         if i in op_idx:
-            return best_op(), order
+            return best_op(runs=False), order
+        if replicas_key(reps[i]) in keys:  # the search found a baseline's grouping: it cannot lead it
+            continue  # (a 1-node cluster spent 2 minutes confirming its one plan against itself)
         mine = trials.saturations(inp, [(cands[i], reps[i], longer, s) for s in CAPACITY_SEEDS])
         if trials.wins_on_evidence(mine, theirs[best_op()]):
             return i, order
-    return best_op(), order
+    return best_op(runs=False), order
+
+
+def replicas_key(reps) -> tuple:
+    """What makes two candidates the same plan: each replica's role, nodes in order and layer counts."""
+    return tuple(sorted((r.role, tuple(r.ids), tuple(r.counts)) for r in reps))
 
 
 def confirm_cost(inp: PlanInputs, reps, order: Sequence[int], ops: Sequence[int], rate: float) -> int:
