@@ -94,6 +94,22 @@ def test_roles_limit_assignment():
     assert {"edge-1", "edge-2"} <= set(plan.drafters)
 
 
+def test_a_drafter_only_node_that_does_not_draft_says_why():
+    """`roles: [drafter]` nodes left out said only "its roles (drafter) allow no stage", which
+    names roles that do allow drafting: the draft did not fit in their memory, or speculation
+    was off."""
+    nodes = [{"id": "e1", "device": "raspberry-pi-5-8gb", "zone": "edge", "roles": ["drafter"]},
+             {"id": "e2", "device": "raspberry-pi-4-4gb", "zone": "edge", "roles": ["drafter"]},
+             {"id": "box", "device": "cloud-a100-80gb", "zone": "dc"}]
+    doc = {"model": "llama-3-8b", "nodes": nodes, "links": [{"zones": ["edge", "dc"], "rtt_ms": 40, "bandwidth_mbps": 20}]}
+    plan = plan_cluster(plan_inputs(parse_cluster(doc, "c.yaml")), log=False)
+    assert plan.drafters == ("e1",) and plan.reasons["e1"] == "drafter; its roles (drafter) allow no stage"
+    assert plan.reasons["e2"].startswith("its roles (drafter) allow no stage, and no draft: its memory (3.20 GB) "
+                                         "cannot hold the draft while it builds it (5."), plan.reasons["e2"]
+    off = plan_cluster(plan_inputs(parse_cluster({**doc, "speculation": {"mode": "off"}}, "c.yaml")), log=False)
+    assert off.drafters == () and off.reasons["e1"].endswith("no draft: speculation is off (no draft to serve)")
+
+
 def test_a_device_that_barely_computes_forms_no_replica_and_says_why():
     """A profile of 1e-6 TFLOP/s (a typo, or a box that is mostly busy) holds the whole model, so
     the search once made it a prefill replica with a 15-hour step beside two NUCs: a replica the

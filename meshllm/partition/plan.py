@@ -19,13 +19,12 @@ from typing import Any
 
 from meshllm.defaults import REPLICA_ROLES, WEIGHT_DTYPES, Role
 from meshllm.errors import InputError
-from meshllm.partition.cost import DRAFT_DTYPE, model_costs
 from meshllm.partition.dp import Split, memory_shortfall
 from meshllm.partition.genetic import evolve_plan
 from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.replica import decode_fit, evaluate_replica, prefill_fit
-from meshllm.partition.unused import outside_reasons
+from meshllm.partition.unused import draft_build_bytes, outside_reasons
 
 GB = 1e9
 
@@ -172,15 +171,12 @@ def build_replicas(inp: PlanInputs, grouping: Grouping) -> tuple[Replica, ...]:
 def choose_drafters(inp: PlanInputs, in_replicas: set[str]) -> tuple[list[str], list[str]]:
     """Nodes outside replicas become drafters if allowed and they can hold the draft model while
     they build it: the draft and one layer of the target in fp32 (weights.load_quantized)."""
-    quant = inp.draft_quant
-    spec_on = quant in DRAFT_DTYPE
-    draft_bytes = model_costs(inp.args, DRAFT_DTYPE[quant]).weight_bytes \
-        + model_costs(inp.args, "fp32").layer_bytes if spec_on else float("inf")
+    draft_bytes = draft_build_bytes(inp)
     drafters, unused = [], []
     for n in inp.nodes:
         if n.id in in_replicas:
             continue
-        ok = spec_on and (n.roles is None or Role.DRAFTER in n.roles) and n.device.memory_bytes >= draft_bytes
+        ok = (n.roles is None or Role.DRAFTER in n.roles) and n.device.memory_bytes >= draft_bytes
         (drafters if ok else unused).append(n.id)
     return drafters, unused
 

@@ -11,7 +11,9 @@ re-rated the plan after turning roles or re-splitting a pipeline (sim/turns.py, 
 
 from __future__ import annotations
 
+from meshllm.defaults import Role
 from meshllm.partition.capacity import role_rates
+from meshllm.partition.cost import DRAFT_DTYPE, model_costs
 from meshllm.partition.dp import memory_cap_layers, shortfall_reason
 from meshllm.partition.grouping import MIN_REPLICA_SHARE, NONE, Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
@@ -84,6 +86,27 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -
             f"to {after:.3f} s, but the chosen grouping (the simulated judge's pick, when judged) leaves it out")
 
 
+def draft_build_bytes(inp: PlanInputs) -> float:
+    """What a drafter holds while it builds the draft: the draft and one fp32 layer of the target
+    (weights.load_quantized); inf with speculation off (no draft)."""
+    if inp.draft_quant not in DRAFT_DTYPE:
+        return float("inf")
+    return model_costs(inp.args, DRAFT_DTYPE[inp.draft_quant]).weight_bytes + model_costs(inp.args, "fp32").layer_bytes
+
+
+def not_drafting(inp: PlanInputs, node) -> str:
+    """Why a node whose roles allow drafting is no drafter ('' if it could be one)."""
+    if node.roles is not None and Role.DRAFTER not in node.roles:
+        return ""
+    if inp.draft_quant not in DRAFT_DTYPE:
+        return "speculation is off (no draft to serve)"
+    need = draft_build_bytes(inp)
+    if node.device.memory_bytes < need:
+        return (f"its memory ({node.device.memory_bytes / 1e9:.2f} GB) cannot hold the draft while it builds it "
+                f"({need / 1e9:.2f} GB: the {inp.draft_quant} draft and one fp32 layer)")
+    return ""
+
+
 def outside_reasons(inp: PlanInputs, ev: Evaluator, grouping: Grouping, drafters: set[str]) -> dict[str, str]:
     """node id -> why it holds no stage, for every node outside the replicas."""
     genes = genes_of(ev, grouping)
@@ -95,6 +118,8 @@ def outside_reasons(inp: PlanInputs, ev: Evaluator, grouping: Grouping, drafters
             continue
         if i is None:
             why = f"its roles ({', '.join(str(r) for r in n.roles or ())}) allow no stage"
+            if n.id not in drafters and (no := not_drafting(inp, n)):
+                why += f", and no draft: {no}"
         else:
             why = member_reason(ev, grouping, genes, i)
         out[n.id] = ("drafter; " if n.id in drafters else "") + why
