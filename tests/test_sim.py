@@ -494,6 +494,15 @@ def test_simulate_policies_schema_and_determinism():
 
 
 @pytest.mark.slow
+def test_a_tiny_saturation_is_not_rounded_to_zero():
+    """`--simulate` printed "saturation 0 req/s (0.8228 of the bound)" for a cluster that sustains
+    4.2e-05 req/s: rates had 4 decimals."""
+    from meshllm.sim.sweep import rounded
+
+    assert rounded(4.2123e-05) == 4.212e-05 and rounded(18.23914) == 18.2391 and rounded(0.0) == 0.0
+    assert rounded(0.0012345) == 0.0012
+
+
 def test_simulate_cli_json():
     p = run_cli("--simulate", "clusters/wan.yaml", "--json", "--rate", "50")
     assert p.returncode == 0, p.stderr

@@ -238,7 +238,7 @@ def report(pol: Policy, inp: PlanInputs, rate: float, seed: int, bound: float,
     n = inp.requests or (inp.n_prompts if rate == 0 and inp.n_prompts else REPORT_REQUESTS)
     out = metrics(simulate(pol.replicas, make_trace(inp, n, seed), rate))
     sat = saturation_rate((capacity or pol).replicas, inp, seed, sweep_requests)
-    out["saturation_rate_per_s"] = round(sat, 4)
+    out["saturation_rate_per_s"] = rounded(sat)
     out["saturation_of_bound"] = round(sat / bound, 4) if bound > 0 else None
     out["replicas"] = len(pol.replicas)
     out["idle"] = dict(pol.idle)
@@ -277,7 +277,13 @@ def simulate_policies(inp: PlanInputs, rate: float | None = None, seed: int = 0,
         progress(f"{name}: " + ("no usable replica" if out[name] is None else
                                 f"saturation {out[name]['saturation_rate_per_s']:g} req/s "
                                 f"({out[name]['saturation_of_bound']} of the bound)"))
-    return {"policies": out, "rate_per_s": rate, "bound_rate_per_s": round(bound, 4)}
+    return {"policies": out, "rate_per_s": rate, "bound_rate_per_s": rounded(bound)}
+
+
+def rounded(rate: float) -> float:
+    """A rate to 4 decimals, or to 4 significant digits below 0.001 req/s (4 decimals made a
+    cluster that sustains 4.2e-05 req/s print "saturation 0 req/s (0.8228 of the bound)")."""
+    return round(rate, 4) if abs(rate) >= 1e-3 or rate == 0 else float(f"{rate:.4g}")
 
 
 def _report(job: tuple) -> dict | None:
