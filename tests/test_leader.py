@@ -444,6 +444,35 @@ def test_a_sequence_released_because_its_gateway_was_seen_dead_tells_that_gatewa
     assert 1 not in lead.seqs and 2 in lead.seqs
 
 
+def test_a_gateway_that_leaves_or_dies_has_its_sequences_released_at_once():
+    """A gateway stopped past its drain ended its requests and left; its replicas decoded their
+    sequences for nobody (30 s and counting, up to max_tokens) when no re-plan followed (the node
+    had been the mesh's only prefill node: nothing left to plan with). Now a peer seen gone
+    (left or dead) has its sequences released at once, whatever the plan does."""
+    from types import SimpleNamespace
+
+    from meshllm.mesh.agent import MeshAgent
+    from meshllm.mesh.membership import PeerState, Transition
+    from meshllm.roles.host import RoleHost
+
+    lead, sent = two_stage_leader()
+    lead.batch.admit(seq(1))
+    other = seq(2)
+    other.gateway = "127.0.0.1:7999"  # another gateway, alive
+    lead.batch.admit(other)
+    assert lead.step()
+    sent.clear()
+    host = SimpleNamespace(leader=lead, me="a", worker=SimpleNamespace(submit=lambda fn: fn()))
+    host._release_orphans = lambda gone, why: RoleHost._release_orphans(host, gone, why)
+    agent = SimpleNamespace(members=SimpleNamespace(get=lambda nid: SimpleNamespace(info=SimpleNamespace(
+        address=NODES["gw"]))), me=SimpleNamespace(id="a"), t=SimpleNamespace(forget=lambda a: None),
+        on_gone=[lambda address: RoleHost.gateway_gone(host, address)])
+    MeshAgent.on_change(agent, Transition("gw", PeerState.ALIVE, PeerState.LEFT))
+    errors = [(a, m["seq"], m["finish_reason"], m["error"]) for a, m in sent if m.type is MsgType.TOKENS]
+    assert errors == [(NODES["gw"], 1, "error", "released: its gateway left or was seen dead")]
+    assert 1 not in lead.seqs and 2 in lead.seqs
+
+
 def test_drafting_figures_go_with_every_tokens_message_after_a_verified_block():
     """They went only with a sequence's last TOKENS: a request its gateway ended on a stop string
     (the leader never sends that last one) lost all of them, in its response and in /metrics."""

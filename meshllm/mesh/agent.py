@@ -32,6 +32,7 @@ class MeshAgent:
         self._started = time.monotonic()
         self.greet: Callable[[str], None] | None = None  # say HELLO to an address (Gossip.greet)
         self.on_beat: Callable[[], None] | None = None  # a heartbeat changed a peer's state or loaded plan
+        self.on_gone: list[Callable[[str], None]] = []  # a peer (its address) left or was seen dead
         transport.on(MsgType.HEARTBEAT, self._on_heartbeat)
         transport.on(MsgType.LEAVE, self._on_leave)
         transport.on(MsgType.STATUS_REQ, self._on_status)
@@ -49,6 +50,9 @@ class MeshAgent:
                  tr.new.value)
         if tr.new is PeerState.LEFT and peer is not None:
             self.t.forget(peer.info.address)
+        if tr.new in (PeerState.LEFT, PeerState.DEAD) and peer is not None:
+            for fn in self.on_gone:
+                fn(peer.info.address)
 
     def load(self) -> dict[str, Any]:
         return {"uptime_s": round(time.monotonic() - self._started, 3), "pid": os.getpid(), "heartbeat_seq": self._seq,

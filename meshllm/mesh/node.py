@@ -70,6 +70,7 @@ class Node:
         self.mesh = MeshAgent(self.transport, self.members, self.me, self._serving,
                               lambda: self.host.ctx.plan.to_json() if self.host.ctx is not None else None)
         self.transport.on_peer_gone = self.mesh.peer_gone
+        self.mesh.on_gone.append(self.host.gateway_gone)  # its requests' sequences are released at once
         self.gossip = Gossip(self.transport, self.members, self.me, cfg.seeds, self.mesh.on_change, self._refuse,
                              lambda: self.host.max_seen, cfg.failure_timeout_s + 2 * cfg.heartbeat_interval_s)
         self.mesh.greet = self.gossip.greet

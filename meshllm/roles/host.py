@@ -168,16 +168,31 @@ class RoleHost:
         if self.leader is not None:
             self.leader.ctx = ctx
             gone = self.members.addresses_gone() if self.members is not None else set()
+            RoleHost._release_orphans(self, gone, f"released in plan v{ctx.version}: its gateway was seen dead")
             for s in list(self.leader.seqs.values()):
-                if s.gateway in gone:  # nobody streams its tokens any more (a client sends it again elsewhere)
-                    log.info("%s: releasing sequence %d: its gateway %s is gone", self.me, s.id, s.gateway)
-                    # and it is told so, in case it was only paused (SIGSTOP, a swap storm): back, it
-                    # resumes the request at once, where it waited out its 60 s stall timeout
-                    self.leader.fail(s, f"released in plan v{ctx.version}: its gateway was seen dead")
-                elif s.decode_rid != self.leader.rid and not ctx.unchanged(old, s.decode_rid):
+                if s.decode_rid != self.leader.rid and not ctx.unchanged(old, s.decode_rid):
                     self.leader.fail(s, f"its decode replica changed in plan v{ctx.version}; retry the request")
             self.leader.outbox.flush()
         log.info("%s: plan v%d keeps replica %d as it was", self.me, ctx.version, self.stage.replica.id)
+
+    def gateway_gone(self, address: str) -> None:
+        """Any thread: the node at `address` left or was seen dead. The sequences it was the gateway
+        of are released now (on the compute thread), not at the next plan: a gateway that left
+        after its drain, with no re-plan to follow (its prefill replica gone, none left to plan
+        with), had its replicas decode them for nobody up to max_tokens."""
+        self.worker.submit(lambda: self._release_orphans({address}, "released: its gateway left or was seen dead"))
+
+    def _release_orphans(self, gone: set[str], why: str) -> None:
+        """Compute thread: fail the leader's sequences whose gateway is at an address in `gone`."""
+        if self.leader is None:
+            return
+        for s in list(self.leader.seqs.values()):
+            if s.gateway in gone:  # nobody streams its tokens any more (a client sends it again elsewhere)
+                log.info("%s: releasing sequence %d: its gateway %s is gone", self.me, s.id, s.gateway)
+                # and it is told so, in case it was only paused (SIGSTOP, a swap storm): back, it
+                # resumes the request at once, where it waited out its 60 s stall timeout
+                self.leader.fail(s, why)
+        self.leader.outbox.flush()
 
     def _build_stage(self, ctx: PlanContext, replica, index: int) -> None:
         from meshllm.roles.decode import KvAcks  # lazy: torch
