@@ -418,6 +418,18 @@ def test_a_handoff_s_drafting_figures_are_taken_and_bad_ones_dropped():
     assert lead.seqs[60].spec.blocks == 0
 
 
+def leader_with_two_gateways():
+    """A leader running sequence 1 for the gateway NODES["gw"] and 2 for another one, alive."""
+    lead, sent = two_stage_leader()
+    lead.batch.admit(seq(1))
+    other = seq(2)
+    other.gateway = "127.0.0.1:7999"
+    lead.batch.admit(other)
+    assert lead.step()
+    sent.clear()
+    return lead, sent
+
+
 def test_a_sequence_released_because_its_gateway_was_seen_dead_tells_that_gateway():
     """A gateway node paused past the failure timeout (SIGSTOP, a swap storm): the re-plan kept
     the replica, whose leader released the gateway's sequences without a word; back, the gateway
@@ -427,13 +439,7 @@ def test_a_sequence_released_because_its_gateway_was_seen_dead_tells_that_gatewa
 
     from meshllm.roles.host import RoleHost
 
-    lead, sent = two_stage_leader()
-    lead.batch.admit(seq(1))
-    other = seq(2)
-    other.gateway = "127.0.0.1:7999"  # another gateway, alive
-    lead.batch.admit(other)
-    assert lead.step()
-    sent.clear()
+    lead, sent = leader_with_two_gateways()
     old = lead.ctx
     new = PlanContext(2, old.plan, dict(NODES), "a")
     host = SimpleNamespace(ctx=old, stage=lead.stage, leader=lead, me="a",
@@ -455,13 +461,7 @@ def test_a_gateway_that_leaves_or_dies_has_its_sequences_released_at_once():
     from meshllm.mesh.membership import PeerState, Transition
     from meshllm.roles.host import RoleHost
 
-    lead, sent = two_stage_leader()
-    lead.batch.admit(seq(1))
-    other = seq(2)
-    other.gateway = "127.0.0.1:7999"  # another gateway, alive
-    lead.batch.admit(other)
-    assert lead.step()
-    sent.clear()
+    lead, sent = leader_with_two_gateways()
     host = SimpleNamespace(leader=lead, me="a", worker=SimpleNamespace(submit=lambda fn: fn()))
     host._release_orphans = lambda gone, why: RoleHost._release_orphans(host, gone, why)
     agent = SimpleNamespace(members=SimpleNamespace(get=lambda nid: SimpleNamespace(info=SimpleNamespace(
