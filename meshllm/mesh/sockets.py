@@ -173,9 +173,7 @@ class PeerSockets:
         self.owner: dict[zmq.Socket, tuple[str, str | None, bool]] = {}  # DEALER/SUB -> (address, id, is SUB)
         self.monitors: dict[zmq.Socket, str] = {}  # a SUB's monitor socket -> the peer address
         self._retries: dict[str, int] = {}  # address -> reconnects scheduled since its SUB lost its connection
-        # SUBs whose handshake the peer refused (its ZAP had not admitted this node yet, or no longer
-        # does): closed, so that the next subscribe(), when the peer is seen alive, connects afresh
-        self.refused_subs: set[str] = set()
+        self.refused_subs: set[str] = set()  # SUBs whose handshake the peer's ZAP refused: to close
 
     def dealer(self, address: str) -> zmq.Socket | None:
         """The DEALER to `address` (None, logged, if no key is pinned for it)."""
@@ -231,9 +229,9 @@ class PeerSockets:
                 self.refused_subs.add(address)
 
     def drop_sub(self, address: str) -> None:
-        """Close the SUB to a peer that refused its handshake (the next subscribe() makes another)."""
-        log.info("%s: the node at %s refused this node's key; its subscription is made again when that "
-                 "node is next seen alive", self.who, address)
+        """Close the SUB to a peer that refused its handshake (it may admit this node later: the
+        next subscribe(), when the peer is next seen alive, connects afresh)."""
+        log.info("%s: %s refused this node's key; subscribing again when it is seen alive", self.who, address)
         self._drop(self.subs, address)
 
     def forget(self, address: str) -> None:

@@ -1,9 +1,11 @@
-"""An OpenAI request body -> what the mesh is asked to do (`Params`), or the 4xx that says why not
-(`ApiError`). Pure checks: the served model's name, tokenizer and context come from the gateway.
+"""An OpenAI request body (`json_body`: its bytes) -> what the mesh is asked to do (`Params`), or
+the 4xx that says why not (`ApiError`). Pure checks: the served model's name, tokenizer and context come from the gateway.
 roles/http_api.py serves the API with them."""
 
 from __future__ import annotations
 
+import codecs
+import json
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -234,3 +236,22 @@ def _chat_ids(body: dict, gw: Gateway) -> list[int]:
         return gw.model.tokenizer.encode(gw.model.tokenizer.render_chat(clean))
     except ValueError as e:  # e.g. no chat template
         raise ApiError(400, str(e), "messages", "invalid_value") from None
+
+
+def json_body(raw: bytes, charset: str | None) -> object:
+    """The request's JSON, or an ApiError 400 naming what is wrong with it (an unknown charset and
+    nesting deeper than the parser's stack were a plain-text 500)."""
+    try:
+        text_codec = getattr(codecs.lookup(charset or "utf-8"), "_is_text_encoding", True)  # not base64, zlib, ...
+    except LookupError:
+        text_codec = False
+    if not text_codec:
+        raise ApiError(400, f"Content-Type names an unknown charset {charset!r:.40} (JSON is UTF-8)", None,
+                       "invalid_json")
+    try:
+        return json.loads(raw.decode(charset or "utf-8"))
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON arrays or objects too deeply", None,
+                       "invalid_json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise ApiError(400, "the request body is not valid JSON", None, "invalid_json") from None

@@ -29,7 +29,6 @@ and readiness probes: it tells only whether the plan's replicas are loaded.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import hmac
 import json
 import logging
@@ -40,7 +39,7 @@ import uuid
 from aiohttp import web
 
 from meshllm.defaults import GATEWAY_DRAIN_S, HTTP_IDLE_S
-from meshllm.roles.api_params import ApiError, Params, parse_params
+from meshllm.roles.api_params import ApiError, Params, json_body, parse_params
 from meshllm.roles.gateway import Gateway
 from meshllm.roles.route_view import RequestError, Stream
 
@@ -117,29 +116,10 @@ def _chunk(kind: str, rid: str, model: str, text: str, ids: list[int], finish: s
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def _json_body(raw: bytes, charset: str | None) -> object:
-    """The request's JSON, or an ApiError 400 naming what is wrong with it (an unknown charset and
-    nesting deeper than the parser's stack were a plain-text 500)."""
-    try:
-        text_codec = getattr(codecs.lookup(charset or "utf-8"), "_is_text_encoding", True)  # not base64, zlib, ...
-    except LookupError:
-        text_codec = False
-    if not text_codec:
-        raise ApiError(400, f"Content-Type names an unknown charset {charset!r:.40} (JSON is UTF-8)", None,
-                       "invalid_json")
-    try:
-        return json.loads(raw.decode(charset or "utf-8"))
-    except RecursionError:
-        raise ApiError(400, "the request body nests JSON arrays or objects too deeply", None,
-                       "invalid_json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-        raise ApiError(400, "the request body is not valid JSON", None, "invalid_json") from None
-
-
 async def _generate(request: web.Request, gw: Gateway, chat: bool, body_s: float) -> web.StreamResponse:
     try:  # a body trickled in (slowloris) holds a connection and a handler no longer than body_s
         raw = await asyncio.wait_for(request.read(), body_s)
-        body = _json_body(raw, request.charset)
+        body = json_body(raw, request.charset)
     except asyncio.TimeoutError:
         resp = ApiError(408, f"the request body did not arrive within {body_s:g} s", None,
                         "request_timeout").response()
