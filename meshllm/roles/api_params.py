@@ -1,5 +1,6 @@
 """An OpenAI request body (`json_body`: its bytes) -> what the mesh is asked to do (`Params`), or
-the 4xx that says why not (`ApiError`). Pure checks: the served model's name, tokenizer and context come from the gateway.
+the 4xx that says why not (`ApiError`). Pure checks: the served model's name, tokenizer and
+context come from the gateway.
 roles/http_api.py serves the API with them."""
 
 from __future__ import annotations
