@@ -63,7 +63,7 @@ from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.plan import Plan, plan_cluster, planner_evaluator
 from meshllm.sim import baselines, pool, sweep, trials, turns
 from meshllm.sim.metrics import metrics
-from meshllm.sim.replica import from_grouping, from_plan
+from meshllm.sim.replica import from_grouping, from_plan, replicas_key
 from meshllm.sim.trials import (
     CAPACITY_SEEDS,
     CONFIRM_SCALE,
@@ -247,10 +247,6 @@ def pick(inp: PlanInputs, cands: Sequence[Grouping], reps, sat: Sequence[float],
             return i, order
     return best_op(runs=False), order
 
-
-def replicas_key(reps) -> tuple:
-    """What makes two candidates the same plan: each replica's role, nodes in order and layer counts."""
-    return tuple(sorted((r.role, tuple(r.ids), tuple(r.counts)) for r in reps))
 
 
 def confirm_cost(inp: PlanInputs, reps, order: Sequence[int], ops: Sequence[int], rate: float) -> int:

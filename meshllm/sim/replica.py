@@ -241,3 +241,9 @@ def sim_replica(inp: PlanInputs, rid: int, members: Sequence[Member], role: str,
 
 def describe(reps: Sequence[SimReplica]) -> str:
     return "; ".join(f"{r.role}:{'+'.join(m.device.name for m in r.members)}" for r in reps)
+
+
+def replicas_key(reps) -> tuple:
+    """What makes two sets of replicas the same plan: each replica's role, nodes in order and
+    layer counts (the judge and `--simulate` run each such plan once)."""
+    return tuple(sorted((r.role, tuple(r.ids), tuple(r.counts)) for r in reps))

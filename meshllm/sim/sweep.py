@@ -52,7 +52,7 @@ from meshllm.partition.replica import decode_fit, mixed_fit, prefill_fit
 from meshllm.sim import pool
 from meshllm.sim.baselines import BASELINES, Policy, random_policy
 from meshllm.sim.metrics import bound_rate_per_s, metrics
-from meshllm.sim.replica import SimReplica, from_plan
+from meshllm.sim.replica import SimReplica, from_plan, replicas_key
 from meshllm.sim.simulator import Request, Simulator
 
 SWEEP_REQUESTS = 2000  # N of the stability rule, at least
@@ -269,11 +269,20 @@ def simulate_policies(inp: PlanInputs, rate: float | None = None, seed: int = 0,
     if capacity is not None:
         progress("meshllm planned for capacity")
     out = {}
-    jobs = [(pol, inp, rate, seed, bound, sweep_requests, capacity if name == "meshllm" else None)
-            for name, pol in policies.items()]
-    progress(f"simulating the {len(jobs)} policies and their saturation sweeps ({pool.workers()} at once)")
-    for name, got in zip(policies, pool.pmap(_report, jobs)):  # each is deterministic: the same figures
-        out[name] = got
+    # policies with the same replicas (on one node, every baseline is that node alone) run once:
+    # each run is deterministic, so the figures are those each would have had
+    keyed = {name: (replicas_key(pol.replicas), replicas_key(capacity.replicas)
+                    if name == "meshllm" and capacity is not None else None) for name, pol in policies.items()}
+    jobs = {}
+    for name, pol in policies.items():
+        jobs.setdefault(keyed[name], (pol, inp, rate, seed, bound, sweep_requests,
+                                      capacity if name == "meshllm" else None))
+    progress(f"simulating the {len(policies)} policies ({len(jobs)} different) and their saturation sweeps "
+             f"({pool.workers()} at once)")
+    done = dict(zip(jobs, pool.pmap(_report, list(jobs.values()))))
+    for name, pol in policies.items():
+        got = done[keyed[name]]
+        out[name] = None if got is None else {**got, "idle": dict(pol.idle)}
         progress(f"{name}: " + ("no usable replica" if out[name] is None else
                                 f"saturation {out[name]['saturation_rate_per_s']:g} req/s "
                                 f"({out[name]['saturation_of_bound']} of the bound)"))
