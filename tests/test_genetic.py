@@ -12,7 +12,7 @@ from meshllm.device import load_device
 from meshllm.partition.cost import model_costs
 from meshllm.partition.dp import Member, Net
 from meshllm.partition.genetic import CAPACITY_FLOOR, all_groupings, evolve, evolve_plan, random_genes
-from meshllm.partition.grouping import Evaluator, assign_roles, greedy_genes
+from meshllm.partition.grouping import NONE, Evaluator, assign_roles, greedy_genes
 from meshllm.partition.latency import WAIT_WEIGHT
 from meshllm.partition.replica import Mix
 from meshllm.shapes import model_args
@@ -171,12 +171,13 @@ SLOW_ZONES = {
 
 
 def slow_link_evaluator(cluster: dict, where: dict[str, int]):
+    """(inputs, evaluator, genes) for a cluster file's dict; `where`: node id -> replica label (NONE if absent)."""
     from meshllm.config import parse_cluster, plan_inputs
     from meshllm.partition.plan import planner_evaluator
 
     inp = plan_inputs(parse_cluster(cluster, "test"))
     ev = planner_evaluator(inp)
-    return inp, ev, [where[m.id] for m in ev.members]
+    return inp, ev, [where.get(m.id, NONE) for m in ev.members]
 
 
 def test_roles_that_ship_kv_over_a_slow_zone_link_lose_to_every_replica_mixed():
@@ -194,6 +195,33 @@ def test_roles_that_ship_kv_over_a_slow_zone_link_lose_to_every_replica_mixed():
     plan = plan_cluster(inp, log=False)
     assert "c2" in {s.node for r in plan.replicas for s in r.stages}
     assert plan.capacity_req_s >= every_mixed.fitness * (1 - 1e-9)
+
+
+IDLE_ZONE = {"model": "llama-2-70b",
+             "nodes": [{"id": "a1", "device": "cloud-a100-80gb", "zone": "A"},
+                       {"id": "a2", "device": "cloud-a100-80gb", "zone": "A"}]
+             + [{"id": f"b{i}", "device": "desktop-rtx-4090", "zone": "B"} for i in range(1, 8)],
+             "links": [{"zones": ["A", "B"], "rtt_ms": 50, "bandwidth_mbps": 10}],
+             "workload": {"arrival_rate_per_s": 0.5, "input_tokens": {"mean": 512}, "output_tokens": {"mean": 128}}}
+
+
+def test_devices_left_out_form_a_replica_together_where_no_single_move_adds_capacity():
+    """Two A100s in zone A are a replica; seven RTX 4090s in zone B, 10 Mb/s away, are left out.
+    None holds llama-2-70b alone and none adds capacity to the A100s' replica across the link, so
+    single-device moves leave all seven out (on a random 200-device mesh that left 132 devices
+    idle, 19 RTX 4090s among them, at 11.36 req/s where these passes reach 16.18); together
+    they are a replica of their own."""
+    from meshllm.partition.genetic import fill_unused
+
+    _, ev, genes = slow_link_evaluator(IDLE_ZONE, {"a1": 0, "a2": 0})
+    filled = fill_unused(ev, genes, 0.5)
+    assert [g == NONE for g in genes] == [False, False] + [True] * 7
+    assert filled[2:] == [filled[2]] * 7 and filled[2] not in (NONE, 0)
+    assert ev.fitness(filled) > 1.5 * ev.fitness(genes)
+    # devices in a replica that cannot be formed (two RTX 4090s cannot hold the model) count as left out
+    stuck = [0, 0, 1, 1] + [NONE] * 5
+    assert ev.fitness(stuck) == ev.fitness(genes) and ev.decode(stuck).groups == ev.decode(genes).groups
+    assert ev.fitness(fill_unused(ev, stuck, 0.5)) == pytest.approx(ev.fitness(filled))
 
 
 def test_at_a_rate_the_link_capped_roles_are_still_offered_where_they_wait_less():

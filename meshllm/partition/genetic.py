@@ -12,8 +12,9 @@ it into replicas with roles and a capacity). Two phases, one deap loop:
 Each phase ends with a bounded first-improvement local search (single-gene moves and swaps) of
 its best individual; phase 1 also tries each replica of its best alone (a lone replica is mixed).
 Last, every device left out that would add capacity joins where it adds the most, unless that
-raises the predicted cost by more than FILL_COST_SLACK (`fill_unused`); plan.py says why each
-device still left out is (unused.py).
+raises the predicted cost by more than FILL_COST_SLACK, and the devices still left out form new
+replicas together, zone by zone, where that adds capacity on the same terms (`fill_unused`);
+plan.py says why each device still left out is (unused.py).
 
 Search: the population is seeded with greedy packings (devices by memory, compute or type,
 closing a replica at 1.05 / 1.5 / 2.5 x the model's memory), the whole cluster as one
@@ -268,16 +269,82 @@ def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> 
 
 
 def fill_unused(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.0) -> list[int]:
-    """Every device that adds capacity is used: each device outside the replicas, fastest first,
-    takes the move (into a replica, or alone) that adds the most capacity among those that do
-    not raise the predicted cost at `rate` by more than FILL_COST_SLACK (each grouping's roles
-    as the latency phase rates them, `Evaluator.rated` at `floor`)."""
+    """Every device that adds capacity is used: single devices join (`fill_singles`), then the
+    devices still left out form new replicas together where that adds capacity (`form_replicas`:
+    devices that cannot hold the model alone, and add nothing to the replicas there are, may
+    together be a replica), then single devices again."""
+    genes = usable(ev, genes)
+    genes = fill_singles(ev, genes, rate, floor)
+    formed = form_replicas(ev, genes, rate, floor)
+    return genes if formed == genes else fill_singles(ev, formed, rate, floor)
+
+
+def usable(ev: Evaluator, genes: Sequence[int]) -> list[int]:
+    """`genes` with NONE for every device whose replica is not formed (short of memory, or too
+    small to matter: `Evaluator.options`), so that those devices count as left out."""
+    used = {i for group in ev.decode(genes).groups for i in group}
+    return [g if i in used else NONE for i, g in enumerate(genes)]
+
+
+def _cost(ev: Evaluator, genes: Sequence[int], rate: float, floor: float) -> float:
+    """The predicted cost at `rate`, under the roles the latency phase rates best (`Evaluator.rated`)."""
+    return ev.latency(ev.rated(genes, rate, floor)[1], rate).cost(WAIT_WEIGHT)
+
+
+def idle_packs(ev: Evaluator, genes: Sequence[int]) -> list[list[int]]:
+    """New replicas worth trying from the devices outside the replicas: per zone, and over all zones
+    (the last), the idle devices in order of compute or of memory, greedily packed to PACK_SLACK x
+    the model's memory (`pack`, its first replica); each a list of member indices, no two equal."""
+    idle = [i for i, g in enumerate(genes) if g == NONE]
+    zones = sorted({ev.members[i].zone for i in idle})
+    keys = (lambda i: (-ev.members[i].device.compute_tflops, i), lambda i: (-ev.members[i].device.memory_gb, i))
+    out: dict[tuple[int, ...], None] = {}
+    for zone in [*zones, None] if len(zones) > 1 else zones:
+        pool = [i for i in idle if zone is None or ev.members[i].zone == zone]
+        for key in keys:
+            order = sorted(pool, key=key)
+            for slack in PACK_SLACK:
+                group = tuple(i for i, p in enumerate(pack(ev, order, slack)) if p == 0)
+                if group:
+                    out.setdefault(group)
+    return [list(g) for g in out]
+
+
+def form_replicas(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.0) -> list[int]:
+    """Replicas formed from the devices outside the replicas (`idle_packs`), one at a time, the one
+    that adds the most capacity first, among those that do not raise the predicted cost at `rate`
+    by more than FILL_COST_SLACK; until none adds capacity."""
+    genes = list(genes)
+    while True:
+        cap0, cost0 = ev.fitness(genes), _cost(ev, genes, rate, floor)
+        fresh = max(genes, default=NONE) + 1
+        trials = []
+        for group in idle_packs(ev, genes):
+            trial = list(genes)
+            for i in group:
+                trial[i] = fresh
+            trials.append((ev.fitness(trial), trial))
+        for cap, trial in sorted(trials, key=lambda t: -t[0]):
+            if cap <= cap0 * (1 + 1e-6):
+                return genes
+            if _cost(ev, trial, rate, floor) <= cost0 * (1 + FILL_COST_SLACK):
+                genes = trial
+                break
+        else:
+            return genes
+
+
+def fill_singles(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.0) -> list[int]:
+    """Each device outside the replicas, fastest first, takes the move (into a replica, or alone)
+    that adds the most capacity among those that do not raise the predicted cost at `rate` by
+    more than FILL_COST_SLACK (each grouping's roles as the latency phase rates them,
+    `Evaluator.rated` at `floor`)."""
     genes = list(genes)
     for i in sorted(range(len(genes)), key=lambda i: -ev.members[i].device.compute_tflops):
         if genes[i] != NONE:
             continue
         g0 = ev.decode(genes)
-        cost0 = ev.latency(ev.rated(genes, rate, floor)[1], rate).cost(WAIT_WEIGHT)
+        cost0 = _cost(ev, genes, rate, floor)
         labels = sorted(set(genes) - {NONE})
         fresh = next(x for x in range(len(genes) + 1) if x not in labels)
         moves = sorted(((ev.fitness(genes[:i] + [g] + genes[i + 1:]), g) for g in labels + [fresh]), reverse=True)
@@ -285,7 +352,7 @@ def fill_unused(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.0
             if cap <= g0.fitness * (1 + 1e-6):
                 break
             trial = genes[:i] + [g] + genes[i + 1:]
-            if ev.latency(ev.rated(trial, rate, floor)[1], rate).cost(WAIT_WEIGHT) <= cost0 * (1 + FILL_COST_SLACK):
+            if _cost(ev, trial, rate, floor) <= cost0 * (1 + FILL_COST_SLACK):
                 genes = trial
                 break
     return genes
