@@ -224,6 +224,19 @@ def test_devices_left_out_form_a_replica_together_where_no_single_move_adds_capa
     assert ev.fitness(fill_unused(ev, stuck, 0.5)) == pytest.approx(ev.fitness(filled))
 
 
+def test_a_device_left_out_says_what_the_devices_left_out_could_do_together():
+    from meshllm.config import parse_cluster, plan_inputs
+    from meshllm.partition.plan import plan_cluster
+    from meshllm.partition.unused import member_reason
+
+    _, ev, genes = slow_link_evaluator(IDLE_ZONE, {"a1": 0, "a2": 0})
+    assert member_reason(ev, ev.decode(genes), genes, 2).endswith("; in a new replica of 7 devices left out: 4.719 req/s")
+    four = dict(IDLE_ZONE, nodes=IDLE_ZONE["nodes"][:6])  # 4 x 22.5 GB: short of the model's 138.79 GB
+    plan = plan_cluster(plan_inputs(parse_cluster(four, "test")), log=False)
+    assert plan.unused == ("b1", "b2", "b3", "b4")
+    assert plan.reasons["b1"].endswith("; the 4 devices left out have 90.00 GB together, too little for another replica")
+
+
 def test_at_a_rate_the_link_capped_roles_are_still_offered_where_they_wait_less():
     """Two pipelines, each an RTX 4090 in zone A and a Mac mini in zone B (100 Mb/s between):
     every replica mixed sustains 2.38 req/s, one prefilling for the other only 1.51 (the link caps

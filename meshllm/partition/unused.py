@@ -4,7 +4,9 @@ A node is left out of the replicas because its `roles:` allow no stage, because 
 hold one layer beside the KV budget, or because no replica gains from it: every single move
 that puts it to work (joining one of the replicas, or alone as a new one) is tried, and the
 reason quotes the best one's capacity against the plan's (or its cost at the planned rate,
-when it adds capacity but the users would wait longer). Both sides are the search's analytic
+when it adds capacity but the users would wait longer); a device that cannot hold the model
+alone also gets what the best new replica of it with other devices left out would serve (the
+replicas `form_replicas` tries), or that those devices have too little memory for one. Both sides are the search's analytic
 rating (`Evaluator.decode`: the DP's splits, the GA's roles for capacity; for the cost, the roles
 that wait least at the rate, `Evaluator.rated`), also where the simulated judge
 re-rated the plan after turning roles or re-splitting a pipeline (sim/turns.py, steps 6-7)."""
@@ -15,6 +17,7 @@ from meshllm.defaults import Role
 from meshllm.partition.capacity import role_rates
 from meshllm.partition.cost import DRAFT_DTYPE, model_costs
 from meshllm.partition.dp import memory_cap_layers, shortfall_reason
+from meshllm.partition.genetic import idle_packs
 from meshllm.partition.grouping import MIN_REPLICA_SHARE, NONE, Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
@@ -49,12 +52,37 @@ def best_move(ev: Evaluator, genes: list[int], i: int) -> tuple[float, list[int]
     return best
 
 
-def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int) -> str:
+def with_others(ev: Evaluator, genes: list[int], i: int, packs: list[list[int]]) -> str:
+    """What member i would add in a new replica with other devices left out (`idle_packs`, as
+    `form_replicas` tries them): the best such replica's capacity, or that they cannot form one."""
+    if not packs:
+        idle = [j for j, g in enumerate(genes) if g == NONE]
+        gb = sum(ev.members[j].device.memory_gb for j in idle)
+        return f"; the {len(idle)} devices left out have {gb:.2f} GB together, too little for another replica"
+    fresh = max(genes, default=NONE) + 1
+    best = None
+    for group in (g for g in packs if i in g):
+        trial = list(genes)
+        for j in group:
+            trial[j] = fresh
+        cap = ev.fitness(trial)
+        if best is None or cap > best[0]:
+            best = (cap, len(group))
+    if best is None:
+        return ""
+    return f"; in a new replica of {best[1]} devices left out: {best[0]:.3f} req/s"
+
+
+def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int,
+                  packs: list[list[int]] | None = None) -> str:
+    """Why member i is outside the replicas (`packs`: `idle_packs(ev, genes)`, computed if None)."""
     m = ev.members[i]
     if memory_cap_layers(ev.mc, m.device, False, False, ev.mix.kv_tokens) < 1:
         return f"cannot hold one layer of {ev.mc.name} beside the KV budget ({m.device.memory_gb} GB)"
     alone = ev.replica([i])[1]
     alone_note = f"; alone: {shortfall_reason(ev.mc, [m], ev.mix.prefill_wp())}" if alone.reason else ""
+    if alone.reason:
+        alone_note += with_others(ev, genes, i, idle_packs(ev, genes) if packs is None else packs)
     base = ev.decode(genes)  # the grouping as the search rates it, like every move below
     cap0 = base.fitness
     move = best_move(ev, genes, i)
@@ -110,6 +138,7 @@ def not_drafting(inp: PlanInputs, node) -> str:
 def outside_reasons(inp: PlanInputs, ev: Evaluator, grouping: Grouping, drafters: set[str]) -> dict[str, str]:
     """node id -> why it holds no stage, for every node outside the replicas."""
     genes = genes_of(ev, grouping)
+    packs = idle_packs(ev, genes)
     index = {m.id: i for i, m in enumerate(ev.members)}
     out = {}
     for n in inp.nodes:
@@ -121,6 +150,6 @@ def outside_reasons(inp: PlanInputs, ev: Evaluator, grouping: Grouping, drafters
             if n.id not in drafters and (no := not_drafting(inp, n)):
                 why += f", and no draft: {no}"
         else:
-            why = member_reason(ev, grouping, genes, i)
+            why = member_reason(ev, grouping, genes, i, packs)
         out[n.id] = ("drafter; " if n.id in drafters else "") + why
     return out
