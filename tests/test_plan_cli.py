@@ -72,6 +72,17 @@ def test_plan_rate_plans_for_that_load_and_other_modes_refuse_it():
         assert r.returncode == 2 and "--rate must be a number of requests per second > 0" in r.stderr
     r = run_cli("--cluster", "clusters/demo.yaml", "--rate", "2")
     assert r.returncode == 2 and "--rate applies to --plan and --simulate only" in r.stderr
+    tiny = json.loads(run_cli("--plan", "clusters/demo.yaml", "--rate", "1e-9", "--json").stdout)
+    assert tiny["prediction"]["rate_per_s"] == 1e-9  # 6 decimals printed 0.0
+
+
+def test_figures_below_a_thousandth_keep_four_significant_digits():
+    from meshllm.partition.plan import rounded
+
+    assert rounded(1.23456e-9, 6) == 1.235e-9 and rounded(0.0012345678, 6) == 0.001235
+    assert rounded(12.3456789, 6) == 12.345679 and rounded(0.0, 6) == 0.0 and rounded(float("inf"), 6) == float("inf")
+    plan = Plan("m", 1, "fp32", (), (), (), 0.1, 4.2e-9)
+    assert plan.to_json()["capacity_req_s"] == 4.2e-9
 
 
 @pytest.mark.parametrize("mode", ["--plan", "--simulate"])

@@ -29,6 +29,12 @@ from meshllm.partition.unused import draft_build_bytes, outside_reasons
 GB = 1e9
 
 
+def rounded(x: float, places: int) -> float:
+    """`x` to `places` decimals, or to 4 significant digits below 0.001 (6 decimals printed a plan
+    for 1e-9 req/s as `rate_per_s: 0.0`)."""
+    return round(x, places) if x == 0 or not math.isfinite(x) or abs(x) >= 1e-3 else float(f"{x:.4g}")
+
+
 class PlanInfeasible(InputError):
     """The cluster cannot serve the model at all; the message names the shortfall."""
 
@@ -78,7 +84,7 @@ class Plan:
             "unused": list(self.unused),
             "planner_s": round(self.planner_s, 4),
             "model": self.model, "n_layers": self.n_layers, "dtype": self.dtype,
-            "capacity_req_s": round(self.capacity_req_s, 6),
+            "capacity_req_s": rounded(self.capacity_req_s, 6),
             "unused_reasons": {n: self.reasons[n] for n in self.unused if n in self.reasons},
             "drafter_reasons": {n: self.reasons[n] for n in self.drafters if n in self.reasons},
             # a rate above the plan's capacity waits without bound: null (JSON has no Infinity)
@@ -187,7 +193,7 @@ def plan_from_grouping(inp: PlanInputs, grouping: Grouping, t0: float, ev: Evalu
     reasons = outside_reasons(inp, ev, grouping, set(drafters)) if ev is not None else {}
     pred = grouping.prediction
     prediction = {} if pred is None else {
-        "rate_per_s": round(float(pred.rate_per_s), 6), "mean_wait_ms": round(float(1000 * pred.wait_s), 3),
+        "rate_per_s": rounded(float(pred.rate_per_s), 6), "mean_wait_ms": round(float(1000 * pred.wait_s), 3),
         "mean_ttft_ms": round(float(1000 * pred.ttft_s), 3), "mean_e2e_ms": round(float(1000 * pred.e2e_s), 3)}
     plan = Plan(inp.args.name, inp.args.n_layers, inp.dtype, replicas, tuple(drafters), tuple(unused),
                 time.perf_counter() - t0, grouping.fitness, reasons, prediction)

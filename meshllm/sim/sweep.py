@@ -48,6 +48,7 @@ from meshllm.partition.dp import Split
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.partition.plan import PlanInfeasible
+from meshllm.partition.plan import rounded as plan_rounded
 from meshllm.partition.replica import decode_fit, mixed_fit, prefill_fit
 from meshllm.sim import pool
 from meshllm.sim.baselines import BASELINES, Policy, random_policy
@@ -292,7 +293,7 @@ def simulate_policies(inp: PlanInputs, rate: float | None = None, seed: int = 0,
 def rounded(rate: float) -> float:
     """A rate to 4 decimals, or to 4 significant digits below 0.001 req/s (4 decimals made a
     cluster that sustains 4.2e-05 req/s print "saturation 0 req/s (0.8228 of the bound)")."""
-    return round(rate, 4) if abs(rate) >= 1e-3 or rate == 0 else float(f"{rate:.4g}")
+    return plan_rounded(rate, 4)
 
 
 def _report(job: tuple) -> dict | None:
