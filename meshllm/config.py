@@ -31,7 +31,7 @@ from meshllm.device import load_device
 from meshllm.errors import ConfigError, InputError
 from meshllm.mesh.fields import MAX_TEMPERATURE
 from meshllm.partition.inputs import LengthDist, PlanInputs, PlanLink, PlanNode
-from meshllm.yaml_fields import check_keys, choice, given, node_id, number, read_yaml
+from meshllm.yaml_fields import check_keys, choice, given, node_id, number, read_yaml, zone_name
 
 if TYPE_CHECKING:
     from meshllm.node_config import NodeConfig
@@ -99,12 +99,6 @@ class ClusterConfig:
 
 
 # -- cluster-file field checks ----------------------------------------------------------
-def _zone(v: Any, src: str, fld: str) -> str:
-    if not isinstance(v, str) or not v:
-        raise ConfigError(src, fld, f"must be a non-empty string, got {v!r:.60}")
-    return v
-
-
 def _links(d: dict, src: str, zones: set[str] | None) -> tuple[LinkSpec, ...]:
     links = given(d, "links", [])
     if not isinstance(links, list):
@@ -154,7 +148,7 @@ def parse_cluster(data: dict, src: str) -> ClusterConfig:
             raise ConfigError(src, p + "id", f"duplicate node id {nid!r}")
         seen.add(nid)
         dev = load_device(n["device"], f"{src}: {p.rstrip('.')}")
-        nodes.append(NodeSpec(nid, dev, _zone(n["zone"], src, p + "zone"), _roles(n.get("roles"), src, p + "roles")))
+        nodes.append(NodeSpec(nid, dev, zone_name(n["zone"], src, p + "zone"), _roles(n.get("roles"), src, p + "roles")))
     zones = {n.zone for n in nodes}
     return ClusterConfig(
         source=src, model=_model(data["model"], src), nodes=tuple(nodes), links=_links(data, src, zones),

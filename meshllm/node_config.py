@@ -26,7 +26,6 @@ from meshllm.config import (
     _spec,
     _time_scale,
     _workload,
-    _zone,
     check_draft_groups,
     check_lengths,
     file_model_args,
@@ -59,6 +58,7 @@ from meshllm.yaml_fields import (
     read_text_file,
     read_yaml,
     split_hostport,
+    zone_name,
 )
 
 
@@ -147,7 +147,7 @@ def parse_node(data: dict, src: str) -> NodeConfig:
         raise ConfigError(src, "model", f"{model!r}: {why}, and fetch_weights is false (no peer may send it)")
     cfg = NodeConfig(
         source=src, id=data["id"], device=load_device(data["device"], src),
-        zone=_zone(data.get("zone", "default"), src, "zone"), listen=data["listen"], advertise=data.get("advertise"),
+        zone=zone_name(data.get("zone", "default"), src, "zone"), listen=data["listen"], advertise=data.get("advertise"),
         seeds=seeds, seed_ids=seed_ids, mdns=mdns, model=model,
         roles=_roles(data.get("roles"), src, "roles"), node_key=security.get("node_key"),
         authorized_keys=security.get("authorized_keys"), cluster_key=security.get("cluster_key"), rate_limit=_rate_limit(data.get("rate_limit"), src),

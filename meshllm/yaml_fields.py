@@ -156,3 +156,9 @@ def node_id(v: Any, src: str, fld: str) -> str:
         raise ConfigError(src, fld, f"must be 1 to 63 letters, digits, '_', '-' or '.' (from a letter or digit), "
                           f"got {v!r:.80}")
     return v
+
+
+def zone_name(v: Any, src: str, fld: str) -> str:
+    """A zone name, by the node ids' rule: it travels in every message's header and is printed in
+    logs, plans and the `--png` picture (a newline in it would forge a log line)."""
+    return node_id(v, src, fld)

@@ -238,17 +238,22 @@ def test_a_falsy_section_is_refused_and_a_null_one_is_absent(tmp_path):
             load_node(p)
 
 
-def test_zone_names_are_non_empty_strings(tmp_path):
-    """A link naming a zone {} was a TypeError (unhashable), a node's zone null became "None"."""
+def test_zone_names_are_names_like_node_ids(tmp_path):
+    """A link naming a zone {} was a TypeError (unhashable), a node's zone null became "None"; a
+    zone with a newline (it is printed in logs and travels in every message header) was taken."""
     with pytest.raises(ConfigError, match=r"links\[0\].zones: zone names are non-empty strings"):
         parse_cluster(_with(links__0__zones=[{"a": 1}, "fog"]), "c.yaml")
-    for bad in (None, "", 3, ["fog"]):
-        with pytest.raises(ConfigError, match=r"nodes\[0\].zone: must be a non-empty string"):
+    rule = "must be 1 to 63 letters, digits, '_', '-' or '.'"
+    for bad in (None, "", 3, ["fog"], "fog\nplanner: forged", "-fog", "x" * 64, "fog zone"):
+        with pytest.raises(ConfigError, match=rf"nodes\[0\].zone: {rule}"):
             parse_cluster(_with(nodes__0__zone=bad), "c.yaml")
     p = tmp_path / "n.yaml"
-    p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700", "zone": None}))
-    with pytest.raises(ConfigError, match="n.yaml: zone: must be a non-empty string"):
-        load_node(p)
+    for bad in (None, "edge\r"):
+        p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700", "zone": bad}))
+        with pytest.raises(ConfigError, match=f"n.yaml: zone: {rule}"):
+            load_node(p)
+    ok = parse_cluster(_with(nodes__0__zone="eu-west.1_b", links__0__zones=["edge", "eu-west.1_b"]), "c.yaml")
+    assert ok.nodes[0].zone == "eu-west.1_b"
 
 
 def test_nan_and_infinity_are_refused_where_a_number_is_read():
