@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from types import SimpleNamespace
 
@@ -302,6 +303,28 @@ def coordinator_a(m: Membership):
         yield c, got
     finally:
         co.plan_for = co_plan_for
+
+
+def test_a_shortfall_before_the_first_plan_is_a_warning_and_after_it_an_error(caplog) -> None:
+    """A coordinator waiting for its first peers logged "cannot plan for 1 live nodes" at ERROR."""
+    from meshllm.partition.plan import PlanInfeasible
+    from meshllm.roles import coordinator as co
+
+    def short(cfg, inp):
+        raise PlanInfeasible("all stage-capable nodes together: 3 GB short")
+
+    m = table()
+    with coordinator_a(m) as (c, got), caplog.at_level(logging.WARNING, logger=co.log.name):
+        plan_for, co.plan_for = co.plan_for, short
+        c._plan(c.live(), ("k", 1), {})
+        c.published = (1, {}, {}, {})  # a plan in force: a shortfall now is a mesh that lost nodes
+        c._plan(c.live(), ("k", 2), {})
+        co.plan_for = plan_for
+    got = [(r.levelno, r.getMessage()) for r in caplog.records if "cannot plan" in r.getMessage()]
+    assert got == [(logging.WARNING, "a: cannot plan for 1 live nodes (no plan yet: waiting for more nodes to join): "
+                    "all stage-capable nodes together: 3 GB short"),
+                   (logging.ERROR, "a: cannot plan for 1 live nodes: all stage-capable nodes together: 3 GB short")]
+    assert c.last_error == "all stage-capable nodes together: 3 GB short"
 
 
 def test_a_coordinator_s_first_plan_waits_for_every_live_peer_s_heartbeat() -> None:

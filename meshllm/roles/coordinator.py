@@ -50,7 +50,7 @@ from meshllm.mesh.protocol import MsgType, make
 from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig, plan_inputs_for_nodes
 from meshllm.partition.inputs import PlanInputs, PlanNode
-from meshllm.partition.plan import Plan, plan_cluster
+from meshllm.partition.plan import Plan, PlanInfeasible, plan_cluster
 from meshllm.partition.stable import keep_running
 
 log = logging.getLogger("meshllm.coordinator")
@@ -186,7 +186,10 @@ class Coordinator:
             # may (left un-caught, `_planning` stayed set and this coordinator never planned again)
             if isinstance(e, (InputError, ValueError)):
                 self.last_error = str(e)
-                log.error("%s: cannot plan for %d live nodes: %s", self.me.id, len(live), e)
+                # before the first plan a shortfall is most often a mesh still gathering: a warning
+                first = self.published is None and isinstance(e, PlanInfeasible)
+                log.log(logging.WARNING if first else logging.ERROR, "%s: cannot plan for %d live nodes%s: %s",
+                        self.me.id, len(live), " (no plan yet: waiting for more nodes to join)" if first else "", e)
             else:
                 self.last_error = f"the planner failed: {type(e).__name__}: {e}"
                 log.exception("%s: the planner failed for %d live nodes", self.me.id, len(live))
