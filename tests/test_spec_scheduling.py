@@ -151,6 +151,58 @@ def test_a_session_counts_its_look_ahead_blocks_that_stood_and_those_that_went_s
     assert (total.ahead, total.stale) == (2, 2)
 
 
+def test_a_sequence_goes_on_without_a_restarted_or_silent_drafter():
+    """A drafter restarted before its peers saw it dead is alive, but its new life knows nothing of
+    the sessions of the old one and answers no VERDICT: each step of those sessions waited the
+    whole fallback (~1.1 s a token) to the request's end. Now a new incarnation ends the session's
+    drafting at once, and SILENT_STEPS plain steps in a row with no block from a drafter do too."""
+    from meshllm.mesh.protocol import MsgType, make
+    from meshllm.roles.verifier import SILENT_STEPS, WAIT
+
+    lives = {"edge": 100}
+    s, quiet = seq(1, [5], 10), seq(2, [5], 10)
+    s.drafter = quiet.drafter = "edge"
+    leader = type("L", (), {"seqs": {1: s, 2: quiet}, "rid": 0, "ctx": None})()
+    verdicts = []
+    v = Verifier(leader, lambda addr, m: verdicts.append(m), lambda node: True, life=lives.get)
+    v.verdict = lambda *a: verdicts.append(a)  # (no plan context here to address a VERDICT)
+    for x in (s, quiet):
+        v.started(x)
+    assert s.drafter_life == 100 and v.take(s, 0.0) is WAIT
+    lives["edge"] = 200  # restarted: alive all along as far as the membership goes
+    assert v.take(s, 0.1) is None and s.drafter == "" and v.orphaned == 1  # plain steps from now on
+    quiet.drafter_life = 200  # (as if it came after the restart: only silence ends its drafting)
+    t = 0.0
+    for step in range(SILENT_STEPS):
+        assert v.take(quiet, t) is WAIT and quiet.drafter == "edge"
+        t += v.fallback_s(quiet)
+        assert v.take(quiet, t) is None and quiet.drafter == "edge" and v.fallbacks == step + 1
+        if step == 0:  # a block (even a stale one) says the drafter is there: the count starts again
+            v.on_draft(make(MsgType.DRAFT, tenant="edge", seq=2, block=0, start=quiet.context - 1, after=5,
+                            hash=quiet.hash, tokens=[7], plan_version=0), ARGS.vocab_size)
+            assert quiet.silent_steps == 0
+    assert quiet.silent_steps == SILENT_STEPS - 1
+    assert v.take(quiet, t) is WAIT
+    t += v.fallback_s(quiet)
+    assert v.take(quiet, t) is None and quiet.silent_steps == SILENT_STEPS
+    assert v.take(quiet, t) is None and quiet.drafter == "" and v.orphaned == 2
+
+
+def test_a_node_knows_its_peers_lives_from_its_membership_table():
+    from types import SimpleNamespace
+
+    from meshllm.mesh.membership import PeerState
+    from meshllm.roles.host import RoleHost
+
+    h = RoleHost.__new__(RoleHost)
+    h.me, h.members = "fog", None
+    assert h.life("edge") is None
+    peers = {"edge": SimpleNamespace(info=SimpleNamespace(incarnation=7), state=PeerState.ALIVE)}
+    h.members = SimpleNamespace(get=peers.get)
+    assert (h.life("edge"), h.life("fog"), h.life("gone"), h.life("")) == (7, None, None, None)
+    assert h.alive("edge") and not h.alive("gone")
+
+
 def test_a_forked_kv_slot_holds_a_copy_of_the_prefix_and_is_its_own():
     cache = Transformer(ARGS).new_cache()
     cache.allocate(0, 8)

@@ -70,6 +70,8 @@ class Seq:
     prefill_s: float = 0.0  # prompt in -> first token out (prefill replicas), for the handoff figures
     prefilled_at: float | None = None  # decode replicas: when the prefill replica had the first token
     drafter: str = ""  # node drafting for it ("" without speculation)
+    drafter_life: int | None = None  # that node's incarnation when the sequence came here (Verifier.started)
+    silent_steps: int = 0  # plain steps taken since its drafter's last block (Verifier.take)
     hash: int = 0  # hash of `out` (engine/speculative.py): which drafts were drafted after it
     spec: AcceptanceStats = field(default_factory=AcceptanceStats)
     spec_sent: int = 0  # spec.blocks when its figures last went to the gateway (Outbox.tokens)

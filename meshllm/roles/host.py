@@ -212,7 +212,7 @@ class RoleHost:
             self.acks = KvAcks(self.leader)
             if replica.role in DECODE_TARGETS:
                 self.leader.verifier = Verifier(self.leader, self.send, self.alive, self.cfg.time_scale,
-                                                self.cfg.speculation.max_verify_batch)
+                                                self.cfg.speculation.max_verify_batch, self.life)
                 self._listen_drafts(replica.id)
             if replica.role == Role.DECODE:
                 from meshllm.roles.decode import CAPACITY_TOPIC, Balancer
@@ -266,6 +266,13 @@ class RoleHost:
         self._draft_topic = None if rid is None else topic(draft_topic(rid))
         if self._draft_topic is not None:
             self.t.subscribe_topic(self._draft_topic)
+
+    def life(self, node: str) -> int | None:
+        """`node`'s incarnation as this node knows it (None: unknown, or this node itself)."""
+        if not node or node == self.me or self.members is None:
+            return None
+        p = self.members.get(node)
+        return None if p is None else p.info.incarnation
 
     def alive(self, node: str) -> bool:
         if not node:

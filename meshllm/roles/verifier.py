@@ -12,9 +12,11 @@ duplicates (a resent block) are harmless for the same reason. A drafter's proact
 (roles/branches.py) are blocks like any other, drafted after a prefix a verdict may commit; the
 ones that lose are dropped the same way but not counted as stale look-ahead.
 
-Fallback: a sequence whose drafter is gone (dead or left) is decoded autoregressively at once; one
-whose drafter is alive but late waits at most `fallback_s` per step, then takes a plain step (the
-drafter resynchronises from the VERDICT of that step). Tenants are isolated: one tenant's blocks,
+Fallback: a sequence whose drafter is gone (dead or left, or restarted: a new incarnation knows
+nothing of its former life's sessions) is decoded autoregressively at once; one whose drafter is
+alive but late waits at most `fallback_s` per step, then takes a plain step (the drafter
+resynchronises from the VERDICT of that step); after SILENT_STEPS such steps in a row with no
+block from the drafter, the sequence goes on without it. Tenants are isolated: one tenant's blocks,
 rejections or silence never touch another's sequence.
 
 Capacity: the leader publishes CAPACITY (free batch slots, queue, recent verification time) on
@@ -36,6 +38,7 @@ from meshllm.mesh.protocol import Message, MsgType, make
 log = logging.getLogger("meshllm.verifier")
 
 FALLBACK_MIN_S = 1.0  # x time_scale: the least a ready sequence waits for its drafter's block
+SILENT_STEPS = 3  # plain steps in a row with no block from the drafter: it drafts for the sequence no more
 FALLBACK_INTERVALS = 4.0  # ... or this many of its recent block intervals, whichever is longer
 MAX_PENDING = 16  # blocks kept per tenant, branches included (newest win): a runaway drafter cannot fill the memory
 WAIT = object()  # take(): no block yet, keep waiting
@@ -54,8 +57,8 @@ class Block:
 
 class Verifier:
     def __init__(self, leader, send: Callable[[str, Message], None], alive: Callable[[str], bool],
-                 time_scale: float = 1.0, max_batch: int = 0):
-        self.leader, self._send, self.alive = leader, send, alive
+                 time_scale: float = 1.0, max_batch: int = 0, life: Callable[[str], int | None] = lambda node: None):
+        self.leader, self._send, self.alive, self.life = leader, send, alive, life
         self.max_batch = max_batch  # blocks per forward (0: no limit; 1: one at a time, the baseline)
         self.fallback_min_s = FALLBACK_MIN_S * time_scale
         self.pending: dict[int, dict[int, Block]] = {}
@@ -70,6 +73,7 @@ class Verifier:
         s = self.leader.seqs.get(seq)
         if s is None or s.drafter != msg["tenant"]:
             return  # not (or no longer) ours: stale, finished, or another tenant's id
+        s.silent_steps = 0
         tokens = check_int_list(msg["tokens"], "draft tokens", 0, vocab - 1, 64)
         branch = msg.fields.get("branch") is True
         if not tokens or msg["start"] < s.context:
@@ -110,9 +114,9 @@ class Verifier:
                 del blocks[no]
                 s.waiting_since = None
                 return b
-        if not self.alive(s.drafter):  # dead or gone: the session goes on autoregressively
-            log.warning("replica %d: seq %d lost its drafter %s; decoding it without drafts", self.leader.rid,
-                        s.id, s.drafter)
+        if (why := self._lost(s)) is not None:  # the session goes on autoregressively
+            log.warning("replica %d: seq %d lost its drafter %s (%s); decoding it without drafts", self.leader.rid,
+                        s.id, s.drafter, why)
             s.drafter = ""
             self.orphaned += 1
             self.pending.pop(s.id, None)
@@ -122,7 +126,21 @@ class Verifier:
         if now - s.waiting_since < self.fallback_s(s):
             return WAIT
         self.fallbacks += 1
+        s.silent_steps += 1
         s.waiting_since = None
+        return None
+
+    def _lost(self, s) -> str | None:
+        """Why `s`'s drafter drafts for it no more (None: it may). A drafter restarted before its
+        peers saw it dead is alive but knows nothing of the sessions of its former life, so it
+        answers no VERDICT: every step of those sessions waited `fallback_s` to the end of the
+        request (~1.1 s a token). The same silence for any other reason ends after SILENT_STEPS."""
+        if not self.alive(s.drafter):
+            return "dead or gone"
+        if s.drafter_life is not None and self.life(s.drafter) not in (None, s.drafter_life):
+            return "restarted"
+        if s.silent_steps >= SILENT_STEPS:
+            return f"no block in its last {s.silent_steps} plain steps"
         return None
 
     def fallback_s(self, s) -> float:
@@ -154,7 +172,7 @@ class Verifier:
             self.verdict(s, block.no, tokens, finished)
 
     def verdict(self, s, block: int, tokens: list[int], finished: bool) -> None:
-        if not s.drafter or not self.alive(s.drafter):
+        if not s.drafter or self._lost(s) is not None:
             return
         accepted = max(0, len(tokens) - 1) if block >= 0 else 0
         m = make(MsgType.VERDICT, tenant=s.drafter, seq=s.id, block=block, accepted=accepted, tokens=tokens,
@@ -168,7 +186,9 @@ class Verifier:
             self.pending.pop(s.id, None)
 
     def started(self, s) -> None:
-        """A speculative sequence arrived here: give its drafter the whole committed output."""
+        """A speculative sequence arrived here: note its drafter's life, and give the drafter the
+        whole committed output."""
+        s.drafter_life = self.life(s.drafter) if s.drafter else None
         self.verdict(s, -1, list(s.out), False)
 
     def forget(self, seq: int) -> None:
