@@ -269,14 +269,15 @@ def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> 
 
 
 def fill_unused(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.0) -> list[int]:
-    """Every device that adds capacity is used: single devices join (`fill_singles`), then the
-    devices still left out form new replicas together where that adds capacity (`form_replicas`:
-    devices that cannot hold the model alone, and add nothing to the replicas there are, may
-    together be a replica), then single devices again."""
-    genes = usable(ev, genes)
-    genes = fill_singles(ev, genes, rate, floor)
-    formed = form_replicas(ev, genes, rate, floor)
-    return genes if formed == genes else fill_singles(ev, formed, rate, floor)
+    """Every device that adds capacity is used: single devices join (`fill_singles`, which may also
+    complete a replica too small to be formed), then the devices still left out, and those of
+    replicas still not formed (`usable`), form new replicas together where that adds capacity
+    (`form_replicas`: devices that cannot hold the model alone, and add nothing to the replicas
+    there are, may together be a replica), then single devices again. Each step only adds
+    capacity, so the result serves at least what single moves alone reach."""
+    first = fill_singles(ev, genes, rate, floor)
+    formed = form_replicas(ev, usable(ev, first), rate, floor)
+    return first if formed == first else fill_singles(ev, formed, rate, floor)
 
 
 def usable(ev: Evaluator, genes: Sequence[int]) -> list[int]:
@@ -294,13 +295,16 @@ def _cost(ev: Evaluator, genes: Sequence[int], rate: float, floor: float) -> flo
 def idle_packs(ev: Evaluator, genes: Sequence[int]) -> list[list[int]]:
     """New replicas worth trying from the devices outside the replicas: per zone, and over all zones
     (the last), the idle devices in order of compute or of memory, greedily packed to PACK_SLACK x
-    the model's memory (`pack`, its first replica); each a list of member indices, no two equal."""
+    the model's memory (`pack`, its first replica); each a list of member indices, no two equal.
+    Where nodes' `roles:` allow one phase only, a pack holds the prefill-only or the decode-only
+    ones, never both (such a replica cannot be formed)."""
     idle = [i for i, g in enumerate(genes) if g == NONE]
     zones = sorted({ev.members[i].zone for i in idle})
     keys = (lambda i: (-ev.members[i].device.compute_tflops, i), lambda i: (-ev.members[i].device.memory_gb, i))
+    phases = sorted({ev.forced[i] for i in idle} - {None}) or [None]
     out: dict[tuple[int, ...], None] = {}
-    for zone in [*zones, None] if len(zones) > 1 else zones:
-        pool = [i for i in idle if zone is None or ev.members[i].zone == zone]
+    for zone, phase in itertools.product([*zones, None] if len(zones) > 1 else zones, phases):
+        pool = [i for i in idle if (zone is None or ev.members[i].zone == zone) and ev.forced[i] in (None, phase)]
         for key in keys:
             order = sorted(pool, key=key)
             for slack in PACK_SLACK:

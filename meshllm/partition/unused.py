@@ -17,7 +17,7 @@ from meshllm.defaults import Role
 from meshllm.partition.capacity import role_rates
 from meshllm.partition.cost import DRAFT_DTYPE, model_costs
 from meshllm.partition.dp import memory_cap_layers, shortfall_reason
-from meshllm.partition.genetic import idle_packs
+from meshllm.partition.genetic import PACK_SLACK, idle_packs
 from meshllm.partition.grouping import MIN_REPLICA_SHARE, NONE, Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
@@ -52,25 +52,39 @@ def best_move(ev: Evaluator, genes: list[int], i: int) -> tuple[float, list[int]
     return best
 
 
-def with_others(ev: Evaluator, genes: list[int], i: int, packs: list[list[int]]) -> str:
-    """What member i would add in a new replica with other devices left out (`idle_packs`, as
-    `form_replicas` tries them): the best such replica's capacity, or that they cannot form one."""
+def with_others(ev: Evaluator, genes: list[int], i: int, packs: list[list[int]], rate: float | None) -> str:
+    """What member i would do in a new replica with other devices left out (`idle_packs`, as
+    `form_replicas` tries them, the best of those holding it): what the plan would serve with it,
+    and why it is not formed (it adds nothing, raises the predicted cost at `rate`, cannot hold
+    the model, or is negligible); or that the devices left out are too few to pack one."""
     if not packs:
         idle = [j for j, g in enumerate(genes) if g == NONE]
         gb = sum(ev.members[j].device.memory_gb for j in idle)
-        return f"; the {len(idle)} devices left out have {gb:.2f} GB together, too little for another replica"
+        return (f"; no new replica can be packed from the {len(idle)} devices left out ({gb:.2f} GB together; one is "
+                f"packed to {PACK_SLACK[0]:g} x the model's need, of nodes whose roles allow one phase)")
     fresh = max(genes, default=NONE) + 1
     best = None
     for group in (g for g in packs if i in g):
-        trial = list(genes)
-        for j in group:
-            trial[j] = fresh
-        cap = ev.fitness(trial)
-        if best is None or cap > best[0]:
-            best = (cap, len(group))
+        trial = [fresh if j in group else x for j, x in enumerate(genes)]
+        got = ev.decode(trial)
+        formed = ev.replica(group)[0] in got.groups
+        if best is None or (formed, got.fitness) > best[:2]:
+            best = (formed, got.fitness, group, trial)
     if best is None:
         return ""
-    return f"; in a new replica of {best[1]} devices left out: {best[0]:.3f} req/s"
+    formed, cap, group, trial = best
+    cap0, new = ev.fitness(genes), f"a new replica of it with {len(group) - 1} other devices left out"
+    if not formed:
+        why = ev.replica(group)[1].reason or f"it would serve under {100 * MIN_REPLICA_SHARE:g} % of what the replicas serve"
+        return f"; {new} would not be formed: {why}"
+    if cap <= cap0 * (1 + 1e-6):
+        return f"; {new} would leave the plan at {cap:.3f} req/s, {cap0:.3f} without it"
+    out = f"; {new} adds capacity ({cap:.3f} vs {cap0:.3f} req/s)"
+    if rate:
+        before, after = (ev.latency(ev.rated(x, rate, 0.0)[1], rate).cost(WAIT_WEIGHT) for x in (genes, trial))
+        out += (f" but at {rate:.3f} req/s the predicted cost (e2e + {WAIT_WEIGHT:g} x wait) rises from {before:.3f} s "
+                f"to {after:.3f} s" if after > before else " and the chosen grouping (the judge's pick) leaves it out")
+    return out
 
 
 def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int,
@@ -82,7 +96,8 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int,
     alone = ev.replica([i])[1]
     alone_note = f"; alone: {shortfall_reason(ev.mc, [m], ev.mix.prefill_wp())}" if alone.reason else ""
     if alone.reason:
-        alone_note += with_others(ev, genes, i, idle_packs(ev, genes) if packs is None else packs)
+        alone_note += with_others(ev, genes, i, idle_packs(ev, genes) if packs is None else packs,
+                                  None if grouping.prediction is None else grouping.prediction.rate_per_s)
     base = ev.decode(genes)  # the grouping as the search rates it, like every move below
     cap0 = base.fitness
     move = best_move(ev, genes, i)
