@@ -5,8 +5,9 @@ hold one layer beside the KV budget, or because no replica gains from it: every 
 that puts it to work (joining one of the replicas, or alone as a new one) is tried, and the
 reason quotes the best one's capacity against the plan's (or its cost at the planned rate,
 when it adds capacity but the users would wait longer); a device that cannot hold the model
-alone also gets what the best new replica of it with other devices left out would serve (the
-replicas `form_replicas` tries), or that those devices have too little memory for one. Both sides are the search's analytic
+alone also gets what the best new replica of it with other devices left out would do and why
+it is not formed (the replicas `form_replicas` tries), or that no such replica can be packed.
+Both sides are the search's analytic
 rating (`Evaluator.decode`: the DP's splits, the GA's roles for capacity; for the cost, the roles
 that wait least at the rate, `Evaluator.rated`), also where the simulated judge
 re-rated the plan after turning roles or re-splitting a pipeline (sim/turns.py, steps 6-7)."""

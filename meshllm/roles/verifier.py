@@ -38,8 +38,8 @@ from meshllm.mesh.protocol import Message, MsgType, make
 log = logging.getLogger("meshllm.verifier")
 
 FALLBACK_MIN_S = 1.0  # x time_scale: the least a ready sequence waits for its drafter's block
-SILENT_STEPS = 3  # plain steps in a row with no block from the drafter: it drafts for the sequence no more
 FALLBACK_INTERVALS = 4.0  # ... or this many of its recent block intervals, whichever is longer
+SILENT_STEPS = 3  # plain steps in a row with no block from the drafter: it drafts for the sequence no more
 MAX_PENDING = 16  # blocks kept per tenant, branches included (newest win): a runaway drafter cannot fill the memory
 WAIT = object()  # take(): no block yet, keep waiting
 
@@ -73,8 +73,8 @@ class Verifier:
         s = self.leader.seqs.get(seq)
         if s is None or s.drafter != msg["tenant"]:
             return  # not (or no longer) ours: stale, finished, or another tenant's id
-        s.silent_steps = 0
         tokens = check_int_list(msg["tokens"], "draft tokens", 0, vocab - 1, 64)
+        s.silent_steps = 0  # (a well-formed block, even a stale one: the drafter is there)
         branch = msg.fields.get("branch") is True
         if not tokens or msg["start"] < s.context:
             self._stale(s, branch)
