@@ -287,7 +287,7 @@ def usable(ev: Evaluator, genes: Sequence[int]) -> list[int]:
     return [g if i in used else NONE for i, g in enumerate(genes)]
 
 
-def _cost(ev: Evaluator, genes: Sequence[int], rate: float, floor: float) -> float:
+def predicted_cost(ev: Evaluator, genes: Sequence[int], rate: float, floor: float = 0.0) -> float:
     """The predicted cost at `rate`, under the roles the latency phase rates best (`Evaluator.rated`)."""
     return ev.latency(ev.rated(genes, rate, floor)[1], rate).cost(WAIT_WEIGHT)
 
@@ -320,7 +320,7 @@ def form_replicas(ev: Evaluator, genes: list[int], rate: float, floor: float = 0
     by more than FILL_COST_SLACK; until none adds capacity."""
     genes = list(genes)
     while True:
-        cap0, cost0 = ev.fitness(genes), _cost(ev, genes, rate, floor)
+        cap0, cost0 = ev.fitness(genes), predicted_cost(ev, genes, rate, floor)
         fresh = max(genes, default=NONE) + 1
         trials = []
         for group in idle_packs(ev, genes):
@@ -331,7 +331,7 @@ def form_replicas(ev: Evaluator, genes: list[int], rate: float, floor: float = 0
         for cap, trial in sorted(trials, key=lambda t: -t[0]):
             if cap <= cap0 * (1 + 1e-6):
                 return genes
-            if _cost(ev, trial, rate, floor) <= cost0 * (1 + FILL_COST_SLACK):
+            if predicted_cost(ev, trial, rate, floor) <= cost0 * (1 + FILL_COST_SLACK):
                 genes = trial
                 break
         else:
@@ -348,7 +348,7 @@ def fill_singles(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.
         if genes[i] != NONE:
             continue
         g0 = ev.decode(genes)
-        cost0 = _cost(ev, genes, rate, floor)
+        cost0 = predicted_cost(ev, genes, rate, floor)
         labels = sorted(set(genes) - {NONE})
         fresh = next(x for x in range(len(genes) + 1) if x not in labels)
         moves = sorted(((ev.fitness(genes[:i] + [g] + genes[i + 1:]), g) for g in labels + [fresh]), reverse=True)
@@ -356,7 +356,7 @@ def fill_singles(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.
             if cap <= g0.fitness * (1 + 1e-6):
                 break
             trial = genes[:i] + [g] + genes[i + 1:]
-            if _cost(ev, trial, rate, floor) <= cost0 * (1 + FILL_COST_SLACK):
+            if predicted_cost(ev, trial, rate, floor) <= cost0 * (1 + FILL_COST_SLACK):
                 genes = trial
                 break
     return genes

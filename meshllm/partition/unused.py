@@ -18,7 +18,7 @@ from meshllm.defaults import Role
 from meshllm.partition.capacity import role_rates
 from meshllm.partition.cost import DRAFT_DTYPE, model_costs
 from meshllm.partition.dp import memory_cap_layers, shortfall_reason
-from meshllm.partition.genetic import PACK_SLACK, idle_packs
+from meshllm.partition.genetic import PACK_SLACK, idle_packs, predicted_cost
 from meshllm.partition.grouping import MIN_REPLICA_SHARE, NONE, Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import WAIT_WEIGHT
@@ -82,7 +82,7 @@ def with_others(ev: Evaluator, genes: list[int], i: int, packs: list[list[int]],
         return f"; {new} would leave the plan at {cap:.3f} req/s, {cap0:.3f} without it"
     out = f"; {new} adds capacity ({cap:.3f} vs {cap0:.3f} req/s)"
     if rate:
-        before, after = (ev.latency(ev.rated(x, rate, 0.0)[1], rate).cost(WAIT_WEIGHT) for x in (genes, trial))
+        before, after = (predicted_cost(ev, x, rate) for x in (genes, trial))
         out += (f" but at {rate:.3f} req/s the predicted cost (e2e + {WAIT_WEIGHT:g} x wait) rises from {before:.3f} s "
                 f"to {after:.3f} s" if after > before else " and the chosen grouping (the judge's pick) leaves it out")
     return out
@@ -119,8 +119,7 @@ def member_reason(ev: Evaluator, grouping: Grouping, genes: list[int], i: int,
     if pred is None:
         return f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but was not chosen"
     # each grouping under its roles that wait least at the rate (`Evaluator.rated`), as fill_unused rates them
-    before, after = (ev.latency(ev.rated(x, pred.rate_per_s, 0.0)[1], pred.rate_per_s).cost(WAIT_WEIGHT)
-                     for x in (genes, trial))
+    before, after = (predicted_cost(ev, x, pred.rate_per_s) for x in (genes, trial))
     cost = f"at {pred.rate_per_s:.3f} req/s the predicted cost (e2e + {WAIT_WEIGHT:g} x wait)"
     if after > before:
         return f"adds capacity ({where}: {cap:.3f} vs {cap0:.3f} req/s) but {cost} rises from {before:.3f} s to {after:.3f} s"

@@ -48,7 +48,7 @@ from meshllm.partition.dp import Split
 from meshllm.partition.inputs import PlanInputs
 from meshllm.partition.latency import ROUTE_WAIT_WEIGHT
 from meshllm.partition.plan import PlanInfeasible
-from meshllm.partition.plan import rounded as plan_rounded
+from meshllm.partition.plan import rounded as plan_rounded  # (sweep has its own `rounded`)
 from meshllm.partition.replica import decode_fit, mixed_fit, prefill_fit
 from meshllm.sim import pool
 from meshllm.sim.baselines import BASELINES, Policy, random_policy
