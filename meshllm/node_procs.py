@@ -67,11 +67,10 @@ def die_with_emulator(server: int) -> None:
             os._exit(1)
 
 
-def run_node(name: str, argv: list[str], log_path: str, cwd: str, env: dict[str, str], cpu: int | None,
-             append: bool = False) -> None:
+def run_node(name: str, argv: list[str], log_path: str, cwd: str, env: dict[str, str], cpu: int | None) -> None:
     """A node process (made by the fork server): its own process group, dies with the emulator,
     pinned to `cpu` if given (before any thread starts, so every thread of the node inherits it),
-    named after the node, stdout and stderr to its log (`append`: after what is there); then
+    named after the node, stdout and stderr appended to its log (which start_node made); then
     `launch.py ARGV`."""
     server = os.getppid()
     os.setsid()
@@ -90,7 +89,7 @@ def run_node(name: str, argv: list[str], log_path: str, cwd: str, env: dict[str,
         ctypes.CDLL(None).prctl(15, name.encode()[:15])  # PR_SET_NAME: `ps` and `top` show the node's id
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # start_node made (or emptied) it
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -140,8 +139,11 @@ class NodeProcess:
 def start_node(name: str, argv: list[str], log_path: Path, cwd: Path, env: dict[str, str],
                cpu: int | None, append: bool = False) -> NodeProcess:
     """A node process running `launch.py ARGV`, named `name` (call it with signals_held, so that an
-    interrupt cannot come between the start and the caller listing it)."""
+    interrupt cannot come between the start and the caller listing it). Its log exists when this
+    returns (emptied unless `append`), even if the node is stopped before it runs a line."""
+    with open(log_path, "a" if append else "w"):
+        pass
     proc = fork_server().Process(target=run_node, name=f"meshllm node {name}",
-                                 args=(name, argv, str(log_path), str(cwd), env, cpu, append))
+                                 args=(name, argv, str(log_path), str(cwd), env, cpu))
     proc.start()
     return NodeProcess(proc)

@@ -454,6 +454,26 @@ def test_a_node_forked_as_the_emulator_dies_does_not_outlive_it() -> None:
         assert proc.exitcode == code, wrong
 
 
+def test_a_node_stopped_before_it_runs_a_line_still_has_its_log(tmp_path: Path) -> None:
+    """The log was made by the node process itself: a run stopped right after a node's start (an
+    error, a Ctrl-C) could kill that process before it got there, and the run directory it keeps
+    for a look had no log for that node. start_node makes it; a restart appends to it."""
+    from meshllm.node_procs import NodeProcess, signals_held, start_node
+
+    log_path = tmp_path / "n0.log"
+    for append in (False, True):
+        with signals_held():
+            proc = start_node("n0", ["--help"], log_path, tmp_path, dict(os.environ), None, append=append)
+        assert log_path.is_file()
+        os.kill(proc.pid, signal.SIGKILL)
+        assert isinstance(proc, NodeProcess) and proc.wait(timeout=30) != 0
+        log_path.write_text("earlier life\n")
+    with signals_held():
+        proc = start_node("n0", ["--help"], log_path, tmp_path, dict(os.environ), None, append=True)
+    proc.wait(timeout=60)
+    assert log_path.read_text().startswith("earlier life\n")
+
+
 def test_a_node_still_stopped_when_the_workload_ends_is_continued():
     """`--pause NODE@S1-S2` whose end comes after the workload's: the injector continues the
     node (SIGCONT) when it stops, or teardown would wait on a stopped process group. A real
