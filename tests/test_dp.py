@@ -140,6 +140,18 @@ def test_infeasible_reason_names_device_and_shortfall():
     assert "pi-1" in got.reason and "short" in got.reason and "GB" in got.reason
 
 
+def test_a_reason_names_a_few_devices_and_counts_the_rest():
+    """A pack of 46 left-out devices made its reason a line of 46 ids."""
+    mc = model_costs(ModelArgs(dim=256, n_layers=64, n_heads=4, n_kv_heads=4, vocab_size=100, hidden_dim=512))
+    tiny = DeviceProfile("tiny", mc.weight_bytes / 100e9, 1, 1, 1)
+    members = [Member(f"pi-{i}", tiny, "z") for i in range(46)]
+    got = split_replica(mc, members, Net({}), Workpoint("prefill", 10, 10, 0))
+    assert isinstance(got, Infeasible) and "short" in got.reason
+    assert "pi-0, pi-1, pi-2, pi-3, pi-4, pi-5 and 40 more have" in got.reason and "pi-6" not in got.reason
+    two = split_replica(mc, members[:2], Net({}), Workpoint("prefill", 10, 10, 0))
+    assert "devices pi-0, pi-1 have" in two.reason
+
+
 def test_a_member_pickled_in_one_process_gets_its_kind_in_the_other(monkeypatch):
     """`Member.kind` numbers interchangeable devices per process: a member unpickled elsewhere
     (a process pool's result) must not carry its old number, which names another device there."""

@@ -292,6 +292,15 @@ def split_replica(mc: ModelCosts, members: Sequence[Member], net: Net, wp: Workp
     return Splitter(mc, net, wp).split(members, exact_max)
 
 
+SHOWN_IDS = 6  # a reason names this many devices, then counts the rest (a 46-device pack made a line of ids)
+
+
+def named(members: Sequence[Member]) -> str:
+    """The members' ids for a reason: the first SHOWN_IDS, then how many more."""
+    ids = ", ".join(m.id for m in members[:SHOWN_IDS])
+    return ids + (f" and {len(members) - SHOWN_IDS} more" if len(members) > SHOWN_IDS else "")
+
+
 def memory_shortfall(mc: ModelCosts, members: Sequence[Member], wp: Workpoint) -> str | None:
     """How much memory `members` lack, all together, for the weights and the KV of `wp`; None if
     they have enough."""
@@ -299,7 +308,7 @@ def memory_shortfall(mc: ModelCosts, members: Sequence[Member], wp: Workpoint) -
     have = sum(m.device.memory_bytes for m in members)
     if have >= need:
         return None
-    return (f"devices {', '.join(m.id for m in members)} have {have / GB:.2f} GB, the model needs {need / GB:.2f} GB "
+    return (f"devices {named(members)} have {have / GB:.2f} GB, the model needs {need / GB:.2f} GB "
             f"(weights + KV for {wp.kv_tokens:.0f} tokens): {(need - have) / GB:.2f} GB short")
 
 
@@ -310,10 +319,9 @@ def shortfall_reason(mc: ModelCosts, members: Sequence[Member], wp: Workpoint) -
     short = memory_shortfall(mc, members, wp)
     if short is not None:
         return short
-    ids = ", ".join(m.id for m in members)
     tight = [m for m in members if memory_cap_layers(mc, m.device, False, False, wp.kv_tokens) < 1]
     if tight:
         m = tight[0]
         short = mc.layer_bytes + wp.kv_tokens * mc.kv_bytes_per_token - m.device.memory_bytes
         return f"device {m.id} ({m.device.name}) cannot hold one layer: {short / 1e6:.0f} MB short"
-    return f"devices {ids}: no order fits the embedding/head and layers (memory too fragmented)"
+    return f"devices {named(members)}: no order fits the embedding/head and layers (memory too fragmented)"
