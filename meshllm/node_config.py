@@ -207,7 +207,9 @@ def _gateway(data: dict, src: str) -> dict[str, Any]:
     split_hostport(v["listen"], src, "gateway.listen", 65535)
     path, token = v.get("api_token"), None
     if path is not None:
-        token = read_text_file(str(path), src, "gateway.api_token", "a token file").strip()
+        if not isinstance(path, str):
+            raise ConfigError(src, "gateway.api_token", f"must be the path of a token file, got {path!r:.80}")
+        token = read_text_file(path, src, "gateway.api_token", "a token file", secret=True).strip()
         if len(token) < 16 or any(c.isspace() for c in token):
             raise ConfigError(src, "gateway.api_token", f"{path}: the token must be one word of at least 16 "
                                                         "characters")

@@ -19,11 +19,15 @@ from meshllm.mesh.fields import NODE_PORT_MAX
 MAX_YAML_BYTES = 16 << 20  # any configuration or key file: a cluster of thousands of nodes is well under 1 MiB
 
 
-def read_text_file(path: str | Path, src: str, fld: str, what: str = "a YAML file") -> str:
+def read_text_file(path: str | Path, src: str, fld: str, what: str = "a YAML file", secret: bool = False) -> str:
     """An operator's small text file (a cluster or node file, a key file); ConfigError(src, fld, ...) for a
-    missing path, a folder, a device or pipe (/dev/zero would be read for ever), one too large, not UTF-8."""
+    missing path, a folder, a device or pipe (/dev/zero would be read for ever), one too large, not UTF-8;
+    and with `secret` (a secret key, an API token), one that its group or others may read, as ssh
+    refuses a private key file that others can read."""
     p = Path(path)
     name = "" if src == str(path) else f"{str(path)!r}: "
+    if not str(path):
+        raise ConfigError(src, fld, f"must be the path of {what}, got ''")
     if not p.exists():
         raise ConfigError(src, fld, f"{name}no such file")
     if not p.is_file():
@@ -31,11 +35,15 @@ def read_text_file(path: str | Path, src: str, fld: str, what: str = "a YAML fil
     try:
         if (size := p.stat().st_size) > MAX_YAML_BYTES:
             raise ConfigError(src, fld, f"{name}{size} bytes: too large for {what} (at most {MAX_YAML_BYTES >> 20} MiB)")
-        return p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError(src, fld, f"{name}not a text file (UTF-8): is it the right path?") from None
     except OSError as e:
         raise ConfigError(src, fld, f"{name}cannot be read: {e.strerror or e}") from None
+    if secret and (mode := p.stat().st_mode) & 0o077:
+        raise ConfigError(src, fld, f"{name}{what} that others may read (mode {mode & 0o777:04o}): make it "
+                                    f"private to its owner: chmod 600 {path}")
+    return text
 
 
 @functools.cache

@@ -44,7 +44,7 @@ import zmq
 from zmq.utils import z85
 
 from meshllm.errors import ConfigError, InputError
-from meshllm.yaml_fields import read_text_file
+from meshllm.yaml_fields import NODE_ID, read_text_file
 
 log = logging.getLogger("meshllm.mesh.keys")
 
@@ -88,7 +88,7 @@ def generate_key(path: str | Path) -> str:
 
 def read_secret_key(path: str, src: str, fld: str) -> bytes:
     """The z85 secret key in a key file written by `generate_key`; ConfigError otherwise."""
-    lines = read_text_file(path, src, fld, "a key file").splitlines()
+    lines = read_text_file(path, src, fld, "a secret key file", secret=True).splitlines()
     keys = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     key = _z85_key(keys[0]) if len(keys) == 1 else None
     if key is None:
@@ -109,6 +109,9 @@ def read_authorized_keys(path: str, src: str, fld: str) -> dict[str, bytes]:
         key = _z85_key(parts[1]) if len(parts) == 2 else None
         if key is None:
             raise ConfigError(src, fld, f"{path}, line {i}: expected `NODE_ID Z85_PUBLIC_KEY`, got {line.strip()!r:.80}")
+        if not NODE_ID.fullmatch(parts[0]):  # a '*' here was taken for a cluster key: its holder posed as any node
+            raise ConfigError(src, fld, f"{path}, line {i}: {parts[0]!r:.80} is not a node id (1 to 63 letters, "
+                                        "digits, '_', '-' or '.', from a letter or digit)")
         if parts[0] in out:
             raise ConfigError(src, fld, f"{path}, line {i}: node id {parts[0]!r} is listed twice")
         if key in owner:
