@@ -450,6 +450,25 @@ def test_the_http_api_requires_its_bearer_token() -> None:
         assert _get(url + "/health", None)[0] == 503  # open to probes (503: nothing loaded here)
     finally:
         api.close()
+    # why the mesh cannot serve names its model, nodes and roles: only a client with the token sees it
+    gw = _Gateway()
+    gw.unservable = lambda: "the live mesh of 1 nodes: cannot serve model.gguf: no node may decode"
+    api = ApiServer(gw, listen, token)
+    api.start()
+    try:
+        for shown, want in ((None, "send the API token to see why"), ("wrong-token-0123456789", "to see why"),
+                            (token, "no node may decode")):
+            code, body = _get(f"http://{listen}/health", shown)
+            assert code == 503 and want in body["error"] and body["status"] == "unavailable", (shown, body)
+            assert shown == token or "model.gguf" not in json.dumps(body), body
+    finally:
+        api.close()
+    api = ApiServer(gw, listen, None)  # no token wanted: everyone sees why
+    api.start()
+    try:
+        assert "no node may decode" in _get(f"http://{listen}/health", None)[1]["error"]
+    finally:
+        api.close()
 
 
 def test_idle_and_trickling_api_connections_are_closed() -> None:

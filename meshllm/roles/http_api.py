@@ -23,7 +23,8 @@ that disconnects mid-stream has its sequence released on every node that holds i
 With an API token (`gateway: {api_token: FILE}` in the node file) every path but /health
 needs `Authorization: Bearer <token>` (compared in constant time); anything else is a 401
 with an OpenAI-style error (code "invalid_api_key"). /health stays open for load balancers
-and readiness probes: it tells only whether the plan's replicas are loaded.
+and readiness probes: it tells only whether the plan's replicas are loaded (why the mesh cannot
+serve, which names the model, nodes and roles, only with the token).
 """
 
 from __future__ import annotations
@@ -274,15 +275,19 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+TOKEN_SHOWN = web.RequestKey("token_shown", bool)  # set by bearer_check where a token is wanted
+
+
 def bearer_check(token: str | None):
     """aiohttp middleware: a 401 for any request but /health without `Authorization: Bearer <token>`."""
     want = f"Bearer {token}".encode() if token else b""
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if want and request.path != "/health":
+        if want:
             got = request.headers.get("Authorization", "").encode("utf-8", "replace")
-            if not hmac.compare_digest(got, want):
+            request[TOKEN_SHOWN] = hmac.compare_digest(got, want)
+            if not request[TOKEN_SHOWN] and request.path != "/health":
                 resp = ApiError(401, "missing or wrong API token: send 'Authorization: Bearer <token>'", None,
                                 "invalid_api_key").response()
                 resp.headers["WWW-Authenticate"] = "Bearer"
@@ -345,6 +350,8 @@ def build_app(gw: Gateway, token: str | None = None, idle_s: float = HTTP_IDLE_S
                 "plan_version": ctx.version if ctx else 0,
                 "replicas_ready": len(gw.ready_replicas()), "replicas": len(ctx.plan.replicas) if ctx else 0,
                 "in_flight": gw.in_flight(), **({"error": why} if why else {})}
+        if why and not request.get(TOKEN_SHOWN, True):  # why names the model, nodes and roles: not for anyone
+            body["error"] = "the mesh cannot serve now (send the API token to see why)"
         return web.json_response(body, status=200 if ready else 503)
 
     async def metrics(request: web.Request) -> web.Response:
