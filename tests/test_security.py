@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import socket
@@ -23,7 +24,7 @@ import yaml
 import zmq
 
 from meshllm.device import device_from_mapping
-from meshllm.errors import ConfigError
+from meshllm.errors import ConfigError, InputError
 from meshllm.mesh.ingress import RateLimit, RateLimiter
 from meshllm.mesh.keys import NodeKeys, UnknownPeerKey, generate_key, read_authorized_keys
 from meshllm.mesh.membership import PeerState
@@ -103,10 +104,12 @@ def alive(node: Node) -> set[str]:
 
 
 # -- admission -------------------------------------------------------------------------------
-def test_a_node_without_admission_cannot_join_and_is_never_heard(ring: Keyring, closing: list) -> None:
+def test_a_node_without_admission_cannot_join_and_is_never_heard(ring: Keyring, closing: list, caplog) -> None:
     """a and b list each other; x has its own key pair and a list naming itself, but is not in a's
     or b's list. The mesh forms without it, its handshakes are refused by ZAP (counted), nobody's
-    membership ever lists it, and its requests time out."""
+    membership ever lists it, and its requests time out. x's own log says that a refused its key
+    (it said only that its HELLO was dropped and that its seed did not answer)."""
+    caplog.set_level(logging.WARNING, logger="meshllm.mesh.transport")
     mesh_auth = ring.authorized(["a", "b"], "mesh_keys")
     x_auth = ring.authorized(["a", "b", "x"], "x_keys")  # x believes it belongs
     a_addr = addr()
@@ -123,6 +126,8 @@ def test_a_node_without_admission_cannot_join_and_is_never_heard(ring: Keyring, 
     x.transport.close_thread_sockets()
     assert "x" not in {p.info.id for p in a.members.peers()} | {p.info.id for p in b.members.peers()}
     assert x.members.peers() == []  # nothing it sent got an answer
+    told = [r.getMessage() for r in caplog.records if "refused the key of 'x'" in r.getMessage()]
+    assert len(told) == 1 and f"the node at {a_addr}" in told[0] and ring.public["x"] in told[0], told
     assert a.transport.router.mechanism == zmq.CURVE and a.transport.pub.mechanism == zmq.CURVE
 
 
@@ -240,7 +245,7 @@ def test_an_admitted_node_cannot_pose_as_another(ring: Keyring, closing: list) -
 
     keys = ring.keys("m", auth)
     keys.pin("a", a_addr, first_hand=True)
-    dealer, peer = client_socket(zmq.Context.instance(), zmq.DEALER, a_addr, keys)
+    dealer, peer, _ = client_socket(zmq.Context.instance(), zmq.DEALER, a_addr, keys)
     closing.append(dealer)
     assert peer == "a"
     for src, node in (("b", "b"), ("m", "b")):
@@ -626,6 +631,16 @@ def test_cli_keygen_and_status_of_a_curve_mesh(tmp_path: Path) -> None:
         assert r.returncode == 2 and "ID@HOST:PORT" in r.stderr
         r = run_cli("--status", f"k0@127.0.0.1:{port}", "--json", env=env, timeout=60)
         assert r.returncode == 0 and json.loads(r.stdout)["node"] == "k0"
+        # the wrong id (k0 listens there), and a key k0 does not list: each an exit 2 that says so, at
+        # once (both were a timeout and exit 1: with CURVE the handshake fails and no reply comes)
+        r = run_cli("--status", f"k1@127.0.0.1:{port}", "--json", "--timeout", "30", env=env, timeout=60)
+        assert r.returncode == 2 and "does not hold the key of 'k1'" in r.stderr, r.stderr
+        intruder = json.loads(run_cli("--keygen", str(tmp_path / "intruder.key"), "--json", timeout=60).stdout)
+        mine = tmp_path / "intruder_keys"  # the intruder's own list names it and k0
+        mine.write_text(auth.read_text() + f"intruder {intruder['public_key']}\n")
+        r = run_cli("--status", f"k0@127.0.0.1:{port}", "--json", "--timeout", "30", timeout=60,
+                    env={"MESHLLM_NODE_KEY": str(tmp_path / "intruder.key"), "MESHLLM_AUTHORIZED_KEYS": str(mine)})
+        assert r.returncode == 2 and "refused the key of 'intruder'" in r.stderr, r.stderr
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -673,8 +688,8 @@ def test_a_cluster_key_admits_its_holders_and_refuses_any_other_key(tmp_path: Pa
     monkeypatch.setenv("MESHLLM_CLUSTER_KEY", key)  # what `--status` reads
     assert query_status(a_addr, timeout_s=5.0)["node"] == "a"
     monkeypatch.setenv("MESHLLM_CLUSTER_KEY", other)
-    with pytest.raises(TimeoutError):
-        query_status(a_addr, timeout_s=0.5)
+    with pytest.raises(InputError, match=f"the node at {a_addr} failed: it does not hold this cluster key"):
+        query_status(a_addr, timeout_s=30.0)  # at once: not a timeout (it was one, as if no node ran there)
 
 
 def test_a_node_file_s_cluster_key_is_checked(tmp_path: Path) -> None:

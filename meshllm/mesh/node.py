@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from meshllm.errors import InputError
 from meshllm.mesh.agent import MeshAgent
@@ -30,7 +31,7 @@ from meshllm.mesh.ingress import LinkShaper
 from meshllm.mesh.keys import AUTH_RELOAD_S, NodeKeys
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
-from meshllm.mesh.sockets import client_socket
+from meshllm.mesh.sockets import HANDSHAKE_FAILED, client_socket, handshake_failure
 from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig
 from meshllm.roles.coordinator import Coordinator
@@ -236,7 +237,7 @@ def split_target(target: str) -> tuple[str | None, str]:
     return (node_id or None) if at else None, address
 
 
-def _ask(target: str, msg, keys: NodeKeys | None) -> zmq.Socket:
+def _ask(target: str, msg, keys: NodeKeys | None) -> _Asked:
     """A DEALER to the node at '[ID@]HOST:PORT' with `msg` sent. With per-node CURVE keys (`keys`,
     default from $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS) the node's id must be given: its
     public key is pinned. With $MESHLLM_CLUSTER_KEY it need not."""
@@ -246,19 +247,49 @@ def _ask(target: str, msg, keys: NodeKeys | None) -> zmq.Socket:
         if node_id is None or not keys.pin(node_id, address, first_hand=True):
             raise InputError(f"{target}: a mesh with CURVE needs the node's id as ID@HOST:PORT, with ID in "
                              "the authorized keys")
-    sock, _ = client_socket(zmq.Context.instance(), zmq.DEALER, address, keys)
+    sock, peer, mon = client_socket(zmq.Context.instance(), zmq.DEALER, address, keys,
+                                    watch=HANDSHAKE_FAILED if keys is not None else 0)
     sock.send_multipart(encode(msg))
-    return sock
+    return _Asked(sock, mon, peer, address, keys)
+
+
+class _Asked:
+    """A DEALER with one request sent; with CURVE, a failed handshake ends the wait at once
+    (InputError: a key refused, or a node there that is not the one named) instead of a timeout."""
+
+    def __init__(self, sock: zmq.Socket, mon: zmq.Socket | None, peer: str | None, address: str,
+                 keys: NodeKeys | None):
+        self.sock, self.mon, self.peer, self.address, self.keys = sock, mon, peer, address, keys
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        if mon is not None:
+            self.poller.register(mon, zmq.POLLIN)
+
+    def poll(self, timeout_ms: int) -> bool:
+        """Whether a reply came within `timeout_ms`."""
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.mon is not None and self.mon in ready:
+            event = recv_monitor_message(self.mon)["event"]
+            if event & HANDSHAKE_FAILED and self.keys is not None:
+                raise InputError(handshake_failure(event, self.peer, self.address, self.keys))
+        return self.sock in ready
+
+    def close(self) -> None:
+        if self.mon is not None:
+            self.sock.disable_monitor()
+            self.mon.close(linger=0)
+        self.sock.close(linger=0)
 
 
 def query_status(target: str, timeout_s: float = 3.0, keys: NodeKeys | None = None) -> dict[str, Any]:
     """Ask the node at '[ID@]HOST:PORT' for its view of the mesh (the `--status` JSON object).
     A mesh with CURVE needs `keys` (or $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS) and the ID."""
-    sock = _ask(target, make(MsgType.STATUS_REQ), keys)
+    asked = _ask(target, make(MsgType.STATUS_REQ), keys)
+    sock = asked.sock
     try:
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            if not sock.poll(int(left * 1000) + 1):
+            if not asked.poll(int(left * 1000) + 1):
                 continue
             try:
                 reply = decode(sock.recv_multipart())
@@ -270,18 +301,20 @@ def query_status(target: str, timeout_s: float = 3.0, keys: NodeKeys | None = No
                            "a mesh with CURVE also needs MESHLLM_NODE_KEY, MESHLLM_AUTHORIZED_KEYS and ID@HOST:PORT, "
                            "or MESHLLM_CLUSTER_KEY with a cluster key)")
     finally:
-        sock.close(linger=0)
+        asked.close()
 
 
 def send_control(target: str, msg, timeout_s: float = 3.0, keys: NodeKeys | None = None) -> None:
     """Send one message to the node at '[ID@]HOST:PORT' and wait for its answer (emulator control)."""
-    sock = _ask(target, msg, keys)
+    asked = _ask(target, msg, keys)
     try:
-        if not sock.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"{target} did not answer {msg.type.name} within {timeout_s:g} s")
-        sock.recv_multipart()
+        deadline = time.monotonic() + timeout_s
+        while not asked.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{target} did not answer {msg.type.name} within {timeout_s:g} s")
+        asked.sock.recv_multipart()
     finally:
-        sock.close(linger=0)
+        asked.close()
 
 
 def format_status(st: dict[str, Any]) -> str:

@@ -138,17 +138,38 @@ def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
-def client_socket(ctx: zmq.Context, kind: int, address: str, keys: NodeKeys | None,
-                  offset: int = 0) -> tuple[zmq.Socket, str | None]:
+def client_socket(ctx: zmq.Context, kind: int, address: str, keys: NodeKeys | None, offset: int = 0,
+                  watch: int = 0) -> tuple[zmq.Socket, str | None, zmq.Socket | None]:
     """A DEALER (offset 0) or SUB (offset 1) connected to the node at `address`; with `keys`, CURVE
-    pinned to that node's public key. Returns (socket, the peer's node id or None without CURVE).
-    Raises keys.UnknownPeerKey when no node id is pinned for the address."""
+    pinned to that node's public key. Returns (socket, the peer's node id or None without CURVE,
+    a monitor socket of the `watch` events, made before the connection so that none is missed, or
+    None). Raises keys.UnknownPeerKey when no node id is pinned for the address."""
     peer = keys.peer_at(address) if keys is not None else None  # raises before a socket exists
     sock = make_socket(ctx, kind)
     if keys is not None:
         keys.client(sock, address)
+    mon = sock.get_monitor_socket(watch) if watch else None
     sock.connect(endpoint(address, offset))
-    return sock, peer
+    return sock, peer, mon
+
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+
+def handshake_failure(event: int, peer: str | None, address: str, keys: NodeKeys) -> str:
+    """What a client's failed CURVE handshake with the node at `address` (pinned to `peer`) says:
+    the node refused this identity's key (ZAP), or the node there did not prove it holds the key
+    pinned for it (another node listens there, or it runs without CURVE or with another key)."""
+    if keys.shared:
+        return (f"the CURVE handshake with the node at {address} failed: it "
+                + ("refused this cluster key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
+                   "does not hold this cluster key (another mesh's key, or it runs without CURVE)"))
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the node at {address} refused the key of {keys.node_id!r} (is `{keys.node_id} "
+                f"{keys.public.decode()}` in its authorized keys?)")
+    return (f"the CURVE handshake with the node at {address} failed: it does not hold the key of {peer!r} "
+            "(another node listens there, or it runs without CURVE or with another key)")
 
 
 def nbytes(frames: list) -> int:
@@ -171,7 +192,9 @@ class PeerSockets:
         self.dealers: dict[str, zmq.Socket] = {}
         self.subs: dict[str, zmq.Socket] = {}  # peer address -> SUB connected to its PUB
         self.owner: dict[zmq.Socket, tuple[str, str | None, bool]] = {}  # DEALER/SUB -> (address, id, is SUB)
-        self.monitors: dict[zmq.Socket, str] = {}  # a SUB's monitor socket -> the peer address
+        # a SUB's monitor socket (and with CURVE a DEALER's) -> (the peer address, is it a SUB's)
+        self.monitors: dict[zmq.Socket, tuple[str, bool]] = {}
+        self._told: set[tuple[str, int]] = set()  # (address, event): a failed handshake said once
         self._retries: dict[str, int] = {}  # address -> reconnects scheduled since its SUB lost its connection
         self.refused_subs: set[str] = set()  # SUBs whose handshake the peer's ZAP refused: to close
 
@@ -180,20 +203,30 @@ class PeerSockets:
         sock = self._fresh(self.dealers, address)
         if sock is None:
             try:
-                sock, peer = client_socket(self.ctx, zmq.DEALER, address, self.keys)
+                # with CURVE a refused handshake is silent on this side but for a monitor
+                watch = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED if self.keys is not None else 0
+                sock, peer, mon = client_socket(self.ctx, zmq.DEALER, address, self.keys, watch=watch)
             except UnknownPeerKey as e:
                 log.warning("%s: not sent: %s", self.who, e)
                 return None
             self.dealers[address], self.owner[sock] = sock, (address, peer, False)
             self.poller.register(sock, zmq.POLLIN)
+            self._watch(mon, address, False)
         return sock
+
+    def _watch(self, mon: zmq.Socket | None, address: str, sub: bool) -> None:
+        if mon is not None:
+            self.monitors[mon] = (address, sub)
+            self.poller.register(mon, zmq.POLLIN)
 
     def subscribe(self, address: str) -> None:
         """A SUB to the peer's PUB, unless one with the current pin exists."""
         if self._fresh(self.subs, address) is not None:
             return
         try:
-            sock, peer = client_socket(self.ctx, zmq.SUB, address, self.keys, offset=1)
+            sock, peer, mon = client_socket(self.ctx, zmq.SUB, address, self.keys, offset=1,
+                                            watch=zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                            | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         except UnknownPeerKey as e:
             log.warning("%s: not subscribed: %s", self.who, e)
             return
@@ -201,24 +234,29 @@ class PeerSockets:
             sock.setsockopt(zmq.SUBSCRIBE, t)
         self.subs[address], self.owner[sock] = sock, (address, peer, True)
         self.poller.register(sock, zmq.POLLIN)
-        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-                                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self.monitors[mon] = address
-        self.poller.register(mon, zmq.POLLIN)
+        self._watch(mon, address, True)
 
     def refused(self, mon: zmq.Socket) -> str | None:
         """Read a SUB's monitor events: the peer's address if its connection closed and a new one
         was then refused (libzmq schedules a reconnect at once, then again after a refused try,
         ~0.1-0.2 s later: the port is closed, the process that held it is gone), once per loss; else
         None. A peer that stopped running, or whose host or link went away, closes nothing: the
-        failure timeout finds it."""
-        address, gone = self.monitors[mon], False
+        failure timeout finds it. A DEALER's monitor (with CURVE) only logs a failed handshake, once
+        until one succeeds: the refused node's own log said nothing of it, only that no one answered."""
+        (address, sub), gone = self.monitors[mon], False
         while True:
             try:
                 event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 return address if gone else None
-            if event == zmq.EVENT_DISCONNECTED:
+            if not sub:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._told = {t for t in self._told if t[0] != address}
+                elif event & HANDSHAKE_FAILED and (address, event) not in self._told and self.keys is not None:
+                    self._told.add((address, event))
+                    peer = self.owner[self.dealers[address]][1] if address in self.dealers else None
+                    log.warning("%s: %s", self.who, handshake_failure(event, peer, address, self.keys))
+            elif event == zmq.EVENT_DISCONNECTED:
                 self._retries[address] = 0
             elif event == zmq.EVENT_CONNECTED:
                 self._retries.pop(address, None)
@@ -247,9 +285,8 @@ class PeerSockets:
     def close(self) -> None:
         for address in list(self.subs):
             self._drop(self.subs, address)
-        for s in self.dealers.values():
-            s.close(linger=0)
-        self.dealers.clear()
+        for address in list(self.dealers):
+            self._drop(self.dealers, address)
         self.owner.clear()
 
     def _fresh(self, socks: dict[str, zmq.Socket], address: str) -> zmq.Socket | None:
@@ -270,12 +307,13 @@ class PeerSockets:
         if sock is not None:
             self.poller.unregister(sock)
             self.owner.pop(sock, None)
-            if socks is self.subs:
-                for mon in [m for m, a in self.monitors.items() if a == address]:
-                    sock.disable_monitor()
-                    self.poller.unregister(mon)
-                    del self.monitors[mon]
-                    mon.close(linger=0)
+            sub = socks is self.subs
+            for mon in [m for m, (a, is_sub) in self.monitors.items() if a == address and is_sub == sub]:
+                sock.disable_monitor()
+                self.poller.unregister(mon)
+                del self.monitors[mon]
+                mon.close(linger=0)
+            if sub:
                 self._retries.pop(address, None)
             sock.close(linger=0)
 
@@ -445,6 +483,6 @@ class Requester:
             entry[0].close(linger=0)
             entry = None
         if entry is None:
-            entry = socks[address] = client_socket(self.ctx, zmq.DEALER, address, self.keys)
+            entry = socks[address] = client_socket(self.ctx, zmq.DEALER, address, self.keys)[:2]
             entry[0].setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
         return entry
