@@ -284,8 +284,10 @@ def cmd_keygen(a: argparse.Namespace) -> int:
     from meshllm.mesh.keys import generate_key
 
     public = generate_key(a.keygen)
-    _emit({"key_file": a.keygen, "public_key": public}, a.json,
-          f"{public}\n(wrote the secret key to {a.keygen}; list the node as `NODE_ID {public}` in authorized_keys)")
+    _emit({"key_file": a.keygen, "public_key": public}, a.json, public)  # stdout: the key alone, for $(...)
+    if not a.json:
+        print(f"(wrote the secret key to {a.keygen}; list the node as `NODE_ID {public}` in authorized_keys)",
+              file=sys.stderr)
     return 0
 
 

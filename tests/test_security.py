@@ -635,7 +635,9 @@ def test_cli_keygen_and_status_of_a_curve_mesh(tmp_path: Path) -> None:
         # once (both were a timeout and exit 1: with CURVE the handshake fails and no reply comes)
         r = run_cli("--status", f"k1@127.0.0.1:{port}", "--json", "--timeout", "30", env=env, timeout=60)
         assert r.returncode == 2 and "does not hold the key of 'k1'" in r.stderr, r.stderr
-        intruder = json.loads(run_cli("--keygen", str(tmp_path / "intruder.key"), "--json", timeout=60).stdout)
+        r = run_cli("--keygen", str(tmp_path / "intruder.key"), timeout=60)  # `PK=$(... --keygen F)`: the key alone
+        intruder = {"public_key": r.stdout.strip()}
+        assert r.returncode == 0 and r.stdout.count("\n") == 1 and "wrote the secret key" in r.stderr, r
         mine = tmp_path / "intruder_keys"  # the intruder's own list names it and k0
         mine.write_text(auth.read_text() + f"intruder {intruder['public_key']}\n")
         r = run_cli("--status", f"k0@127.0.0.1:{port}", "--json", "--timeout", "30", timeout=60,
