@@ -218,6 +218,32 @@ def test_a_node_without_the_file_fetches_only_its_layer_range(mesh, model_file, 
         assert torch.equal(shard_state(got)[k], v), k
 
 
+def test_a_weights_cache_that_cannot_be_written_is_said_so(mesh, model_file, tmp_path):
+    """A cache path under a regular file passed the node file, then failed with a bare
+    NotADirectoryError once a plan gave the node a stage (the coordinator re-planned without
+    it); a write that fails mid-fetch (a full disk) was a bare OSError, naming no cache. Now
+    the first is refused at start, before the node joins, and the second is a ModelFileError that
+    names the cache and does not blame the peer."""
+    (tmp_path / "afile").write_text("")
+    cfg = NodeConfig(source="n.yaml", id="n", device=load_device(DEVICE), zone="a", listen="127.0.0.1:1",
+                     mdns=False, model=str(tmp_path / "x" / "tinymodel.gguf"),
+                     weights_cache=str(tmp_path / "afile" / "cache"))
+    t = Transport("n", "a", cfg.listen, LinkShaper("a", ()))  # never started: the node stops before joining
+    try:
+        with pytest.raises(ModelFileError, match=r"its weights cache .*afile/cache/tinymodel.gguf cannot be used: "
+                                                 r"Not a directory \(weights_cache in n.yaml"):
+            MeshWeights(t, cfg, None).start()
+    finally:
+        t.close()
+    mesh.add("a", str(model_file))
+    me = mesh.add("b", str(tmp_path / "elsewhere" / "tinymodel.gguf"))
+    blocked = me.weights.cache_dir / f"{next(iter(range_bytes(model_file, 2, 4)))}.part"
+    blocked.mkdir(parents=True)  # a write there fails as a full or read-only disk would: an OSError
+    with pytest.raises(ModelFileError, match=f"layers \\[2, None\\) from a cannot be written to the weights "
+                                             f"cache {me.weights.cache_dir}: Is a directory"):
+        me.weights.source(2, None)
+
+
 def test_a_complete_cache_needs_no_network(mesh, model_file, tmp_path):
     srv = mesh.add("a", str(model_file))
     me = mesh.add("b", str(tmp_path / "x" / "tinymodel.gguf"))

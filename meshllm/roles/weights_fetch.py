@@ -91,7 +91,19 @@ class MeshWeights:
         if err is not None:  # a typo'd path looks the same as a deliberate fetch: say it once, up front
             log.warning("%s: %s: its layers and tokenizer will be fetched from a peer that has it "
                         "(fetch_weights: true)", self.cfg.id, err)
+            self.check_cache_dir()  # before joining: found only once a plan came, it cost a re-plan
         self.worker.start()
+
+    def check_cache_dir(self) -> None:
+        """ModelFileError if the weights cache cannot be made or written here."""
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.cache_dir, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable by this user")
+        except OSError as e:
+            raise ModelFileError(f"{self.name} is not on this node and its weights cache {self.cache_dir} cannot "
+                                 f"be used: {e.strerror or e} (weights_cache in {self.cfg.source}, or "
+                                 f"${CACHE_ENV})") from None
 
     def close(self) -> None:
         self.worker.close()
@@ -197,6 +209,10 @@ class MeshWeights:
                 errors.append(f"{peer.info.id}: {e}")
                 log.warning("%s: weights of %s from %s: %s; trying another peer", self.t.node_id, self.name,
                             peer.info.id, e)
+            except OSError as e:  # this node's disk (full, read-only), not the peer's fault: no other peer helps
+                raise ModelFileError(f"{self.name}: {what} from {peer.info.id} cannot be written to the weights "
+                                     f"cache {self.cache_dir}: {e.strerror or e} (free some space, or set "
+                                     f"weights_cache in {self.cfg.source})") from None
         raise ModelFileError(f"{self.name} is not on this node and no peer could send {what}: "
                              f"{'; '.join(errors[-4:]) or 'no live peer'}")
 
