@@ -75,10 +75,14 @@ def run_cluster(cfg: ClusterConfig, args: Any = None) -> dict[str, Any] | None:
             if serve:
                 return serve_until_interrupted(cluster)
             injector = FaultInjector(cluster, faults, *healing_watch(cluster, faults, cfg.time_scale))
-            outs = run_jobs(cluster.gateway_urls(), served_name(cfg.model), jobs,
-                            cfg.workload.arrival_rate_per_s, getattr(args, "seed", 0) or 0,
-                            progress=len(jobs) > 1, on_start=injector.start, headers=cluster.api_headers,
-                            time_scale=cfg.time_scale)
+            try:
+                outs = run_jobs(cluster.gateway_urls(), served_name(cfg.model), jobs,
+                                cfg.workload.arrival_rate_per_s, getattr(args, "seed", 0) or 0,
+                                progress=len(jobs) > 1, on_start=injector.start, headers=cluster.api_headers,
+                                time_scale=cfg.time_scale)
+            except BaseException:  # Ctrl-C or an error: no fault fires during the teardown
+                injector.halt()
+                raise
             injector.stop()
             report = cluster_report(cfg, cluster, outs, formed_s, statuses)
             report["faults"] = injector.done

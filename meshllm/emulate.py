@@ -130,17 +130,31 @@ class EmulatedCluster:
         atexit.register(self.close)
         try:
             self.start()
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self.__exit__(type(e))  # no `with` body runs, so no __exit__ comes: the secrets go here
             raise
         return self
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
-        self.close()
-        atexit.unregister(self.close)
-        if exc_type is None and self._own_workdir:
+        ok = exc_type is None
+        try:
+            self.close()
+        except BaseException:  # a second Ctrl-C in the teardown (it left every key in /tmp)
+            ok = False
+            raise
+        finally:
+            atexit.unregister(self.close)
+            with signals_held():  # not cut short by a third
+                self._clean(ok)
+
+    def _clean(self, ok: bool) -> None:
+        """A clean end removes the run directory; a failure or an interrupt keeps the logs for a
+        look, never the secrets (keys, the API token)."""
+        if not self._own_workdir:
+            return
+        if ok:
             shutil.rmtree(self.workdir, ignore_errors=True)
-        elif self._own_workdir:  # a failure or an interrupt: the logs stay for a look, the secrets do not
+        else:
             shutil.rmtree(self.workdir / "keys", ignore_errors=True)
             (self.workdir / "api_token").unlink(missing_ok=True)
             log.error("node files and logs kept in %s (its keys and API token deleted)", self.workdir)

@@ -155,7 +155,8 @@ class FaultInjector:
         self.not_run: list[dict] = []  # the faults the workload ended before, with why (the report's faults_not_run)
         self.live_plan, self.in_use, self.heal_timeout_s = live_plan, set(in_use or ()), heal_timeout_s
         self.kinds = dict(kinds or {})  # node -> its kind (a twin in use in its place counts: stable.py)
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the workload is done, or the run cut short
+        self._halted = threading.Event()  # the run cut short: not even a heal is watched
         self._thread: threading.Thread | None = None
         self._t0 = time.monotonic()  # the workload's first request, once started
         # under _lock (the faults thread, the caller's stop() and the partitions' senders):
@@ -207,27 +208,37 @@ class FaultInjector:
                 self._inject(f, self._now())
         self._resume_all("the workload is done")  # stop() may be at it too: whichever comes first
         spans = [d for d in self.done if "until_s" in d]  # pauses and partitions
-        if spans and self.live_plan is not None:
+        if spans and self.live_plan is not None and not self._halted.is_set():
             last = max(spans, key=lambda d: d["until_s"])
             self._watch_heal(last, self._t0 + last["until_s"])
 
+    def halt(self) -> None:
+        """The run is cut short (an error, Ctrl-C): no fault runs from now on, no heal is watched
+        (a kill or restart fired during the teardown, a SIGSTOP 0.3 s after the Ctrl-C)."""
+        with self._lock:
+            self._halted.set()
+            self._stop.set()
+
     def _inject(self, f: Fault, at: float) -> None:
-        if f.kind == "pause":
-            entry = {"kind": "pause", "node": f.node, "at_s": at, "until_s": None}  # until_s: when continued
-            with self._lock:  # serialized with stop()'s continuing every stopped node: no SIGSTOP after it
-                if self._stop.is_set():
-                    self._skip([f], f"the workload ended at {at:.1f} s, before it was due")
-                    return
+        with self._lock:  # serialized with stop() and halt(): no fault after either
+            if self._stop.is_set():
+                self._skip([f], f"the workload ended at {at:.1f} s, before it was due")
+                return
+            if f.kind == "pause":
+                entry = {"kind": "pause", "node": f.node, "at_s": at, "until_s": None}  # until_s: when continued
                 self._paused[f.node] = entry
                 self.cluster.pause(f.node)
+            elif f.kind == "kill":
+                self.cluster.kill(f.node)
+            elif f.kind == "restart":
+                self.cluster.restart(f.node)
+        if f.kind == "pause":
             log.warning("fault: stopped %s (SIGSTOP) at %.1f s for %.1f s", f.node, at, f.until_s - f.at_s)
             self.done.append(entry)
         elif f.kind == "kill":
-            self.cluster.kill(f.node)
             log.warning("fault: killed %s at %.1f s", f.node, at)
             self.done.append({"kind": "kill", "node": f.node, "at_s": at})
         elif f.kind == "restart":
-            self.cluster.restart(f.node)
             log.warning("fault: killed %s at %.1f s and started it again", f.node, at)
             self.done.append({"kind": "restart", "node": f.node, "at_s": at})
         else:
@@ -320,9 +331,10 @@ class FaultInjector:
         """From the last pause's or partition's end, poll the live plan until it uses every node it
         used before the faults that is still alive, or a twin of it (a node of the same kind); record
         the seconds that took in `entry`."""
-        time.sleep(max(0.0, end - time.monotonic()))
+        if self._halted.wait(max(0.0, end - time.monotonic())):
+            return
         deadline, missing = end + self.heal_timeout_s, set()
-        while True:
+        while not self._halted.is_set():
             want = self.in_use - self.cluster.dead()
             try:
                 missing = short_of(want, Plan.from_json(self.live_plan()).nodes_in_use(), self.kinds)
@@ -330,7 +342,7 @@ class FaultInjector:
                 missing = {f"(no plan: {e})"}
             if not missing or time.monotonic() >= deadline:
                 break
-            time.sleep(HEAL_POLL_S)
+            self._halted.wait(HEAL_POLL_S)
         entry["healed_after_s"] = None if missing else round(max(0.0, time.monotonic() - end), 3)
         if missing:
             log.warning("fault: the mesh did not heal within %.0f s of the %s's end: %s not in use again",

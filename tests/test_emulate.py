@@ -245,6 +245,44 @@ def test_a_run_that_fails_or_is_interrupted_keeps_its_logs_but_not_its_secrets(t
 
 
 @pytest.mark.slow
+def test_a_second_interrupt_in_the_teardown_or_a_failed_start_still_deletes_the_secrets(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """A second Ctrl-C lands in close() (waiting out the nodes' SIGTERM grace): __exit__ stopped
+    there, and every node's secret key and the API token stayed in /tmp. A start that fails
+    (__enter__ raises: no __exit__ follows) left them too."""
+    from meshllm.emulate import EmulatedCluster
+
+    cfg = parse_cluster(yaml.safe_load(cluster_yaml(tmp_path, 2, security={"curve": True, "api_token": True})
+                                       .read_text()), "test")
+    close = EmulatedCluster.close
+
+    def interrupted(self) -> None:
+        close(self)  # the nodes are stopped and reaped; then the second Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(EmulatedCluster, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt), EmulatedCluster(cfg) as em:
+        raise KeyboardInterrupt
+    assert not (em.workdir / "keys").exists() and not (em.workdir / "api_token").exists()
+    assert (em.workdir / "n0.log").is_file() and all(p.poll() is not None for p in em.procs.values())
+    shutil.rmtree(em.workdir)
+    monkeypatch.setattr(EmulatedCluster, "close", close)
+    started = EmulatedCluster._start_node
+
+    def fails_at_the_second(self, i: int, again: bool = False) -> None:
+        if i == 1:
+            raise RuntimeError("no second node")
+        started(self, i, again)
+
+    monkeypatch.setattr(EmulatedCluster, "_start_node", fails_at_the_second)
+    em = EmulatedCluster(cfg)
+    with pytest.raises(RuntimeError, match="no second node"), em:
+        pass
+    assert (em.workdir / "n0.log").is_file() and not (em.workdir / "keys").exists()
+    assert not (em.workdir / "api_token").exists() and em.procs["n0"].poll() is not None
+    shutil.rmtree(em.workdir)
+
+
 def test_serve_says_where_its_api_token_is_and_names_the_last_gateway_to_die(tmp_path: Path) -> None:
     """`--serve` with `security: {api_token: true}` printed only its URL, and every request was a
     401 until one found the token's file; when the last gateway node died, the error named the
@@ -472,6 +510,32 @@ def test_a_node_stopped_before_it_runs_a_line_still_has_its_log(tmp_path: Path) 
         proc = start_node("n0", ["--help"], log_path, tmp_path, dict(os.environ), None, append=True)
     proc.wait(timeout=60)
     assert log_path.read_text().startswith("earlier life\n")
+
+
+def test_no_fault_fires_after_the_run_is_cut_short():
+    """Ctrl-C during the workload: the faults thread went on, and a `--restart` started a node
+    0.36 s into the teardown, a `--pause` stopped one 0.3 s after the Ctrl-C. halt() ends it:
+    nothing due later runs. Real processes stand for the nodes."""
+    from types import SimpleNamespace
+
+    from meshllm.faults import Fault, FaultInjector
+
+    procs = {n: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+             for n in ("a", "b")}
+    try:
+        cluster = SimpleNamespace(procs=procs, dead=set)
+        for verb in ("pause", "resume", "kill"):
+            setattr(cluster, verb, lambda nid, verb=verb: getattr(EmulatedCluster, verb)(cluster, nid))
+        inj = FaultInjector(cluster, [Fault("pause", 0.4, node="a", until_s=5.0), Fault("kill", 0.5, node="b")])
+        inj.start()
+        inj.halt()
+        time.sleep(1.0)
+        assert [p.poll() for p in procs.values()] == [None, None], "a fault ran after halt()"
+        assert psutil.Process(procs["a"].pid).status() != psutil.STATUS_STOPPED and inj.done == []
+    finally:
+        for p in procs.values():
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def test_a_node_still_stopped_when_the_workload_ends_is_continued():
