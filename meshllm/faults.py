@@ -76,6 +76,7 @@ def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], ga
         s1, s2 = _span(span, f"--pause {k!r}")
         out.append(Fault("pause", s1, node=node, until_s=s2))
     _refuse_overlapping([f for f in out if f.kind == "pause"])
+    _refuse_faults_on_a_dead_node(out)
     if gateways and set(gateways) <= {f.node for f in out if f.kind == "kill"}:
         raise InputError(f"--kill: {', '.join(gateways)} run{'s' if len(gateways) == 1 else ''} every gateway the "
                          "workload's client talks to (name another node's roles `gateway` in the cluster file)")
@@ -89,6 +90,32 @@ def parse_faults(cfg: ClusterConfig, kills: list[str], partitions: list[str], ga
         out.append(Fault("partition", s1, zones=(za, zb), until_s=s2))
     _refuse_overlapping([f for f in out if f.kind == "partition"])
     return sorted(out, key=lambda f: f.at_s)
+
+
+def _refuse_faults_on_a_dead_node(faults: list[Fault]) -> None:
+    """A node's faults, in time order, must find it running: nothing after a `--kill` but a
+    `--restart` (which starts it again), and no kill or restart inside one of its pauses. Those ran
+    on a dead or stopped node and were reported as done (a pause of a killed node listed with
+    its times; a pause that a restart cut short listed with the end it never reached)."""
+    def flag(f: Fault) -> str:
+        return f"--pause {f.node}@{f.at_s:g}-{f.until_s:g}" if f.kind == "pause" else f"--{f.kind} {f.node}@{f.at_s:g}"
+
+    by_node: dict[str, list[Fault]] = {}
+    for f in faults:
+        by_node.setdefault(f.node, []).append(f)
+    for group in by_node.values():
+        group.sort(key=lambda f: (f.at_s, f.kind != "kill"))
+        killed = None
+        for f in group:
+            if killed is not None and f.kind != "restart":
+                raise InputError(f"{flag(f)} comes after {flag(killed)}, which leaves the node dead: nothing "
+                                 "would run (a --restart brings it back)")
+            killed = f if f.kind == "kill" else None if f.kind == "restart" else killed
+        for p in (f for f in group if f.kind == "pause"):
+            for f in group:
+                if f.kind != "pause" and p.at_s <= f.at_s <= p.until_s:
+                    raise InputError(f"{flag(f)} falls within {flag(p)}: a node is killed or restarted only "
+                                     "while it runs (end the pause first)")
 
 
 def _refuse_overlapping(spans: list[Fault]) -> None:

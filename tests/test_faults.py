@@ -156,6 +156,27 @@ def test_overlapping_pauses_of_one_node_are_refused(spans):
         parse_faults(failure_cfg(), [], [], ["fog-1", "fog-4"], pauses=[f"fog-2@{s}" for s in spans])
 
 
+@pytest.mark.parametrize("kills, restarts, pauses, why", [
+    (["fog-2@1"], [], ["fog-2@2-3"], r"--pause fog-2@2-3 comes after --kill fog-2@1, which leaves the node dead"),
+    (["fog-2@0.5", "fog-2@1.5"], [], [], r"--kill fog-2@1.5 comes after --kill fog-2@0.5"),
+    ([], ["fog-3@2"], ["fog-3@0.5-6"], r"--restart fog-3@2 falls within --pause fog-3@0.5-6"),
+    (["fog-3@3"], [], ["fog-3@0.5-6"], r"--kill fog-3@3 falls within --pause fog-3@0.5-6")])
+def test_faults_that_would_find_their_node_dead_or_stopped_are_refused(kills, restarts, pauses, why):
+    """`--kill fog-2@1 --pause fog-2@2-3` was taken and the report listed the pause of a dead node
+    with its times; `--pause fog-3@0.5-6 --restart fog-3@2` listed a pause until 6 s of a node
+    whose new process ran from 2 s."""
+    with pytest.raises(InputError, match=why):
+        parse_faults(failure_cfg(), kills, [], ["fog-1", "fog-4"], restarts=restarts, pauses=pauses)
+
+
+def test_a_node_killed_then_restarted_or_paused_and_then_killed_is_taken():
+    faults = parse_faults(failure_cfg(), ["fog-2@1", "fog-3@4"], [], ["fog-1", "fog-4"],
+                          restarts=["fog-2@3"], pauses=["fog-2@4-5", "fog-3@1-3"])
+    assert [(f.kind, f.node, f.at_s) for f in faults] == [("kill", "fog-2", 1), ("pause", "fog-3", 1),
+                                                          ("restart", "fog-2", 3), ("kill", "fog-3", 4),
+                                                          ("pause", "fog-2", 4)]
+
+
 def test_pauses_of_one_node_apart_and_of_two_nodes_at_once_are_taken():
     faults = parse_faults(failure_cfg(), [], [], ["fog-1", "fog-4"],
                           pauses=["fog-2@3.5-4", "fog-2@1-3", "fog-3@1-3"])
