@@ -268,6 +268,15 @@ def test_nan_and_infinity_are_refused_where_a_number_is_read():
             parse_cluster(_with(**changes), "c.yaml")
 
 
+def test_time_scale_is_bounded():
+    """`time_scale: 500000` passed and every request then failed with an HTTP 500 (a socket timeout
+    of 5 s x K overflowed); with links the mesh never formed within the emulator's 60 s."""
+    for k in (500000, 100.5, 0.5):
+        with pytest.raises(ConfigError, match=r"time_scale: .*\[1, 100\]"):
+            parse_cluster(_with(time_scale=k), "c.yaml")
+    assert parse_cluster(_with(time_scale=100), "c.yaml").time_scale == 100.0
+
+
 def test_node_file(tmp_path):
     p = tmp_path / "n.yaml"
     p.write_text(yaml.safe_dump({"id": "fog-1", "device": DEV, "listen": "0.0.0.0:7700",
