@@ -45,6 +45,7 @@ from typing import Any
 
 from meshllm.config import ClusterConfig, NodeSpec
 from meshllm.defaults import EMULATED_BUSY_POLL_MS, GATEWAY_DRAIN_S, PLAN_ERROR_REASON, STAGE_ROLES, Role
+from meshllm.errors import InputError
 from meshllm.mesh.keys import NodeKeys, generate_key
 from meshllm.mesh.node import query_status
 from meshllm.mesh.sockets import free_port_pair
@@ -311,7 +312,9 @@ class EmulatedCluster:
         raise_if_interrupted()
         for nid, proc in self.procs.items():
             if proc.poll() is not None:
-                raise RuntimeError(f"node {nid} exited with code {proc.returncode}: {self.log_tail(nid)}")
+                why = f"node {nid} exited with code {proc.returncode}: {self.log_tail(nid)}"
+                # exit 2 is the node's own bad input (a model or tokenizer file it cannot read): the run's too
+                raise InputError(why) if proc.returncode == 2 else RuntimeError(why)
 
     def kill(self, node_id: str) -> None:
         """SIGKILL one node's whole process group (a fault; see faults.py)."""

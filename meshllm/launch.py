@@ -128,6 +128,8 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) 
     if getattr(a, mode) == "":
         want = "[ID@]HOST:PORT" if mode == "status" else "a file path"
         raise InputError(f"{flag(mode)}: the argument is empty ({want} expected)")
+    if a.model == "":  # it ran the embedded model, as if no --model had been given
+        raise InputError("--model: the argument is empty (a registry name, a .gguf file or an HF directory expected)")
     for dest, modes in APPLIES.items():
         if mode not in modes and getattr(a, dest) != p.get_default(dest):
             names = [flag(m) for m in modes]

@@ -77,6 +77,7 @@ def test_bad_inputs_exit_2(tmp_path):
     (["--plan", ""], "--plan: the argument is empty"),
     (["--cluster", "clusters/demo.yaml", "--prompt", "hi", "--prompt", ""], "--prompt: an empty prompt encodes to zero"),
     (["--keygen", ""], "--keygen: the argument is empty"),
+    (["--reference", "--model", ""], "--model: the argument is empty"),  # ran the embedded model
     (["--reference", "--threads", "0"], "--threads must be a number of threads in 1..1024"),
     (["--reference", "--threads", "100000"], "--threads must be a number of threads in 1..1024"),  # a segfault
     (["--status", "127.0.0.1:9", "--timeout", "1e300"], "--timeout must be a number of seconds in (0, 604800]"),

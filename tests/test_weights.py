@@ -238,6 +238,84 @@ def test_bad_model_paths(tmp_path):
         resolve_model(str(tmp_path / "emptydir"))
 
 
+def test_a_model_file_whose_tensors_do_not_fit_its_metadata_is_refused_before_loading(tmp_path: Path) -> None:
+    """Tensor shapes were never held to the metadata: a mismatch was torch's multi-line
+    state_dict RuntimeError at load (exit 1), after the planner had taken the file; a corrupt
+    safetensors file or tokenizer.json was the library's own exception; metadata arrays nested
+    100,000 deep a RecursionError. Each is now a ModelFileError naming the file, found from
+    the headers before anything loads."""
+    import dataclasses
+    import json
+    from types import SimpleNamespace
+
+    import gguf
+
+    from meshllm.engine.tokenizer import load_tokenizer
+
+    tiny = load_transformer("tiny")
+    a = tiny.args
+    lying = SimpleNamespace(args=dataclasses.replace(a, vocab_size=2 * a.vocab_size), state_dict=tiny.state_dict)
+    g = write_gguf_model(lying, tmp_path / "vocab.gguf")  # metadata: twice the vocabulary of its embedding
+    with pytest.raises(ModelFileError, match=re.escape(f"vocab.gguf: tensor 'token_embd.weight' has shape "
+                                                       f"[{a.vocab_size}, {a.dim}], its metadata implies "
+                                                       f"[{2 * a.vocab_size}, {a.dim}]")):
+        resolve_model(str(g))
+    hf = write_hf_model(tiny, tmp_path / "hf")
+    assert resolve_model(str(hf)).args.hidden_dim == a.hidden_dim and load_tokenizer(resolve_model(str(hf)))
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "intermediate_size": a.hidden_dim + 8}))
+    with pytest.raises(ModelFileError, match=r"tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape"):
+        resolve_model(str(hf))
+    (hf / "config.json").write_text(json.dumps(cfg))
+    st = hf / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    with pytest.raises(ModelFileError, match="model.safetensors: not a safetensors file, or a truncated one"):
+        resolve_model(str(hf))
+    hf2 = write_hf_model(tiny, tmp_path / "hf2")
+    (hf2 / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelFileError, match="tokenizer.json: not a tokenizer the tokenizers library reads"):
+        load_tokenizer(resolve_model(str(hf2)))
+    (hf2 / "tokenizer.json").unlink()
+    hf2 = write_hf_model(tiny, tmp_path / "hf2")
+    (hf2 / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ModelFileError, match="config.json: not a text file"):
+        resolve_model(str(hf2))
+    deep = tmp_path / "deep.gguf"
+    w = gguf.GGUFWriter(str(deep), "llama")
+    nested: list = [1]
+    for _ in range(12):
+        nested = [nested]
+    w.add_array("general.nested", nested)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="metadata arrays nested more than 8 deep"):
+        resolve_model(str(deep))
+
+
+def test_a_cluster_whose_gateway_cannot_read_the_tokenizer_exits_2_with_its_reason(tmp_path: Path) -> None:
+    """The gateway node failed on the tokenizer, then its stop() joined threads that never
+    started: the run said only "node n1 exited with code 1: RuntimeError: cannot join thread
+    before it is started", exit 1. Now the node's own error, and the run's exit 2."""
+    import yaml
+
+    from tests.conftest import run_cli
+
+    hf = write_hf_model(load_transformer("tiny"), tmp_path / "hf")
+    (hf / "tokenizer.json").write_text("{not json")
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(yaml.safe_dump({
+        "model": str(hf), "draft": {"quant": "none"}, "speculation": {"mode": "off"},
+        "nodes": [{"id": "n1", "device": "intel-nuc-13-i7", "zone": "z", "roles": ["prefill", "decode", "gateway"]}],
+        "workload": {"prompts": ["hi"], "max_tokens": 2}}))
+    r = run_cli("--cluster", str(cluster), timeout=180)
+    assert r.returncode == 2, r.stderr[-1500:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "node n1 exited with code 2" in last and "not a tokenizer the tokenizers library reads" in last, last
+    assert "cannot join thread" not in r.stderr
+
+
 def test_model_metadata_out_of_range_is_a_model_file_error(tmp_path: Path) -> None:
     """The three readers of a model's shape (GGUF metadata, an HF config.json, a peer's index)
     checked it three ways: a GGUF head count of 0 was a ZeroDivisionError, an HF string or null

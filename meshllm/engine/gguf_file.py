@@ -16,6 +16,7 @@ tensor data at the next multiple of `general.alignment` (default 32).
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 
 from meshllm.errors import ModelFileError
 
+MAX_NESTING = 8  # metadata arrays of arrays: llama.cpp's own files nest one level
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
        7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
@@ -54,7 +56,9 @@ class GGUFFile:
         self._pos = 4
         try:
             self._parse()
-        except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
+        except ModelFileError:
+            raise  # it names the file already
+        except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError) as e:
             raise ModelFileError(f"{path}: truncated or corrupt GGUF header ({e})") from None
 
     # -- parsing ------------------------------------------------------------------------
@@ -71,7 +75,7 @@ class GGUFFile:
         self._pos += n
         return s
 
-    def _value(self, vtype: int):
+    def _value(self, vtype: int, depth: int = 0):
         if vtype == _STRING:
             return self._str()
         if vtype in _SCALARS:
@@ -82,7 +86,9 @@ class GGUFFile:
                 arr = np.frombuffer(self._buf, dtype=_NP[itype], count=n, offset=self._pos)
                 self._pos += arr.nbytes
                 return arr.tolist()
-            return [self._value(itype) for _ in range(n)]
+            if depth >= MAX_NESTING:  # 100,000 levels deep was a RecursionError
+                raise ValueError(f"metadata arrays nested more than {MAX_NESTING} deep")
+            return [self._value(itype, depth + 1) for _ in range(n)]
         raise ValueError(f"unknown metadata value type {vtype}")
 
     def _parse(self) -> None:
@@ -108,7 +114,7 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, gtype, off in infos:
             block, size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
-            n = int(np.prod(shape))
+            n = math.prod(shape)  # Python ints: np.prod wrapped 2^32 x 2^32 round to 0 bytes
             info = TensorInfo(name, shape, gtype, data_start + off, n // block * size)
             if not self.header_only and info.offset + info.nbytes > len(self._mm):
                 raise ModelFileError(f"{self.path}: tensor {name} runs past the end of the file (truncated?)")
@@ -118,7 +124,7 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes, shaped (rows, bytes_per_row) (memory-mapped, read-only)."""
         t = self.tensors[name]
-        rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
+        rows = math.prod(t.shape[:-1]) if len(t.shape) > 1 else 1
         return self._mm[t.offset:t.offset + t.nbytes].reshape(rows, -1)
 
     def dequantize(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
@@ -138,7 +144,7 @@ def tensor_nbytes(shape: tuple[int, ...], ggml_type: int) -> int:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     if not shape or shape[-1] % block:
         raise ValueError(f"shape {shape} is not whole {GGMLQuantizationType(ggml_type).name} blocks of {block}")
-    return int(np.prod(shape)) // block * size
+    return math.prod(shape) // block * size
 
 
 # the types dequantized here: ggml type id -> bytes per block of 32 weights (F32, F16: per weight)

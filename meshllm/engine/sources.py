@@ -88,9 +88,16 @@ def resolve_model(spec: str) -> ModelSource:
                              f"--plan and --simulate. Models with weights: {', '.join(EMBEDDED)}, or a path")
     p = Path(spec)
     if p.is_dir():
-        return ModelSource(p.name, "hf", p, _hf_args(p))
+        args = _hf_args(p)
+        _check_shapes(p, args, _hf_shapes(p), "model.layers.{i}.{name}.weight", _HF_LAYER,
+                      ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"))
+        return ModelSource(p.name, "hf", p, args)
     if p.is_file():
-        return ModelSource(p.stem, "gguf", p, _gguf_args(gguf_reader(p), p))
+        reader = gguf_reader(p)
+        args = _gguf_args(reader, p)
+        _check_shapes(p, args, {n: t.shape for n, t in reader.tensors.items()}, "blk.{i}.{name}.weight",
+                      _GGUF_LAYER, ("token_embd.weight", "output_norm.weight", "output.weight"))
+        return ModelSource(p.stem, "gguf", p, args)
     if p.exists():  # a device (/dev/zero), a pipe, a socket
         raise ModelFileError(f"model {spec!r}: not a regular file or a folder")
     known = ", ".join(sorted(transformer_configs))
@@ -167,14 +174,79 @@ def _wanted(start: int, end: int, embed: bool, head: bool, layer_fmt: str, layer
 
 
 # -- HF safetensors ----------------------------------------------------------------------------
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Our state-dict name (a layer's without its `layers.I.`) -> the tensor shape (torch order:
+    out, in) that the model's metadata implies."""
+    d, kv, hidden, vocab = args.dim, args.n_kv_heads * args.head_dim, args.hidden_dim, args.vocab_size
+    return {"attention_norm.weight": (d,), "ffn_norm.weight": (d,), "attention.wq.weight": (d, d),
+            "attention.wk.weight": (kv, d), "attention.wv.weight": (kv, d), "attention.wo.weight": (d, d),
+            "feed_forward.w1.weight": (hidden, d), "feed_forward.w3.weight": (hidden, d),
+            "feed_forward.w2.weight": (d, hidden), "tok_embeddings.weight": (vocab, d), "norm.weight": (d,),
+            "output.weight": (vocab, d)}
+
+
+def _check_shapes(path: Path, args: ModelArgs, have: dict[str, tuple[int, ...]], layer_fmt: str,
+                  layer_map: dict[str, str], ends: tuple[str, str, str]) -> None:
+    """ModelFileError unless every tensor the model needs is in `have` (checkpoint name -> shape)
+    with the shape its metadata implies: read from the file's header, before a node starts (a
+    mismatch was a multi-line state_dict RuntimeError at load, exit 1, after the planner had
+    taken the file)."""
+    head = ends[2] if ends[2] in have else ends[0]  # no head of its own: the embedding (tied), as loading does
+    want = expected_shapes(args)
+    for ours, ck in _wanted(0, args.n_layers, True, True, layer_fmt, layer_map, (*ends[:2], head)).items():
+        shape = have.get(ck)
+        if shape is None:
+            raise ModelFileError(f"{path}: tensor {ck!r} missing")
+        need = want[ours.split(".", 2)[2] if ours.startswith("layers.") else ours]
+        if tuple(shape) != need:
+            raise ModelFileError(f"{path}: tensor {ck!r} has shape {list(shape)}, its metadata implies {list(need)} "
+                                 "(a corrupt or mislabelled file)")
+
+
+MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit on its JSON header
+
+
+def _hf_shapes(d: Path) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, from the JSON headers of the directory's `*.safetensors`
+    files (read here, without torch); ModelFileError naming a file that is not one."""
+    out: dict[str, tuple[int, ...]] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                size = f.stat().st_size
+                n = int.from_bytes(fh.read(8), "little")
+                if size < 8 or not 2 <= n <= min(MAX_SAFETENSORS_HEADER, size - 8):
+                    raise ValueError(f"header length {n} does not fit the file's {size} bytes")
+                header = json.loads(fh.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+            for name, t in header.items():
+                if name == "__metadata__":
+                    continue
+                shape, (a, b) = t["shape"], t["data_offsets"]
+                if not (isinstance(shape, list) and all(isinstance(x, int) and x >= 0 for x in shape)
+                        and isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= size - 8 - n):
+                    raise ValueError(f"tensor {name!r}: bad shape or offsets")
+                out[name] = tuple(shape)
+        except OSError as e:
+            raise ModelFileError(f"{f}: cannot read: {e.strerror or e}") from None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            raise ModelFileError(f"{f}: not a safetensors file, or a truncated one ({e})") from None
+    return out
+
+
 def _hf_args(d: Path) -> ModelArgs:
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise ModelFileError(f"{d}: not an HF model directory (no config.json)")
     try:
-        c = json.loads(cfg_path.read_text())
+        c = json.loads(cfg_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ModelFileError(f"{cfg_path}: invalid JSON: {e}") from None
+    except UnicodeDecodeError:
+        raise ModelFileError(f"{cfg_path}: not a text file (UTF-8)") from None
+    except OSError as e:
+        raise ModelFileError(f"{cfg_path}: cannot read: {e.strerror or e}") from None
     if not isinstance(c, dict):
         raise ModelFileError(f"{cfg_path}: expected a JSON object")
     mt = c.get("model_type")

@@ -102,12 +102,30 @@ def tokenizer_from_hf_dir(d: Path) -> Tokenizer:
     path = d / "tokenizer.json"
     if not path.is_file():
         raise ModelFileError(f"{d}: no tokenizer.json")
-    tok = HFTokenizer.from_file(str(path))
-    cfg = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() else {}
-    mcfg = json.loads((d / "config.json").read_text())
+    try:
+        tok = HFTokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a bad file
+        raise ModelFileError(f"{path}: not a tokenizer the tokenizers library reads ({str(e)[:200]})") from None
+
+    def obj(name: str) -> dict:
+        f = d / name
+        try:
+            v = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+        except (ValueError, OSError) as e:  # invalid JSON or UTF-8, unreadable
+            raise ModelFileError(f"{f}: cannot be read as JSON: {str(e)[:200]}") from None
+        if not isinstance(v, dict):
+            raise ModelFileError(f"{f}: expected a JSON object")
+        return v
+
+    cfg, mcfg = obj("tokenizer_config.json"), obj("config.json")
     eos = mcfg.get("eos_token_id")
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return Tokenizer(tok, eos_ids, mcfg.get("bos_token_id"), cfg.get("chat_template"))
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos_ids):
+        raise ModelFileError(f"{d / 'config.json'}: eos_token_id must be a token id or a list of them, got {eos!r:.60}")
+    template = cfg.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelFileError(f"{d / 'tokenizer_config.json'}: chat_template must be a string")
+    return Tokenizer(tok, eos_ids, mcfg.get("bos_token_id"), template)
 
 
 def load_tokenizer(src) -> Tokenizer:

@@ -68,6 +68,7 @@ class Node:
             self.transport.every(AUTH_RELOAD_S, self._reload_keys)
         self.host = RoleHost(self.transport, cfg, self.members)
         self.gateway = self.api = None  # built below, after the mesh agent, if the node file has `gateway:`
+        self._up: set[str] = set()  # the parts start() has started: stop() stops those
         self.mesh = MeshAgent(self.transport, self.members, self.me, self._serving,
                               lambda: self.host.ctx.plan.to_json() if self.host.ctx is not None else None)
         self.transport.on_peer_gone = self.mesh.peer_gone
@@ -101,28 +102,37 @@ class Node:
         if self.gateway is not None:
             self.gateway.model.load(self.cfg.model, self.host.weights)  # a bad model path fails here, before joining
             self.api.start()
+            self._up.add("api")
             log.info("%s: gateway serving the OpenAI API on http://%s", self.me.id, self.cfg.gateway)
+        self._up.add("host")  # (its start may fail half way: its close copes)
         self.host.start()
+        self._up.add("coordinator")
         self.coordinator.start()
         self.transport.start()
+        self._up.add("transport")
         if self.gateway is not None:
             self.gateway.model.start()  # a gateway without the model file fetches the tokenizer now
         if self.mdns is not None:
             self.mdns.start()
+            self._up.add("mdns")
         log.info("%s: listening on %s (zone %s, incarnation %d)", self.me.id, self.me.address, self.me.zone,
                  self.me.incarnation)
         return self
 
     def stop(self, leave: bool = True) -> None:
-        if self.api is not None:
+        """Stop what start() started (a start that failed half way, e.g. on a bad tokenizer file,
+        had its error hidden by a RuntimeError from joining threads that never started)."""
+        if "api" in self._up:
             self.api.close()
             self.gateway.close()
-        if leave and self.refused is None:
+        if leave and self.refused is None and "transport" in self._up:
             self.mesh.leave()
         self.transport.close()
-        self.coordinator.close()
-        self.host.close()
-        if self.mdns is not None:
+        if "coordinator" in self._up:
+            self.coordinator.close()
+        if "host" in self._up:
+            self.host.close()
+        if "mdns" in self._up:
             self.mdns.close()
         self.stopped.set()
 
