@@ -517,6 +517,30 @@ def test_idle_and_trickling_api_connections_are_closed() -> None:
         api.close()
 
 
+def test_a_client_gone_mid_body_is_not_an_error_in_the_log(caplog) -> None:
+    """A client that closed its connection half way through its body was logged as an ERROR with
+    two chained tracebacks (ConnectionResetError), 29 of them after ~500 requests with drops."""
+    from meshllm.roles.http_api import ApiServer
+
+    listen = addr()
+    api = ApiServer(_Gateway(), listen)
+    api.start()
+    host, port = listen.split(":")
+    try:
+        with caplog.at_level(logging.DEBUG):
+            for _ in range(3):
+                sock = socket.create_connection((host, int(port)), 5)
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 100\r\n\r\n{\"model\": ")
+                sock.close()
+            time.sleep(1.0)  # the handlers see the connections closed
+            assert _get(f"http://{listen}/v1/models", None)[0] == 200  # serving as before
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == [], [r.getMessage() for r in errors]
+    finally:
+        api.close()
+
+
 def test_a_node_lifts_its_open_files_limit_to_the_hard_limit() -> None:
     import resource
 

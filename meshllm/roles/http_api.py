@@ -130,6 +130,11 @@ async def _generate(request: web.Request, gw: Gateway, chat: bool, body_s: float
         resp = ApiError(400, f"the request body cannot be read: {e}", None, "invalid_body").response()
         resp.force_close()  # the rest of the stream is not a request
         return resp
+    except ConnectionError as e:  # the client left mid-body: it was an ERROR with two tracebacks each time
+        resp = ApiError(400, f"the connection closed before the whole body came: {e}", None,
+                        "invalid_body").response()
+        resp.force_close()  # aiohttp's write of it to a closed connection is only a debug line
+        return resp
     except ApiError as e:
         return e.response()
     try:  # a lone surrogate escape ("\ud800") is valid JSON but no text: the tokenizer cannot take it
