@@ -370,6 +370,8 @@ class FaultInjector:
             if not missing or time.monotonic() >= deadline:
                 break
             self._halted.wait(HEAL_POLL_S)
+        if self._halted.is_set():  # cut short: no heal was seen, nor its absence
+            return
         entry["healed_after_s"] = None if missing else round(max(0.0, time.monotonic() - end), 3)
         if missing:
             log.warning("fault: the mesh did not heal within %.0f s of the %s's end: %s not in use again",

@@ -122,6 +122,25 @@ def read_authorized_keys(path: str, src: str, fld: str) -> dict[str, bytes]:
     return out
 
 
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+
+def handshake_failure(event: int, peer: str | None, address: str, keys: NodeKeys) -> str:
+    """What a client's failed CURVE handshake with the node at `address` (pinned to `peer`) says:
+    the node refused this identity's key (ZAP), or the node there did not prove it holds the key
+    pinned for it (another node listens there, or it runs without CURVE or with another key)."""
+    if keys.shared:
+        return (f"the CURVE handshake with the node at {address} failed: it "
+                + ("refused this cluster key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
+                   "does not hold this cluster key (another mesh's key, or it runs without CURVE)"))
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the node at {address} refused the key of {keys.node_id!r} (is `{keys.node_id} "
+                f"{keys.public.decode()}` in its authorized keys?)")
+    return (f"the CURVE handshake with the node at {address} failed: it does not hold the key of {peer!r} "
+            "(another node listens there, or it runs without CURVE or with another key)")
+
+
 class NodeKeys:
     """One node's CURVE identity, the mesh's authorized keys, and the address -> node id pins of
     its client connections. Thread-safe."""

@@ -28,10 +28,10 @@ from meshllm.errors import InputError
 from meshllm.mesh.agent import MeshAgent
 from meshllm.mesh.discovery import SERVICE_TYPE, Gossip, MdnsDiscovery
 from meshllm.mesh.ingress import LinkShaper
-from meshllm.mesh.keys import AUTH_RELOAD_S, NodeKeys
+from meshllm.mesh.keys import AUTH_RELOAD_S, HANDSHAKE_FAILED, NodeKeys, handshake_failure
 from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import MsgType, ProtocolError, decode, encode, make
-from meshllm.mesh.sockets import HANDSHAKE_FAILED, client_socket, handshake_failure
+from meshllm.mesh.sockets import client_socket
 from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig
 from meshllm.roles.coordinator import Coordinator

@@ -25,7 +25,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from meshllm.mesh.ingress import LinkShaper, RateLimiter, Rejections
-from meshllm.mesh.keys import ANY_NODE, NodeKeys, UnknownPeerKey
+from meshllm.mesh.keys import ANY_NODE, HANDSHAKE_FAILED, NodeKeys, UnknownPeerKey, handshake_failure
 from meshllm.mesh.protocol import MAX_MESSAGE_BYTES, Message, MsgType, ProtocolError, decode, encode
 
 log = logging.getLogger("meshllm.mesh.transport")
@@ -151,25 +151,6 @@ def client_socket(ctx: zmq.Context, kind: int, address: str, keys: NodeKeys | No
     mon = sock.get_monitor_socket(watch) if watch else None
     sock.connect(endpoint(address, offset))
     return sock, peer, mon
-
-
-HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-
-
-def handshake_failure(event: int, peer: str | None, address: str, keys: NodeKeys) -> str:
-    """What a client's failed CURVE handshake with the node at `address` (pinned to `peer`) says:
-    the node refused this identity's key (ZAP), or the node there did not prove it holds the key
-    pinned for it (another node listens there, or it runs without CURVE or with another key)."""
-    if keys.shared:
-        return (f"the CURVE handshake with the node at {address} failed: it "
-                + ("refused this cluster key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
-                   "does not hold this cluster key (another mesh's key, or it runs without CURVE)"))
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"the node at {address} refused the key of {keys.node_id!r} (is `{keys.node_id} "
-                f"{keys.public.decode()}` in its authorized keys?)")
-    return (f"the CURVE handshake with the node at {address} failed: it does not hold the key of {peer!r} "
-            "(another node listens there, or it runs without CURVE or with another key)")
 
 
 def nbytes(frames: list) -> int:
