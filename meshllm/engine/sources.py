@@ -89,7 +89,7 @@ def resolve_model(spec: str) -> ModelSource:
     p = Path(spec)
     if p.is_dir():
         args = _hf_args(p)
-        _check_shapes(p, args, _hf_shapes(p), "model.layers.{i}.{name}.weight", _HF_LAYER,
+        _check_shapes(p, args, _hf_shapes(p, _stamp(p)), "model.layers.{i}.{name}.weight", _HF_LAYER,
                       ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"))
         return ModelSource(p.name, "hf", p, args)
     if p.is_file():
@@ -206,9 +206,16 @@ def _check_shapes(path: Path, args: ModelArgs, have: dict[str, tuple[int, ...]],
 MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit on its JSON header
 
 
-def _hf_shapes(d: Path) -> dict[str, tuple[int, ...]]:
+def _stamp(d: Path) -> tuple:
+    """The directory's `*.safetensors` files as (name, size, mtime): a key that changes with them."""
+    return tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(d.glob("*.safetensors")) if (st := f.stat()))
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_shapes(d: Path, stamp: tuple) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor name -> shape, from the JSON headers of the directory's `*.safetensors`
-    files (read here, without torch); ModelFileError naming a file that is not one."""
+    files (read here, without torch; once per `stamp`: a node resolves its model often);
+    ModelFileError naming a file that is not one."""
     out: dict[str, tuple[int, ...]] = {}
     for f in sorted(d.glob("*.safetensors")):
         try:
