@@ -575,7 +575,8 @@ def test_n_and_best_of_are_not_true_a_missing_seed_is_a_fresh_one_and_a_pinned_r
         tokenizer=smollm2_tokenizer, max_context=8192, vocab=smollm2_tokenizer.vocab_size))
     body = {"model": "m", "prompt": "hi", "max_tokens": 4}
     for bad, code in [({"n": True}, "invalid_value"), ({"n": 2}, "invalid_value"),
-                      ({"best_of": True}, "unsupported_parameter"), ({"presence_penalty": False}, "unsupported_parameter")]:
+                      ({"best_of": True}, "unsupported_parameter"), ({"presence_penalty": False}, "unsupported_parameter"),
+                      ({"logprobs": 0}, "unsupported_parameter")]:  # (0 == False: it passed, and was ignored)
         with pytest.raises(ApiError) as e:
             parse_params({**body, **bad}, gw, chat=False)
         assert (e.value.status, e.value.code) == (400, code), bad
@@ -619,6 +620,48 @@ def test_a_stop_string_inside_a_verified_block_keeps_only_the_tokens_up_to_it(sm
     for block in (2, 3, 5, 16):
         assert run(block) == one, block
 
+
+def test_a_resumed_stream_sends_the_text_the_first_one_held_back(smollm2_tokenizer):
+    """A stream holds back text that may become a stop string, yet sends its token ids; a client
+    resuming with those ids (`meshllm.resume_token_ids`) never got that text: " Paris.\n\nThe
+    answer" came back as " Paris. answer". Resumed after any chunk, the client's text is whole."""
+    from types import SimpleNamespace
+
+    from meshllm.roles.http_api import TextStream
+
+    gw = SimpleNamespace(model=SimpleNamespace(tokenizer=smollm2_tokenizer))
+    ids = smollm2_tokenizer.encode(" Paris.\n\nThe answer is: 🍏🍏 done")
+    for stop in (("\n\nThe answer are",), ("\n\nThe answer are", " is: 🍏🍏x"), ()):
+        ts = TextStream(gw, stop)
+        sent = [ts.push([t], False) for t in ids]
+        whole = "".join(sent) + ts.push([], True)
+        assert whole == smollm2_tokenizer.decode(ids)
+        assert any(d == "" for d in sent[1:]) or not stop  # something was held back
+        for k in range(1, len(ids)):
+            again = TextStream(gw, stop, tuple(ids[:k]))
+            rest = "".join(again.push([t], False) for t in ids[k:]) + again.push([], True)
+            assert "".join(sent[:k]) + rest == whole, (stop, k)
+
+
+def test_a_stop_string_never_matches_half_a_character(smollm2_tokenizer):
+    """A stop string holding U+FFFD matched the replacement character of a character whose
+    bytes had not all come: "Emoji list: 🍎🍌" stopped at once, output "" (the model writes
+    whole apples). It matches only a U+FFFD the text really has, at its end."""
+    from types import SimpleNamespace
+
+    from meshllm.roles.http_api import TextStream
+
+    gw = SimpleNamespace(model=SimpleNamespace(tokenizer=smollm2_tokenizer))
+    ids = smollm2_tokenizer.encode("🍏🍏🍏")
+    assert smollm2_tokenizer.decode(ids[:1]).endswith("\ufffd")  # the test's premise: a character split
+    ts = TextStream(gw, ("\ufffd",))
+    text = "".join(ts.push([t], False) for t in ids)
+    assert not ts.stopped and text + ts.push([], True) == "🍏🍏🍏"
+    ts = TextStream(gw, ("\ufffd",))  # cut off mid-character by max_tokens: that U+FFFD is real
+    assert ts.push(ids[:1], True) == "" and ts.stopped
+
+
+def test_a_bad_integer_field_s_message_gives_its_range_in_whole_numbers():
     """It said "must be an integer in [1, 2.14748e+09]" and "[-9.22337e+18, 9.22337e+18]"."""
     from meshllm.roles.api_params import ApiError, _number
 

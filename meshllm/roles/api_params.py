@@ -31,7 +31,8 @@ def _number_at(value: float):
 # OpenAI request fields not implemented here -> whether a value asks for nothing (else a 400)
 NO_OP = {
     "presence_penalty": _number_at(0), "frequency_penalty": _number_at(0),
-    "logit_bias": lambda v: not v, "logprobs": lambda v: v in (None, False), "top_logprobs": _number_at(0),
+    "logit_bias": lambda v: not v, "top_logprobs": _number_at(0),
+    "logprobs": lambda v: v is None or v is False,  # (0 == False, but logprobs 0 asks for the chosen tokens')
     "echo": lambda v: v in (None, False), "best_of": _number_at(1), "suffix": lambda v: not v,
     "tools": lambda v: not v, "functions": lambda v: not v, "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"), "response_format": lambda v: v in (None, {"type": "text"}),

@@ -68,13 +68,30 @@ class TextStream:
 
     def __init__(self, gw: Gateway, stop: tuple[str, ...], shown: tuple[int, ...] = ()):
         self.tok, self.eos, self.stop = gw.model.tokenizer, gw.model.tokenizer.eos_ids, stop
-        self.ids: list[int] = list(shown)  # tokens whose text the client has (a resumed request's)
-        self.shown = len(self.tok.decode(self.ids).rstrip("\ufffd")) if shown else 0
+        self.ids: list[int] = list(shown)  # tokens a resumed request's client has
+        # ...but not all of their text: what the stream held back (half a character, what might
+        # have become a stop string) was never sent, so it is sent now
+        self.shown = self._held_end(self._decode(self.ids), 0) if shown else 0
         self.stopped = False
         self.excess = 0  # tokens of the last push after the one that completed a stop string
 
-    def _stop_at(self, text: str) -> int:
+    def _stop_at(self, text: str, final: bool = False) -> int:
+        if not final:  # the U+FFFD of half a character is not text yet: no stop string matches it
+            text = text.rstrip("\ufffd")
         return min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+
+    def _held_end(self, text: str, shown: int) -> int:
+        """Where the text that is safe to show ends (never before `shown`): before half a UTF-8
+        character and before a tail that may still become a stop string."""
+        end = len(text)
+        while end > shown and text[end - 1] == "\ufffd":
+            end -= 1
+        for s in self.stop:
+            for k in range(min(len(s) - 1, end - shown), 0, -1):
+                if text[end - k:end] == s[:k]:
+                    end -= k
+                    break
+        return end
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode([t for t in ids if t not in self.eos])
@@ -82,7 +99,7 @@ class TextStream:
     def push(self, tokens: list[int], final: bool) -> str:
         self.ids.extend(tokens)
         text = self._decode(self.ids)
-        cut = self._stop_at(text)
+        cut = self._stop_at(text, final)
         if cut >= 0:
             self.stopped, final, text = True, True, text[:cut]
             # a verified draft block brings several tokens at once: those after the one that
@@ -94,15 +111,7 @@ class TextStream:
                     self.excess = len(self.ids) - k
                     del self.ids[k:]
                     break
-        end = len(text)
-        if not final:
-            while end > self.shown and text[end - 1] == "\ufffd":
-                end -= 1
-            for s in self.stop:  # hold back what may become a stop string
-                for k in range(min(len(s) - 1, end - self.shown), 0, -1):
-                    if text[end - k:end] == s[:k]:
-                        end -= k
-                        break
+        end = len(text) if final else self._held_end(text, self.shown)
         delta, self.shown = text[self.shown:end], max(self.shown, end)
         return delta
 
