@@ -643,6 +643,35 @@ def test_a_resumed_stream_sends_the_text_the_first_one_held_back(smollm2_tokeniz
             assert "".join(sent[:k]) + rest == whole, (stop, k)
 
 
+def test_a_long_stream_s_text_is_the_whole_decode_in_any_blocks(smollm2_tokenizer):
+    """Each push decoded every token so far (8192 tokens one at a time: 8.6 s of the event loop's
+    CPU); now the text before the last TEXT_TAIL.. tokens is fixed once a whole decode confirms
+    it. Random token ids (broken UTF-8 mid-text), pushed in blocks of 1..17 past several fixings,
+    give the whole decode; a stop string 2000 tokens in cuts where the whole text has it."""
+    import random
+    from types import SimpleNamespace
+
+    from meshllm.roles.http_api import TEXT_STRIDE, TEXT_TAIL, TextStream
+
+    tok = smollm2_tokenizer
+    gw = SimpleNamespace(model=SimpleNamespace(tokenizer=tok))
+    rnd = random.Random(5)
+    ids = [rnd.randrange(tok.vocab_size) for _ in range(2000)] + tok.encode(" so: 🍏 THE END 🍌 more text")
+    assert len(ids) > 4 * (TEXT_TAIL + TEXT_STRIDE)
+    whole = tok.decode([t for t in ids if t not in tok.eos_ids])
+    for stop in ((), ("THE END",)):
+        for trial in range(3):
+            ts, out, i = TextStream(gw, stop), [], 0
+            while i < len(ids) and not ts.stopped:
+                n = rnd.randint(1, 17)
+                out.append(ts.push(ids[i:i + n], i + n >= len(ids)))
+                i += n
+            assert ts.fixed > len(ids) - 2 * (TEXT_TAIL + TEXT_STRIDE)  # it did fix text as it went
+            assert "".join(out) == (whole[:whole.index("THE END")] if stop else whole), (stop, trial)
+            if stop:
+                assert tok.decode(ts.ids).endswith("THE END") and ts.stopped
+
+
 def test_a_stop_string_never_matches_half_a_character(smollm2_tokenizer):
     """A stop string holding U+FFFD matched the replacement character of a character whose
     bytes had not all come: "Emoji list: 🍎🍌" stopped at once, output "" (the model writes
