@@ -186,6 +186,24 @@ def test_nodes_that_may_only_decode_or_only_prefill_are_named_as_the_shortfall(o
         plan_cluster(plan_inputs(parse_cluster(data, "inline.yaml")), log=False)
 
 
+def test_a_cluster_whose_roles_leave_a_phase_without_the_model_exits_2_for_plan_and_simulate(tmp_path):
+    """--simulate exited 0 with every policy null where --plan exited 2 (roles that allow no node
+    to decode); a prefill-only RTX 4090 beside a decode-only Pi 3B was "memory too fragmented"
+    where no node that may decode holds the model."""
+    nuc = {"device": "intel-nuc-13-i7", "zone": "z", "roles": ["prefill"]}
+    for nodes, model, why in [
+            ([{"id": "a", **nuc}, {"id": "b", **nuc}], "smollm2-135m",
+             "no node may decode (the stage-capable nodes' roles allow only prefill)"),
+            ([{"id": "a", "device": "desktop-rtx-4090", "zone": "z", "roles": ["prefill"]},
+              {"id": "b", "device": "raspberry-pi-3b-1gb", "zone": "z", "roles": ["decode"]}], "llama-2-7b",
+             "the nodes that may decode cannot hold the model together: devices b have 0.60 GB")]:
+        path = tmp_path / "c.yaml"
+        path.write_text(json.dumps({"model": model, "nodes": nodes}))
+        for cmd in ("--plan", "--simulate"):
+            r = run_cli(cmd, str(path))
+            assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, (cmd, r.stderr)
+
+
 def test_a_rate_above_capacity_predicts_null_waits_in_valid_json(tmp_path):
     """--plan --json printed `Infinity` (not JSON: a strict parser refuses it) for the waits of
     a plan whose workload rate is above its capacity; now null, and a plan read back from JSON

@@ -237,18 +237,32 @@ NO_STAGE = "no node may hold a stage (every node's roles exclude prefill and dec
 def check_servable(inp: PlanInputs) -> None:
     """PlanInfeasible when no plan can exist, as far as is known without a search (no node may
     hold a stage, or all that may are short of memory together): `--simulate` checks it first."""
-    why = NO_STAGE if not inp.members else memory_shortfall(inp.mc, inp.members, inp.mix.prefill_wp())
+    why = NO_STAGE if not inp.members else phase_shortfall(inp)
+    if why is None:
+        why = memory_shortfall(inp.mc, inp.members, inp.mix.prefill_wp())
+        why = why and f"all stage-capable nodes together: {why}"
     if why is not None:
-        prefix = "" if not inp.members else "all stage-capable nodes together: "
-        raise PlanInfeasible(f"{inp.source}: cannot serve {inp.args.name}: {prefix}{why}")
+        raise PlanInfeasible(f"{inp.source}: cannot serve {inp.args.name}: {why}")
+
+
+def phase_shortfall(inp: PlanInputs) -> str | None:
+    """Every request is prefilled and decoded by a replica that holds the whole model, so the
+    nodes whose `roles:` allow each phase must hold it together (a mixed replica does both: its
+    nodes must allow both); else why not."""
+    for phase in ("prefill", "decode"):
+        able = [m for m, f in zip(inp.members, inp.forced) if f in (None, phase)]
+        if not able:
+            return f"no node may {phase} (the stage-capable nodes' roles allow only {inp.forced[0]})"
+        if len(able) < len(inp.members) and (short := memory_shortfall(inp.mc, able, inp.mix.prefill_wp())):
+            return f"the nodes that may {phase} cannot hold the model together: {short}"
+    return None
 
 
 def infeasible_reason(inp: PlanInputs) -> str:
     if not inp.members:
         return NO_STAGE
-    for phase in ("prefill", "decode"):  # (a mixed replica does both: its nodes must allow both)
-        if all(f is not None and f != phase for f in inp.forced):
-            return f"no node may {phase} (the stage-capable nodes' roles allow only {inp.forced[0]})"
+    if why := phase_shortfall(inp):
+        return why
     ev = evaluate_replica(inp.mc, inp.members, inp.net, inp.mix)
     if ev.reason:
         return f"all stage-capable nodes together: {ev.reason}"
