@@ -183,8 +183,8 @@ def _link(ln: Any, i: int, src: str, zones: set[str] | None) -> LinkSpec:
             raise ConfigError(src, p + "zones", f"zone names are non-empty strings, got {zz!r:.60}")
         if zones is not None and zz not in zones:
             raise ConfigError(src, p + "zones", f"zone {zz!r} has no nodes (zones: {', '.join(sorted(zones))})")
-    return LinkSpec((str(z[0]), str(z[1])), float(number(ln["rtt_ms"], src, p + "rtt_ms")),
-                    float(number(ln["bandwidth_mbps"], src, p + "bandwidth_mbps", strict=True)))
+    return LinkSpec((str(z[0]), str(z[1])), float(number(ln["rtt_ms"], src, p + "rtt_ms", hi=1e6)),
+                    float(number(ln["bandwidth_mbps"], src, p + "bandwidth_mbps", lo=1e-3, hi=1e7)))
 
 
 def _draft(d: Any, src: str) -> DraftSpec:
@@ -213,7 +213,7 @@ def _dist(d: Any, src: str, fld: str, default: float) -> LengthDist:
     if d is None:
         return LengthDist(default)
     check_keys(d, {"mean", "dist"}, {"mean"}, src, fld + ".")
-    return LengthDist(float(number(d["mean"], src, fld + ".mean", strict=True)),
+    return LengthDist(float(number(d["mean"], src, fld + ".mean", lo=1)),  # (a mean of 0.001 drew 0-token prompts)
                       choice(d.get("dist", "lognormal"), DISTS, src, fld + ".dist"))
 
 

@@ -33,6 +33,10 @@ class DeviceProfile:
 
 
 _REQUIRED = ("memory_gb", "compute_tflops", "memory_bandwidth_gbps", "network_mbps")
+# what a device of one node may plausibly have, a thousand-fold around today's (memory_gb 1e300
+# overflowed the planner's layer count: exit 1; compute_tflops 1e300 divided by zero)
+RANGES = {"memory_gb": (1e-3, 1e5), "compute_tflops": (1e-6, 1e6), "memory_bandwidth_gbps": (1e-3, 1e6),
+          "network_mbps": (1e-3, 1e7)}
 
 
 def device_from_mapping(name: str, data: dict, where: str) -> DeviceProfile:
@@ -53,6 +57,9 @@ def device_from_mapping(name: str, data: dict, where: str) -> DeviceProfile:
         v = data[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:  # not .nan / .inf
             raise ConfigError(where, f"device.{k}", f"must be a positive finite number, got {v!r}{number_hint(v)}")
+        lo, hi = RANGES[k]
+        if not lo <= v <= hi:
+            raise ConfigError(where, f"device.{k}", f"must be in [{lo:g}, {hi:g}] for one device, got {v:g}")
         values[k] = float(v)
     return DeviceProfile(name=str(data.get("name", name)), source=str(data.get("source", "")), **values)
 

@@ -51,7 +51,15 @@ def test_valid_cluster_defaults():
     ({"nodes__0__device": {**DEV, "memory_gb": -1}}, "device.memory_gb", "positive"),
     ({"nodes__0__roles": ["cook"]}, "nodes[0].roles[0]", "must be one of"),
     ({"links__0__zones": ["edge", "moon"]}, "links[0].zones", "moon"),
-    ({"links__0__bandwidth_mbps": 0}, "links[0].bandwidth_mbps", "> 0"),
+    ({"links__0__bandwidth_mbps": 0}, "links[0].bandwidth_mbps", "in [0.001, 1e+07]"),
+    # past what one device or link may have: 1e300 overflowed or divided by zero in the planner (exit 1)
+    ({"nodes__0__device": {**DEV, "memory_gb": 1.0e300}}, "device.memory_gb", "in [0.001, 100000] for one device"),
+    ({"nodes__0__device": {**DEV, "compute_tflops": 1.0e300}}, "device.compute_tflops", "in [1e-06, 1e+06]"),
+    ({"links__0__bandwidth_mbps": 1.0e-320}, "links[0].bandwidth_mbps", "in [0.001, 1e+07]"),
+    ({"links__0__rtt_ms": 1.0e100}, "links[0].rtt_ms", "in [0, 1e+06]"),
+    # a mean of 0.001 drew 0-token requests (--simulate: ZeroDivisionError), 0.5 predicted negative waits
+    ({"workload": {"input_tokens": {"mean": 0.001}}}, "workload.input_tokens.mean", ">= 1"),
+    ({"workload": {"output_tokens": {"mean": 0.5, "dist": "uniform"}}}, "workload.output_tokens.mean", ">= 1"),
     ({"draft": {"quant": "w3a16"}}, "draft.quant", "must be one of"),
     ({"draft": {"group_size": 48}}, "draft.group_size", "must be one of 32, 64, 128, 256"),
     ({"draft": {"group_size": 96}}, "draft.group_size", "must be one of 32, 64, 128, 256"),  # torch's int4 kernel
