@@ -20,7 +20,9 @@ from meshllm.defaults import (
     DEFAULT_SPEC_MODE,
     DEFAULT_WEIGHT_DTYPE,
     GROUP_SIZES,
+    MAX_RATE,
     MAX_REQUEST_TOKENS,
+    MIN_RATE,
     NODE_ROLES,
     QUANTS,
     SPEC_MODES,
@@ -119,7 +121,19 @@ def _roles(v: Any, src: str, fld: str) -> tuple[Role, ...] | None:
     if not isinstance(v, list) or not v:
         raise ConfigError(src, fld, "must be a non-empty list")
     names = tuple(str(r) for r in NODE_ROLES)
-    return tuple(Role(choice(r, names, src, f"{fld}[{i}]")) for i, r in enumerate(v))
+    roles = tuple(Role(choice(r, names, src, f"{fld}[{i}]")) for i, r in enumerate(v))
+    if len(set(roles)) < len(roles):  # (it was taken, and echoed as "(drafter, drafter)")
+        twice = next(r for i, r in enumerate(roles) if r in roles[:i])
+        raise ConfigError(src, fld, f"names {str(twice)!r} twice")
+    return roles
+
+
+def _rate(v: Any, src: str) -> float:
+    """A workload's arrival rate: 0 (none given), or one in [MIN_RATE, MAX_RATE] requests/s."""
+    rate = float(number(v, src, "workload.arrival_rate_per_s", hi=MAX_RATE))
+    if 0 < rate < MIN_RATE:
+        raise ConfigError(src, "workload.arrival_rate_per_s", f"must be 0 (none) or at least {MIN_RATE:g}, got {v!r}")
+    return rate
 
 
 def _model(v: Any, src: str) -> str:
@@ -238,7 +252,7 @@ def _workload(d: Any, src: str, node: bool = False) -> Workload:
         max_tokens=int(number(d.get("max_tokens", DEFAULT_MAX_TOKENS), src, "workload.max_tokens", lo=1,
                               integer=True, hi=MAX_REQUEST_TOKENS)),
         temperature=float(number(d.get("temperature", 0.0), src, "workload.temperature", hi=MAX_TEMPERATURE)),
-        arrival_rate_per_s=float(number(d.get("arrival_rate_per_s", 0.0), src, "workload.arrival_rate_per_s")),
+        arrival_rate_per_s=_rate(d.get("arrival_rate_per_s", 0.0), src),
         requests=int(number(d.get("requests", 0), src, "workload.requests", integer=True, hi=MAX_WORKLOAD_REQUESTS)),
         input_tokens=_dist(d.get("input_tokens"), src, "workload.input_tokens", 512),
         output_tokens=_dist(d.get("output_tokens"), src, "workload.output_tokens", 128),

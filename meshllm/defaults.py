@@ -29,6 +29,8 @@ TOKEN_BUDGET = 256  # rows per micro-batch, decodes first, then prompt chunks (c
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MAX_TOKENS = 48
+MIN_RATE, MAX_RATE = 1e-9, 1e6  # requests/s a plan or simulation is for (1e-300 lost the trace's times
+# to float absorption: waits and TTFT of 0; 1e308 printed 300 digits)
 MAX_REQUEST_TOKENS = 1 << 31  # a request's max_tokens at most (the API's bound, and a workload's)
 
 # draft models: W4A16 / W8A16 quantizations of the target; "none": no draft. Two references for

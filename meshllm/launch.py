@@ -123,6 +123,7 @@ def flag(dest: str) -> str:
 def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) -> None:
     """InputError for an option the mode does not use, or a value no run could take (the HTTP
     API's ranges for sampling: the CLI sends them there with --cluster)."""
+    from meshllm.defaults import MAX_RATE, MIN_RATE
     from meshllm.mesh.fields import MAX_TEMPERATURE, is_int, is_num
 
     if getattr(a, mode) == "":
@@ -147,13 +148,13 @@ def check_options(p: argparse.ArgumentParser, a: argparse.Namespace, mode: str) 
     if mode == "reference" and a.dtype != p.get_default("dtype") and a.draft is not None:
         raise InputError("--dtype applies to the target model; a --draft runs as its quantization builds it, "
                          "as a drafter does")
-    inf = float("inf")
     checks = [("max_tokens", is_int(a.max_tokens, 1), ">= 1"),
               ("threads", is_int(a.threads, 1) and a.threads <= MAX_THREADS, f"a number of threads in 1..{MAX_THREADS}"),
               ("temperature", is_num(a.temperature, 0.0, MAX_TEMPERATURE), f"in [0, {MAX_TEMPERATURE:g}] (0: greedy)"),
               ("top_k", is_int(a.top_k, 0), ">= 0 (0: all tokens)"),
               ("top_p", is_num(a.top_p, 0.0, 1.0) and a.top_p > 0, "in (0, 1]"),
-              ("rate", is_num(a.rate) and 0 < a.rate < inf, "a number of requests per second > 0"),
+              ("rate", is_num(a.rate, MIN_RATE, MAX_RATE), f"a number of requests per second in [{MIN_RATE:g}, "
+                                                         f"{MAX_RATE:g}]"),
               ("timeout", is_num(a.timeout) and 0 < a.timeout <= MAX_TIMEOUT_S,
                f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]")]
     for dest, ok, want in checks:

@@ -60,6 +60,9 @@ def test_valid_cluster_defaults():
     # a mean of 0.001 drew 0-token requests (--simulate: ZeroDivisionError), 0.5 predicted negative waits
     ({"workload": {"input_tokens": {"mean": 0.001}}}, "workload.input_tokens.mean", ">= 1"),
     ({"workload": {"output_tokens": {"mean": 0.5, "dist": "uniform"}}}, "workload.output_tokens.mean", ">= 1"),
+    ({"workload": {"arrival_rate_per_s": 1.0e-300}}, "workload.arrival_rate_per_s", "0 (none) or at least 1e-09"),
+    ({"workload": {"arrival_rate_per_s": 1.0e+300}}, "workload.arrival_rate_per_s", "in [0, 1e+06]"),
+    ({"nodes__0__roles": ["drafter", "drafter"]}, "nodes[0].roles", "names 'drafter' twice"),
     ({"draft": {"quant": "w3a16"}}, "draft.quant", "must be one of"),
     ({"draft": {"group_size": 48}}, "draft.group_size", "must be one of 32, 64, 128, 256"),
     ({"draft": {"group_size": 96}}, "draft.group_size", "must be one of 32, 64, 128, 256"),  # torch's int4 kernel

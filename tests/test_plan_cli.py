@@ -67,9 +67,9 @@ def test_plan_rate_plans_for_that_load_and_other_modes_refuse_it():
     assert [(x["role"], [s["node"] for s in x["stages"]]) for x in obj["replicas"]] == \
         [(x.role, [s.node for s in x.stages]) for x in want.replicas]
     assert json.loads(run_cli("--plan", str(path), "--json").stdout)["prediction"]["rate_per_s"] == 1.0
-    for bad in ("0", "-1", "nan"):
-        r = run_cli("--plan", str(path), "--rate", bad)
-        assert r.returncode == 2 and "--rate must be a number of requests per second > 0" in r.stderr
+    for bad in ("0", "-1", "nan", "1e-300", "1e308"):  # (1e-300: waits of 0 by float absorption; 1e308: 300 digits)
+        r = run_cli("--plan", str(path), f"--rate={bad}")
+        assert r.returncode == 2 and "--rate must be a number of requests per second in [1e-09, 1e+06]" in r.stderr
     r = run_cli("--cluster", "clusters/demo.yaml", "--rate", "2")
     assert r.returncode == 2 and "--rate applies to --plan and --simulate only" in r.stderr
     tiny = json.loads(run_cli("--plan", "clusters/demo.yaml", "--rate", "1e-9", "--json").stdout)
