@@ -272,3 +272,41 @@ def test_generate_allocates_kv_for_what_the_context_lets_it_generate(tiny_model,
     monkeypatch.setattr(KVCache, "allocate", lambda self, slot, n, *a, **k: asked.append(n) or real(self, slot, n, *a, **k))
     r = generate(tiny_model, [1, 2, 3], GenerationOptions(max_tokens=10 ** 9))
     assert asked == [tiny_model.args.max_seq_len] and len(r.token_ids) == tiny_model.args.max_seq_len - 3
+
+
+KERNEL_PROBE = """
+import os, sys, torch
+from meshllm.engine.model import SeqSpan
+from meshllm.engine.weights import load_transformer
+torch.set_num_threads(1)
+m = load_transformer("smollm2-135m")
+out = []
+for n in (5, 23, 61, 5, 23, 61):  # each length again after the others (a tiny cache has dropped its kernels)
+    cache = m.new_cache()
+    cache.allocate(0, n + 2)
+    out.append(m(torch.arange(100, 100 + n), [SeqSpan(0, 0, n)], cache))
+torch.save({"sizes": [os.environ[v] for v in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")],
+            "logits": out}, sys.argv[1])
+"""
+
+
+def test_the_kernel_cache_size_changes_no_output_and_is_set_before_torch_work(tmp_path):
+    """oneDNN and ideep cached 1024 kernels each (a prefill node grew ~0.9 GB over prompts of many
+    lengths: bench/prefill_memory.py); meshllm.engine sizes both caches before any torch work, and
+    a kernel rebuilt after it left the cache gives the same bits: with caches of 2 (a rebuild at
+    nearly every layer) the logits equal those of meshllm's size."""
+    import os
+    import subprocess
+    import sys
+
+    from meshllm.engine import KERNEL_CACHE_SIZE
+
+    got = {}
+    for name, env in (("meshllm", {}), ("tiny", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "2", "LRU_CACHE_CAPACITY": "2"})):
+        base = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+        subprocess.run([sys.executable, "-c", KERNEL_PROBE, str(tmp_path / name)], env={**base, **env}, check=True,
+                       timeout=240)
+        got[name] = torch.load(tmp_path / name)
+    assert got["meshllm"]["sizes"] == [KERNEL_CACHE_SIZE] * 2 and got["tiny"]["sizes"] == ["2", "2"]
+    for a, b in zip(got["meshllm"]["logits"], got["tiny"]["logits"]):
+        assert torch.equal(a, b)
