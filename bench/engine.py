@@ -15,7 +15,6 @@ Decode speed is the median over 3 repeats of T single-token steps after a prefil
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -28,9 +27,8 @@ import torch  # noqa: E402
 
 from meshllm.engine.generate import GenerationOptions, decode_one_token, generate, prefill  # noqa: E402
 from meshllm.engine.model import SeqSpan  # noqa: E402
-from meshllm.engine.quant import quantize_model  # noqa: E402
 from meshllm.engine.tokenizer import load_tokenizer  # noqa: E402
-from meshllm.engine.weights import embedded_gguf_path, load_transformer, resolve_model  # noqa: E402
+from meshllm.engine.weights import embedded_gguf_path, load_quantized, load_transformer, resolve_model  # noqa: E402
 
 PROMPTS = [
     "The history of the Roman Empire begins with",
@@ -130,8 +128,10 @@ def main() -> None:
     a = ap.parse_args()
     tok = load_tokenizer(resolve_model("smollm2-135m"))
     target = load_transformer("smollm2-135m")
-    draft = quantize_model(copy.deepcopy(target), "w4a16", a.group_size)
-    target_bf16 = copy.deepcopy(target).to(torch.bfloat16)  # the "bf16 where that is as fast" option
+    draft = load_quantized(resolve_model("smollm2-135m"), "w4a16", a.group_size)  # as a drafter builds it
+    # the "bf16 where that is as fast" option, as `--reference --dtype bfloat16` loads it (a copy
+    # of the packed fp32 target cast to bf16 kept its fp32 oneDNN weights: no kernel took both)
+    target_bf16 = load_transformer("smollm2-135m", dtype=torch.bfloat16)
     prompt = tok.encode(PROMPTS[0])
     rows = []
     for t in a.threads:

@@ -248,7 +248,7 @@ def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> 
         phase1 = pop[0]
         pop = run_ga(score, pop, len(ev.members), LATENCY_GENERATIONS, LATENCY_STALL, log, "latency")
         genes, _ = polish(score, pop[0])
-        genes = fill_unused(ev, genes, lam, floor)
+        genes = fill_unused(ev, genes, lam, floor, log)
         ups = [g for g in pop[1:] if score(g)[0] >= score(genes)[0]][:RUNNERS_UP]
         packs = [pack(ev, type_order(ev), slack) for slack in PACK_SLACK[:2]]
         typed_genes = type_genes(ev)
@@ -268,16 +268,16 @@ def evolve_plan(ev: Evaluator, rate: float, seed: int = 0, log: bool = True) -> 
     return seeded(seed, run)
 
 
-def fill_unused(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.0) -> list[int]:
+def fill_unused(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.0, log: bool = False) -> list[int]:
     """Every device that adds capacity is used: single devices join (`fill_singles`, which may also
     complete a replica too small to be formed), then the devices still left out, and those of
     replicas still not formed (`usable`), form new replicas together where that adds capacity
     (`form_replicas`: devices that cannot hold the model alone, and add nothing to the replicas
     there are, may together be a replica), then single devices again. Each step only adds
     capacity, so the result serves at least what single moves alone reach."""
-    first = fill_singles(ev, genes, rate, floor)
+    first = fill_singles(ev, genes, rate, floor, log)
     formed = form_replicas(ev, usable(ev, first), rate, floor)
-    return first if formed == first else fill_singles(ev, formed, rate, floor)
+    return first if formed == first else fill_singles(ev, formed, rate, floor, log)
 
 
 def usable(ev: Evaluator, genes: Sequence[int]) -> list[int]:
@@ -338,15 +338,20 @@ def form_replicas(ev: Evaluator, genes: list[int], rate: float, floor: float = 0
             return genes
 
 
-def fill_singles(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.0) -> list[int]:
+def fill_singles(ev: Evaluator, genes: list[int], rate: float, floor: float = 0.0, log: bool = False) -> list[int]:
     """Each device outside the replicas, fastest first, takes the move (into a replica, or alone)
     that adds the most capacity among those that do not raise the predicted cost at `rate` by
     more than FILL_COST_SLACK (each grouping's roles as the latency phase rates them,
-    `Evaluator.rated` at `floor`)."""
+    `Evaluator.rated` at `floor`). Its work grows with left-out devices x replicas: with `log`, a
+    progress line every PROGRESS_EVERY_S (a 1000-device cluster spends minutes here)."""
     genes = list(genes)
-    for i in sorted(range(len(genes)), key=lambda i: -ev.members[i].device.compute_tflops):
-        if genes[i] != NONE:
-            continue
+    left = [i for i in sorted(range(len(genes)), key=lambda i: -ev.members[i].device.compute_tflops)
+            if genes[i] == NONE]
+    t0 = last = time.monotonic()
+    for k, i in enumerate(left):
+        if log and time.monotonic() - last > PROGRESS_EVERY_S:
+            last = time.monotonic()
+            print(f"planner: placing left-out devices, {k}/{len(left)} tried, {last - t0:.1f} s", file=sys.stderr)
         g0 = ev.decode(genes)
         cost0 = predicted_cost(ev, genes, rate, floor)
         labels = sorted(set(genes) - {NONE})
