@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -345,6 +346,44 @@ def timed_planner(seed: int, sizes: tuple[int, ...]) -> list[tuple[int, str, flo
     return times
 
 
+def _sections(text: str) -> list[str]:
+    """planner.txt in its `## name: ...` sections (the text before the first, if any, first)."""
+    return re.split(r"(?m)^(?=## )", text)
+
+
+def _section_name(part: str) -> str:
+    return part[3:].split(":")[0].strip()
+
+
+def merge_run(new_dir: Path, out: Path, take_times: bool) -> int:
+    """Merge a run of some clusters (its planner.json, and planner.txt: the run's printout) into
+    OUT's: each of its clusters replaces the one of the same name, in place; the planner-time
+    table only with `take_times`. OUT's closing line (all clusters: ...) stays."""
+    old, new = (json.loads((d / "planner.json").read_text()) for d in (out, new_dir))
+    by_name = {c["name"]: c for c in new["clusters"]}
+    if missing := sorted(set(by_name) - {c["name"] for c in old["clusters"]}):
+        print(f"--merge: {', '.join(missing)} not in {out / 'planner.json'}: nothing merged", file=sys.stderr)
+        return 2
+    old["clusters"] = [by_name.get(c["name"], c) for c in old["clusters"]]
+    if take_times:
+        old["times"] = new["times"]
+    new_parts = {_section_name(p): p for p in _sections((new_dir / "planner.txt").read_text()) if p.startswith("## ")}
+    merged = []
+    for part in _sections((out / "planner.txt").read_text()):
+        name = _section_name(part) if part.startswith("## ") else ""
+        if name in by_name and name in new_parts:
+            tail = part[part.find("(all clusters"):] if "(all clusters" in part else ""
+            part = new_parts[name].split("(all clusters")[0] + tail
+        elif name.startswith("planner time") and take_times:
+            part = new_parts.get(name, part)
+        merged.append(part)
+    (out / "planner.json").write_text(json.dumps(old, indent=1, default=str))
+    (out / "planner.txt").write_text("".join(merged))
+    print(f"merged {', '.join(sorted(by_name))}{' and the planner time' if take_times else ''} into {out}",
+          file=sys.stderr)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -356,6 +395,10 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=0, help="traces each saturation is averaged over (default 3; --quick 1)")
     ap.add_argument("--times-only", action="store_true", help="only the planner's time against cluster size")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots from OUT/planner.json")
+    ap.add_argument("--merge", metavar="DIR", default=None,
+                    help="only merge a run of some clusters (`--clusters ... --out DIR > DIR/planner.txt`) into "
+                         "OUT: its clusters replace those of the same name in planner.json and planner.txt")
+    ap.add_argument("--merge-times", action="store_true", help="with --merge: take DIR's planner-time table too")
     ap.add_argument("--tables", action="store_true", help="only print the README's tables from OUT/planner.json")
     ap.add_argument("--bounds", action="store_true", help="only recompute the bound's caps in OUT/planner.json and "
                     "planner.txt (exit 1 where the bound itself moved: re-run those clusters)")
@@ -373,6 +416,8 @@ def main() -> int:
         return 0
     if a.bounds:
         return refresh_bounds(out, a.seed, a.clusters.split(",") if a.clusters else [])
+    if a.merge:
+        return merge_run(Path(a.merge), out, a.merge_times)
     if a.replot:
         saved = json.loads((out / "planner.json").read_text())
         for res in saved["clusters"]:

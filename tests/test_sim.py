@@ -609,6 +609,39 @@ def test_the_simulation_pool_leaves_no_process_when_its_parent_is_killed(tmp_pat
         time.sleep(0.2)
 
 
+def test_planner_bench_merge_replaces_the_re_run_clusters_in_place(tmp_path):
+    """The README's planner figures come from runs of some clusters merged into the full run; the
+    merge was a script outside the repository. `bench/planner.py --merge DIR`: the re-run's
+    clusters replace those of the same name in planner.json and planner.txt, in place; the
+    others, the time table (without --merge-times) and the closing line stay."""
+    import json
+    import subprocess
+    import sys
+
+    saved = json.loads((REPO / "bench/results/planner.json").read_text())
+    out, run = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    run.mkdir()
+    names = [c["name"] for c in saved["clusters"]][:3]
+    txt = "".join(f"## {n}: old figures\nold\n" for n in names) + "(all clusters: 1 s)\n## planner time: old\n"
+    (out / "planner.json").write_text(json.dumps(saved))
+    (out / "planner.txt").write_text(txt)
+    redone = {**saved["clusters"][1], "bound": -1.0}
+    (run / "planner.json").write_text(json.dumps({"clusters": [redone], "times": ["new"]}))
+    (run / "planner.txt").write_text(f"## {names[1]}: new figures\nnew\n(all clusters: 2 s)\n## planner time: new\n")
+    bench = [sys.executable, str(REPO / "bench/planner.py"), "--merge", str(run), "--out", str(out)]
+    done = subprocess.run(bench, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads((out / "planner.json").read_text())
+    assert got["clusters"] == saved["clusters"][:1] + [redone] + saved["clusters"][2:] and got["times"] == saved["times"]
+    assert (out / "planner.txt").read_text() == txt.replace(f"## {names[1]}: old figures\nold", f"## {names[1]}: new figures\nnew")
+    redone["name"] = "nosuch"  # a cluster the full run does not have: nothing merged
+    (run / "planner.json").write_text(json.dumps({"clusters": [redone], "times": []}))
+    done = subprocess.run(bench, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "nosuch not in" in done.stderr
+    assert json.loads((out / "planner.json").read_text()) == got
+
+
 def test_planner_bench_bounds_recomputes_the_caps_in_place_and_refuses_where_the_bound_moved(tmp_path):
     """`bench/planner.py --bounds` rewrites a stale non-binding cap in planner.json and its `bound`
     line in planner.txt, leaving every other line; where the bound itself moved it changes
