@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from types import SimpleNamespace
@@ -379,6 +380,38 @@ def test_a_coordinator_that_learns_of_a_newer_plan_than_its_own_plans_again() ->
         c._caught_up -= co.CATCH_UP_S
         c._tick()
         assert got == [1, 10, 13]
+
+
+def test_a_coordinator_alone_again_after_another_planned_plans_again() -> None:
+    """b coordinated alone (v2); a, a lower id, came back and planned (v3); a left again: b was the
+    coordinator of the live set it had last planned for, saw nothing to do, and kept v3 with a
+    gone node's replica for good (/health 503). A plan in force newer than its own makes it plan."""
+    from meshllm.roles import coordinator as co
+
+    m = table()
+    with coordinator_a(m) as (c, got):
+        held = [0]
+        c.current_version = lambda: max([held[0], *got])
+        c.cfg = dataclasses.replace(c.cfg, expect_nodes=())
+        settle = lambda: setattr(c, "_changed_at", c._changed_at - 60)  # noqa: E731 (the live set long settled)
+        c._tick()
+        settle()
+        c._tick()
+        assert got == [1], "alone: its own plan"
+        m.observe(info("0", address="127.0.0.1:7700"), time.monotonic(), first_hand=True)
+        m.heartbeat("0", 1, time.monotonic(), {"plan_seen": 1})
+        assert not c.is_coordinator()
+        held[0] = 2  # node 0 coordinates now, and its plan reached this node
+        c._tick()
+        m.leave("0", 1, time.monotonic())
+        assert c.is_coordinator()
+        c._caught_up -= co.CATCH_UP_S
+        c._tick()
+        settle()
+        c._tick()
+        assert got == [1, 3], "the plan in force (v2) is not this coordinator's: it plans above it"
+        c._tick()
+        assert got == [1, 3]
 
 
 def test_a_seed_that_never_answers_is_reported_once_until_it_does(monkeypatch, caplog) -> None:

@@ -150,12 +150,15 @@ class Coordinator:
             return  # the emulated cluster is still starting
         settle = (0.0 if self.cfg.expect_nodes and not started
                   else REPLAN_SETTLE_S if started else self.cfg.plan_settle_s)
+        # a plan newer than this coordinator's own, that a live peer has seen or this node holds: another
+        # node planned while this one was not the coordinator (out of its view, or a lower id that has
+        # since left: alone again with the live set it last planned for, it never planned again)
+        newer = max(newest_plan_seen(self.members), self.current_version())
         if self.published is not None and self.planned_for is not None and not self._planning \
-                and newest_plan_seen(self.members) > self.published[0] and now - self._caught_up >= CATCH_UP_S:
+                and newer > self.published[0] and now - self._caught_up >= CATCH_UP_S:
             self._caught_up = now
-            log.warning("%s: a peer holds plan v%d, newer than this coordinator's v%d (another node planned while this "
-                        "one was out of its view): re-planning", self.me.id, newest_plan_seen(self.members),
-                        self.published[0])
+            log.warning("%s: plan v%d is in force, newer than this coordinator's v%d (another node planned while this "
+                        "one was not the coordinator): re-planning", self.me.id, newer, self.published[0])
             self.planned_for = None
         if self.published is None and unheard(self.members) and now - self._changed_at < FIRST_PLAN_WAIT_S:
             return  # this life's first plan numbers itself above what the live peers have seen
