@@ -784,7 +784,7 @@ class Fuzzer:
         version = newest + 1 if r.random() < 0.8 else r.choice((newest, 0, 2**63 - 1))
         incarnations = {n: 1 for n in NODES} if r.random() < 0.9 else r.choice(([], {"a": "1"}, {"a": True}))
         return dict(version=version, coordinator="pa", plan=plan, addresses=addresses,
-                    incarnations=incarnations), {}, ()
+                    incarnations=incarnations, model_id=r.choice(("", "0123456789abcdef"))), {}, ()
 
     def heartbeat(self, r: random.Random) -> tuple[dict, dict, tuple]:
         node = r.choice(("friend", "ctl", "zz", ""))
@@ -1350,3 +1350,26 @@ def test_a_release_that_would_move_kv_to_no_replica_changes_nothing() -> None:
         with pytest.raises(ProtocolError):
             pb.data._on_release(msg, lambda r: None)
         assert pb.stage.cache.length(77) == 2, fields
+
+
+def test_a_node_whose_model_file_is_not_the_coordinator_s_refuses_its_part() -> None:
+    """A node started on another file of the same shape (a fine-tune, an edited norm) joined
+    silently, and the mesh served that model's tokens under the coordinator's model name. Each
+    PLAN carries the coordinator's model content id; a node whose own file's differs takes no
+    part, says why in its status (plan_error), and the coordinator plans without it."""
+    net = Net()
+    net.live = False
+    h = RoleHost(FakeTransport(net, "dc", NODES["dc"]), node_cfg("dc"))
+    h.worker = InlineWorker()
+    assert h.model_id is None  # the random test model has no file: it would take any coordinator's
+    h.model_id = "aaaaaaaaaaaaaaaa"
+    plan = make_plan().to_json()
+    h.offer(1, plan, dict(NODES), "pa", {n: 1 for n in NODES}, "bbbbbbbbbbbbbbbb")
+    assert h.ready_version == 0 and h.plan_error["plan_version"] == 1
+    assert "content aaaaaaaaaaaaaaaa) is not the one of coordinator pa (content bbbbbbbbbbbbbbbb)" \
+        in h.plan_error["error"]
+    h.offer(2, plan, dict(NODES), "pa", {n: 1 for n in NODES}, "aaaaaaaaaaaaaaaa")
+    assert h.plan_error is None and h.ready_version == 2
+    h.offer(3, plan, dict(NODES), "pa", {n: 1 for n in NODES}, "")  # a coordinator with no file: no word
+    assert h.plan_error is None and h.ready_version == 3
+    h.close()

@@ -58,7 +58,7 @@ def sample(mtype: MsgType) -> p.Message:
         MsgType.KV_RESERVE: lambda: make(mtype, seq=11, replica=1, positions=512, plan_version=3),
         MsgType.KV_GRANT: lambda: make(mtype, seq=11, granted=True),
         MsgType.PLAN: lambda: make(mtype, version=3, coordinator="a", plan={"replicas": []}, addresses={"a": "h:1"},
-                                         incarnations={"a": 1}),
+                                         incarnations={"a": 1}, model_id="4d1e1533028f7a12"),
         MsgType.FAULT: lambda: make(mtype, zones=["edge", "fog"], seconds=2.5),
         MsgType.SESSION: lambda: make(mtype, seq=11, prompt_token_ids=[1, 2], max_tokens=8,
                                       sampling=sampling_map(0, 0, 1.0, 0), stop_ids=[2], decode_replica=1, gamma=4,

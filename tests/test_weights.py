@@ -434,3 +434,25 @@ def test_a_stage_whose_range_moved_keeps_the_layers_it_held_and_loads_only_the_r
                                                                                                     whole.norm))
     ids = [1, 504, 3458, 314, 4115, 314]
     assert torch.equal(logits_of(shard.model, ids), logits_of(whole, ids))
+
+
+def test_the_content_id_tells_a_file_with_other_weights_of_the_same_shape(tmp_path):
+    """A copy of the embedded GGUF has its content id; one with a single norm tensor edited (a
+    fine-tune's look-alike: same shape, same metadata, same header) has another. The id is what
+    a PLAN carries, so a node on such a file refuses its part (tests/test_fuzz.py)."""
+    import shutil
+
+    from meshllm.engine.gguf_file import GGUFFile
+    from meshllm.engine.sources import content_id, resolve_model
+
+    src = resolve_model("smollm2-135m")
+    same, edited = tmp_path / "same.gguf", tmp_path / "edited.gguf"
+    shutil.copyfile(src.path, same)
+    shutil.copyfile(src.path, edited)
+    norm = GGUFFile(edited).tensors["blk.7.ffn_norm.weight"]
+    with open(edited, "r+b") as f:  # one float in the middle of one layer's 576-float norm
+        f.seek(norm.offset + norm.nbytes // 2)
+        f.write(b"\x00\x00\xc0\x3f")
+    ids = [content_id(resolve_model(str(p))) for p in (src.path, same, edited)]
+    assert ids[0] == ids[1] != ids[2] and all(len(i) == 16 for i in ids)
+    assert content_id(resolve_model("tiny")) is None  # random weights: no file

@@ -273,3 +273,62 @@ def _hf_args(d: Path) -> ModelArgs:
         raise ModelFileError(f"{cfg_path}: missing field {e.args[0]!r}") from None
     except ValueError as e:
         raise ModelFileError(f"{cfg_path}: {e}") from None
+
+
+CONTENT_SAMPLE = 64  # bytes hashed at the start, middle and end of each tensor
+TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def content_id(src: ModelSource) -> str | None:
+    """A short fingerprint of the model's contents: its header (metadata, tokenizer, tensor
+    directory) and a sample of every tensor's bytes (start, middle, end), so that two files of
+    the same shape but other weights (a fine-tune, another quantization, an edited norm) differ,
+    at a few hundred small reads whatever the model's size. None for a model with no file here
+    (random test weights, or tensors fetched over the mesh: they are the peers' file)."""
+    if src.kind not in ("gguf", "hf") or src.path is None:
+        return None
+    try:
+        if src.kind == "hf":
+            stamp = _stamp(src.path) + tuple((n, (st := (src.path / n).stat()).st_size, st.st_mtime_ns)
+                                             for n in TOKENIZER_FILES if (src.path / n).is_file())
+        else:
+            st = src.path.stat()
+            stamp = (st.st_size, st.st_mtime_ns)
+        return _content_id(src.kind, src.path, stamp)
+    except OSError as e:
+        raise ModelFileError(f"{src.path}: cannot read: {e.strerror or e}") from None
+
+
+def _sample(fh, name: str, start: int, nbytes: int, h) -> None:
+    h.update(name.encode() + nbytes.to_bytes(8, "little"))
+    for at in sorted({start, start + max(0, nbytes // 2 - CONTENT_SAMPLE // 2), start + max(0, nbytes - CONTENT_SAMPLE)}):
+        fh.seek(at)
+        h.update(fh.read(min(CONTENT_SAMPLE, nbytes)))
+
+
+@functools.lru_cache(maxsize=4)
+def _content_id(kind: str, path: Path, stamp: tuple) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    if kind == "gguf":
+        reader = GGUFFile(path)
+        h.update(reader.header_bytes())
+        with open(path, "rb") as fh:
+            for t in sorted(reader.tensors.values(), key=lambda t: t.offset):
+                _sample(fh, t.name, t.offset, t.nbytes, h)
+    else:
+        _hf_shapes(path, _stamp(path))  # each file checked as a safetensors file first
+        for f in sorted(path.glob("*.safetensors")):
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = fh.read(n)
+                h.update(header)
+                for name, t in sorted(json.loads(header).items()):
+                    if name != "__metadata__":
+                        a, b = t["data_offsets"]
+                        _sample(fh, name, 8 + n + a, b - a, h)
+        for name in TOKENIZER_FILES:
+            if (path / name).is_file():
+                h.update(name.encode() + (path / name).read_bytes())
+    return h.hexdigest()[:16]

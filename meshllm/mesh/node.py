@@ -80,7 +80,7 @@ class Node:
         self.coordinator = Coordinator(self.transport, self.members, self.me, cfg, lambda: self.host.max_seen,
                                        self.host.offer, self.host.weights.args, lambda: self.host.plan_error,
                                        lambda: self.host.ctx.plan if self.host.ctx is not None else None,
-                                       self.gossip.in_doubt)
+                                       self.gossip.in_doubt, self.host.model_id)
         self.host.coordinator_of = self.coordinator.current
         # a plan applied here is said at once, not at the next heartbeat (up to 0.5 s later): gateways
         # wait for a replica's nodes to say they serve a new plan before they resume a request there

@@ -143,7 +143,9 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Any], tuple[str, ...]]] = {
     MsgType.KV_GRANT: ({"seq": _INT, "granted": _BOOL}, ()),
     # addresses: node id -> HOST:PORT of every node the plan names; incarnations: node id -> the
     # incarnation it was planned for (a node restarted since runs none of the sequences it held)
-    MsgType.PLAN: ({"version": _INT, "coordinator": _STR, "plan": _MAP, "addresses": _MAP, "incarnations": _MAP},
+    # model_id: the coordinator's model file's content (engine/sources.py content_id; "": it has none)
+    MsgType.PLAN: ({"version": _INT, "coordinator": _STR, "plan": _MAP, "addresses": _MAP, "incarnations": _MAP,
+                    "model_id": _STR},
                    ()),
     # zones: [zone a, zone b]: a node in one drops every message from the other for `seconds`
     MsgType.FAULT: ({"zones": _LIST, "seconds": _NUM}, ()),

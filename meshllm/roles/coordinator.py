@@ -85,13 +85,14 @@ class Coordinator:
                  model_args: Callable[[], Any] | None = None,
                  own_error: Callable[[], dict | None] | None = None,
                  current_plan: Callable[[], Plan | None] | None = None,
-                 hold: Callable[[], bool] | None = None):
+                 hold: Callable[[], bool] | None = None, model_id: str | None = None):
         self.t, self.members, self.me, self.cfg = transport, members, me, cfg
         self.model_args = model_args  # the model's shape (None: from this node's model file)
         self.current_version, self.deliver = current_version, deliver  # the local RoleHost
         self.own_error = own_error or (lambda: None)  # this node's own plan_error (RoleHost)
         self.current_plan = current_plan or (lambda: None)  # the plan in force here (RoleHost's)
         self.hold = hold or (lambda: False)  # True: plan nothing now (this node's id is in doubt: Gossip)
+        self.model_id = model_id or ""  # this node's model file's content_id: every plan carries it
         self.refused: dict[tuple[str, int], tuple[str, frozenset]] = {}  # see `refusals`
         self.worker = Worker(f"planner-{me.id}")
         self.published: tuple[int, dict, dict, dict] | None = None  # (version, plan json, addresses, incarnations)
@@ -174,7 +175,7 @@ class Coordinator:
         version, plan, addresses, incarnations = self.published
         self._last_publish = time.monotonic()
         self.t.publish(make(MsgType.PLAN, version=version, coordinator=self.me.id, plan=plan, addresses=addresses,
-                            incarnations=incarnations))
+                            incarnations=incarnations, model_id=self.model_id))
 
     # -- planner thread ------------------------------------------------------------------------
     def _plan(self, live: list[PeerInfo], key: tuple, left_out: dict[str, str], current: Plan | None = None) -> None:
@@ -213,7 +214,7 @@ class Coordinator:
         log.info("%s: coordinator published plan v%d for %d nodes:\n%s", self.me.id, version, len(addresses),
                  plan.describe())
         self._publish()
-        self.deliver(version, plan.to_json(), addresses, self.me.id, incarnations)
+        self.deliver(version, plan.to_json(), addresses, self.me.id, incarnations, self.model_id)
 
     def inputs(self, live: list[PeerInfo]) -> PlanInputs:
         """On the planner thread: the model's shape from `model_args` (a node without the model

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshllm.defaults import DECODE_TARGETS, STAGE_ROLES, Role
+from meshllm.errors import InputError, ModelFileError
 from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, PeerState
 from meshllm.mesh.protocol import (
@@ -48,10 +49,21 @@ def draft_topic(rid: int) -> str:
     return f"draft/{rid}"
 
 
+def own_model_id(spec: str) -> str | None:
+    """This node's model file's content_id; None without a file here (it fetches the peers')."""
+    from meshllm.engine.sources import content_id, resolve_model
+
+    try:
+        return content_id(resolve_model(spec))
+    except (ModelFileError, InputError):
+        return None
+
+
 class RoleHost:
     def __init__(self, transport: Transport, cfg: NodeConfig, members: Membership | None = None):
         self.t, self.cfg, self.members = transport, cfg, members
         self.me, self.model_spec = cfg.id, cfg.model
+        self.model_id = own_model_id(cfg.model)  # its file's content (None: no file here)
         self.weights = MeshWeights(transport, cfg, members)  # serves the model file's tensors, or fetches them
         self.pacer_factory = pacer_factory(cfg, self.weights.args) if cfg.pace else None  # (layers, dtype) -> Pacer
         self.worker = Worker(f"compute-{self.me}", self._step, self._wake_after, cfg.busy_poll_ms / 1000.0)
@@ -86,9 +98,11 @@ class RoleHost:
         """I/O thread: a PLAN from the coordinator (it is re-published every second)."""
         if not 0 < msg["version"] <= MAX_PLAN_VERSION:  # a huge one would freeze this node's plans
             raise ProtocolError(f"PLAN version {msg['version']} outside [1, {MAX_PLAN_VERSION}]")
-        self.offer(msg["version"], msg["plan"], msg["addresses"], str(msg["coordinator"]), msg["incarnations"])
+        self.offer(msg["version"], msg["plan"], msg["addresses"], str(msg["coordinator"]), msg["incarnations"],
+                   msg["model_id"])
 
-    def offer(self, version: int, plan_json: Any, addresses: Any, coordinator: str, incarnations: Any) -> None:
+    def offer(self, version: int, plan_json: Any, addresses: Any, coordinator: str, incarnations: Any,
+              model_id: str = "") -> None:
         """Take a newer plan (from the network, or from this node's own coordinator) and apply it
         on the compute thread. Only the coordinator this node sees (the lowest live id) is obeyed:
         after a healed partition the other side's coordinator's plans are ignored. Malformed
@@ -117,12 +131,21 @@ class RoleHost:
         self.offered = version
         ctx = PlanContext(version, plan, addresses, self.me, {str(k): v for k, v in incarnations.items()})
         log.info("%s: plan v%d from %s: %s", self.me, version, coordinator, describe(ctx, self.me))
-        self.worker.submit(lambda: self._apply_or_report(ctx))
+        refuse = None
+        if model_id and self.model_id and model_id != self.model_id:  # (a node with no file takes the peers')
+            refuse = (f"its model file ({self.model_spec}: content {self.model_id}) is not the one of coordinator "
+                      f"{coordinator} (content {model_id}): its part would give another model's output")
+        self.worker.submit(lambda: self._apply_or_report(ctx, refuse))
 
-    def _apply_or_report(self, ctx: PlanContext) -> None:
+    def _apply_or_report(self, ctx: PlanContext, refuse: str | None = None) -> None:
         """Compute thread: `apply(ctx)`. A node that cannot take its part (its layers or its draft could
-        not be built: memory, a bad file, ...) says so in its status (`plan_error`, until a plan
-        applies), so the emulator and operators see it at once, not as a mesh that never serves."""
+        not be built: memory, a bad file, ...; `refuse`: its model is not the coordinator's) says so
+        in its status (`plan_error`, until a plan applies), so the emulator and operators see it at
+        once, not as a mesh that never serves; the coordinator plans without it."""
+        if refuse is not None:
+            self.plan_error = {"plan_version": ctx.version, "error": refuse}
+            log.error("%s: refuses its part of plan v%d: %s", self.me, ctx.version, refuse)
+            return
         try:
             self.apply(ctx)
         except Exception as e:
