@@ -242,6 +242,8 @@ def test_duplicate_id_is_refused(mesh: Mesh) -> None:
     out = next(p for p in sorted(mesh.tmp.glob("n3-*.log")) if p.name != "n3-3.log").read_text()
     assert "already used by the node at " + mesh.addrs["n3"] in out
     assert "published plan" not in out and "plan v1 from" not in out, out
+    seed_log = "".join(p.read_text() for p in mesh.tmp.glob("n0-*.log"))
+    assert seed_log.count("refusing newcomer") == 1, seed_log  # once, not at each of its retries (~7 in 3 s)
     st = mesh.status("n0")
     entry = next(p for p in st["peers"] if p["id"] == "n3")
     assert entry["state"] == "alive" and entry["address"] == mesh.addrs["n3"]

@@ -93,6 +93,7 @@ class Gossip:
         self._seeds = {s: [now, JOIN_RETRY_MIN_S] for s in seeds if s != me.address}
         self._silent_since = {s: now for s in self._seeds}  # seed -> since when it has not answered (None: reported)
         self._left_out: dict[str, float] = {}  # live peer -> when we last greeted it for leaving us out
+        self._refused: set[tuple[str, str, int]] = set()  # newcomers refused (id, address, incarnation): logged once
         self._told_twin: set[tuple[str, str]] = set()  # (peer, address) that gossiped another node with our id
         transport.on(MsgType.HELLO, self._on_hello)
         transport.on(MsgType.PEERS, self._on_peers)
@@ -152,8 +153,12 @@ class Gossip:
                 # it was here first (e.g. it found us by mDNS): we are the newcomer
                 self.on_refused(f"node id {info.id!r} is already used by the node at {info.address}")
                 return
-            log.error("%s: refusing newcomer at %s: node id %r is already used by the node at %s",
-                      self.me.id, info.address, info.id, holder.address)
+            if (info.id, info.address, info.incarnation) not in self._refused:  # (it retries: ~7 lines in 3 s)
+                if len(self._refused) >= 256:
+                    self._refused.clear()
+                self._refused.add((info.id, info.address, info.incarnation))
+                log.error("%s: refusing newcomer at %s: node id %r is already used by the node at %s",
+                          self.me.id, info.address, info.id, holder.address)
             reply(make(MsgType.ERROR, code="duplicate_id", holder_incarnation=holder.incarnation,
                        message=f"node id {info.id!r} is already used by the node at {holder.address}"))
             return
