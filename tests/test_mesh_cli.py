@@ -363,6 +363,8 @@ def test_the_status_table_writes_a_stage_s_layers_half_open() -> None:
     assert format_status(st).splitlines()[2].endswith("KV claims (positions): none")
     st["load"]["gateway"] = st["load"]["leader"] = "junk"
     assert len(format_status(st).splitlines()) == 2
+    st["load"]["plan_seen"] = 4  # it said "plan v3" above plan v4's listing while v4's layers loaded
+    assert format_status(st).startswith("node a  plan v3 (v4 received, not serving it yet)  roles mixed")
     st["load"]["plan_error"] = {"plan_version": 4, "error": "MemoryError: "}
     assert format_status(st).splitlines()[1] == "  could not take its part of plan v4: MemoryError: "
 

@@ -337,7 +337,9 @@ def format_status(st: dict[str, Any]) -> str:
         start, end = stage["layers"]
         of = next((f"/{len(r['stages'])}" for r in replicas if r.get("id") == stage["replica"]), "")
         where = f"  replica {stage['replica']} stage {stage['index'] + 1}{of} layers [{start}, {end})"
-    lines = [f"node {st['node']}  plan v{st['plan_version']}  roles {','.join(st['roles']) or '-'}{where}"]
+    seen = st.get("load", {}).get("plan_seen")  # a newer plan received: loading, or refused (below)
+    newer = f" (v{seen} received, not serving it yet)" if isinstance(seen, int) and seen > st["plan_version"] else ""
+    lines = [f"node {st['node']}  plan v{st['plan_version']}{newer}  roles {','.join(st['roles']) or '-'}{where}"]
     for r in replicas:  # the whole plan, as this node serves it: each node's role and layers
         parts = [f"{s.get('node')} [{s['layers'][0]}, {s['layers'][1]})" for s in r["stages"]
                  if isinstance(s, dict) and isinstance(s.get("layers"), list) and len(s["layers"]) == 2]
