@@ -598,15 +598,13 @@ def test_a_stop_string_inside_a_verified_block_keeps_only_the_tokens_up_to_it(sm
     """A verified draft block brings several tokens at once: with `stop: [", 5"]` the text was
     right but token_ids and usage held the block's tokens after the stop (16 tokens with
     speculation, 14 without). They are cut to what one-by-one decoding gives."""
-    from types import SimpleNamespace
 
-    from meshllm.roles.http_api import TextStream
+    from meshllm.roles.text_stream import TextStream
 
-    gw = SimpleNamespace(model=SimpleNamespace(tokenizer=smollm2_tokenizer))
     ids = smollm2_tokenizer.encode(" 1, 2, 3, 4, 5, 6, 7, 8")
 
     def run(block: int) -> tuple[str, list[int], int]:
-        ts, text, n = TextStream(gw, (", 5",)), "", 0
+        ts, text, n = TextStream(smollm2_tokenizer, (", 5",)), "", 0
         for i in range(0, len(ids), block):
             text += ts.push(ids[i:i + block], False)
             if ts.stopped:
@@ -625,20 +623,18 @@ def test_a_resumed_stream_sends_the_text_the_first_one_held_back(smollm2_tokeniz
     """A stream holds back text that may become a stop string, yet sends its token ids; a client
     resuming with those ids (`meshllm.resume_token_ids`) never got that text: " Paris.\n\nThe
     answer" came back as " Paris. answer". Resumed after any chunk, the client's text is whole."""
-    from types import SimpleNamespace
 
-    from meshllm.roles.http_api import TextStream
+    from meshllm.roles.text_stream import TextStream
 
-    gw = SimpleNamespace(model=SimpleNamespace(tokenizer=smollm2_tokenizer))
     ids = smollm2_tokenizer.encode(" Paris.\n\nThe answer is: 🍏🍏 done")
     for stop in (("\n\nThe answer are",), ("\n\nThe answer are", " is: 🍏🍏x"), ()):
-        ts = TextStream(gw, stop)
+        ts = TextStream(smollm2_tokenizer, stop)
         sent = [ts.push([t], False) for t in ids]
         whole = "".join(sent) + ts.push([], True)
         assert whole == smollm2_tokenizer.decode(ids)
         assert any(d == "" for d in sent[1:]) or not stop  # something was held back
         for k in range(1, len(ids)):
-            again = TextStream(gw, stop, tuple(ids[:k]))
+            again = TextStream(smollm2_tokenizer, stop, tuple(ids[:k]))
             rest = "".join(again.push([t], False) for t in ids[k:]) + again.push([], True)
             assert "".join(sent[:k]) + rest == whole, (stop, k)
 
@@ -649,19 +645,17 @@ def test_a_long_stream_s_text_is_the_whole_decode_in_any_blocks(smollm2_tokenize
     it. Random token ids (broken UTF-8 mid-text), pushed in blocks of 1..17 past several fixings,
     give the whole decode; a stop string 2000 tokens in cuts where the whole text has it."""
     import random
-    from types import SimpleNamespace
 
-    from meshllm.roles.http_api import TEXT_STRIDE, TEXT_TAIL, TextStream
+    from meshllm.roles.text_stream import TEXT_STRIDE, TEXT_TAIL, TextStream
 
     tok = smollm2_tokenizer
-    gw = SimpleNamespace(model=SimpleNamespace(tokenizer=tok))
     rnd = random.Random(5)
     ids = [rnd.randrange(tok.vocab_size) for _ in range(2000)] + tok.encode(" so: 🍏 THE END 🍌 more text")
     assert len(ids) > 4 * (TEXT_TAIL + TEXT_STRIDE)
     whole = tok.decode([t for t in ids if t not in tok.eos_ids])
     for stop in ((), ("THE END",)):
         for trial in range(3):
-            ts, out, i = TextStream(gw, stop), [], 0
+            ts, out, i = TextStream(smollm2_tokenizer, stop), [], 0
             while i < len(ids) and not ts.stopped:
                 n = rnd.randint(1, 17)
                 out.append(ts.push(ids[i:i + n], i + n >= len(ids)))
@@ -676,17 +670,15 @@ def test_a_stop_string_never_matches_half_a_character(smollm2_tokenizer):
     """A stop string holding U+FFFD matched the replacement character of a character whose
     bytes had not all come: "Emoji list: 🍎🍌" stopped at once, output "" (the model writes
     whole apples). It matches only a U+FFFD the text really has, at its end."""
-    from types import SimpleNamespace
 
-    from meshllm.roles.http_api import TextStream
+    from meshllm.roles.text_stream import TextStream
 
-    gw = SimpleNamespace(model=SimpleNamespace(tokenizer=smollm2_tokenizer))
     ids = smollm2_tokenizer.encode("🍏🍏🍏")
     assert smollm2_tokenizer.decode(ids[:1]).endswith("\ufffd")  # the test's premise: a character split
-    ts = TextStream(gw, ("\ufffd",))
+    ts = TextStream(smollm2_tokenizer, ("\ufffd",))
     text = "".join(ts.push([t], False) for t in ids)
     assert not ts.stopped and text + ts.push([], True) == "🍏🍏🍏"
-    ts = TextStream(gw, ("\ufffd",))  # cut off mid-character by max_tokens: that U+FFFD is real
+    ts = TextStream(smollm2_tokenizer, ("\ufffd",))  # cut off mid-character by max_tokens: that U+FFFD is real
     assert ts.push(ids[:1], True) == "" and ts.stopped
 
 
