@@ -117,3 +117,22 @@ def test_an_option_out_of_range_or_that_its_mode_ignores_exits_2(args, problem):
     failed after the mesh started) are bad input: one line, exit 2, before any model loads or
     process starts."""
     _one_line_error(run_cli(*args, timeout=60), problem)
+
+
+def test_a_model_larger_than_the_available_memory_is_refused_before_it_loads(monkeypatch):
+    """--reference loads the whole model in one process: one larger than this host's memory ended
+    in a MemoryError traceback (exit 1) after minutes of loading. It is refused first (exit 2)."""
+    import pytest
+
+    from meshllm.engine import generate
+    from meshllm.errors import InputError
+    from meshllm.shapes import model_args
+
+    real = generate.available_bytes()
+    assert real is None or real > 1e8  # this host's /proc/meminfo, read
+    monkeypatch.setattr(generate, "available_bytes", lambda: 8e9)
+    with pytest.raises(InputError, match=r"llama-2-70b needs ~27\d\.\d GB \(fp32 weights\), this host has 8\.0 GB"):
+        generate.check_room(model_args("llama-2-70b"), "fp32")
+    generate.check_room(model_args("smollm2-135m"), "fp32")  # 0.5 GB
+    monkeypatch.setattr(generate, "available_bytes", lambda: None)  # not Linux: no word
+    generate.check_room(model_args("llama-2-70b"), "fp32")

@@ -74,6 +74,29 @@ def generate(model: Transformer, prompt_ids: list[int], opts: GenerationOptions,
         logits = decode_one_token(model, cache, 0, tok)
 
 
+def available_bytes() -> float | None:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024.0 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def check_room(args, dtype: str) -> None:
+    """InputError when the whole model cannot fit this host's available memory: the reference
+    loads all of it in one process (a 70b model ended in a MemoryError traceback, exit 1)."""
+    from meshllm.partition.cost import model_costs
+
+    mc = model_costs(args, dtype)
+    need = mc.weight_bytes  # (as held: a draft's quantized layers; its fp32 load may peak above it)
+    have = available_bytes()
+    if have is not None and need > have:
+        raise InputError(f"--reference loads the whole model in this process: {args.name} needs ~{need / 1e9:.1f} GB "
+                         f"({dtype} weights), this host has {have / 1e9:.1f} GB available (a smaller --dtype, a "
+                         "draft, or a bigger host; the mesh splits it across nodes)")
+
+
 def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtype: str):
     """(model, tokenizer) for the reference: the target, or its quantized draft."""
     from meshllm.defaults import GROUP_SIZES
@@ -88,6 +111,7 @@ def load_for_reference(model_spec: str, draft: str | None, group_size: int, dtyp
     src = resolve_model(model_spec)
     if draft == "w4a16" and (problem := draft_group_problem(src.args, group_size)):
         raise InputError(f"--group-size {problem}")
+    check_room(src.args, "int4" if draft == "w4a16" else "int8" if draft else "fp32" if dtype == "float32" else "bf16")
     tok = load_tokenizer(src)
     t0 = time.perf_counter()
     if draft:
