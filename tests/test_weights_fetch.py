@@ -64,10 +64,27 @@ def test_flow_control_fills_the_link_and_bounds_the_queue():
 
 
 def test_parse_index_rejects_hostile_directories():
+    """A peer's index is held to the format (names, types, sizes) and, since a hostile or
+    mislabelled one failed only at load, after the plan, to the shapes its own args imply: every
+    tensor the model needs, each of its shape."""
+    from meshllm.engine.gguf_file import GGUFFile
+    from meshllm.engine.sources import resolve_model
+    from meshllm.engine.tensor_cache import args_to_wire
+
+    src = resolve_model("smollm2-135m")
+    args = args_to_wire(src.args)
+    ok = {n: [t.ggml_type, list(t.shape), t.nbytes] for n, t in GGUFFile(src.path).tensors.items()}
+    assert parse_index("t", "a" * 64, args, ok)["tensors"]["blk.0.attn_q.weight"]["nbytes"] == 576 * 576 // 32 * 20
+    q = ok["blk.0.attn_q.weight"]
+    bad = [("t", "a" * 64, args, {k: v for k, v in ok.items() if k != "blk.29.ffn_down.weight"}),  # one missing
+           ("t", "a" * 64, args, {**ok, "blk.0.attn_q.weight": [q[0], [1152, 288], q[2]]}),  # same size, its shape not
+           ("t", "a" * 64, {**args, "n_layers": 31}, ok)]  # args that the tensors do not fill
+    for case in bad:
+        with pytest.raises(ValueError, match="a peer's index"):
+            parse_index(*case)
     args = {"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 320, "hidden_dim": 128,
             "norm_eps": 1e-5, "rope_theta": 1e4, "max_seq_len": 256, "tie_embeddings": True, "name": "t"}
     ok = {"blk.0.attn_q.weight": [8, [64, 64], 64 * 64 // 32 * 34]}
-    assert parse_index("t", "a" * 64, args, ok)["tensors"]["blk.0.attn_q.weight"]["nbytes"] == 4352
     bad = [("t", "x", args, ok), ("t", "a" * 64, {**args, "dim": -1}, ok), ("t", "a" * 64, {**args, "extra": 1}, ok),
            ("t", "a" * 64, args, {"../../etc/passwd": ok["blk.0.attn_q.weight"]}),
            ("t", "a" * 64, args, {"x/y": [0, [4], 16]}),

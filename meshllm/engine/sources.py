@@ -95,8 +95,7 @@ def resolve_model(spec: str) -> ModelSource:
     if p.is_file():
         reader = gguf_reader(p)
         args = _gguf_args(reader, p)
-        _check_shapes(p, args, {n: t.shape for n, t in reader.tensors.items()}, "blk.{i}.{name}.weight",
-                      _GGUF_LAYER, ("token_embd.weight", "output_norm.weight", "output.weight"))
+        check_gguf_shapes(p, args, {n: t.shape for n, t in reader.tensors.items()})
         return ModelSource(p.stem, "gguf", p, args)
     if p.exists():  # a device (/dev/zero), a pipe, a socket
         raise ModelFileError(f"model {spec!r}: not a regular file or a folder")
@@ -201,6 +200,13 @@ def _check_shapes(path: Path, args: ModelArgs, have: dict[str, tuple[int, ...]],
         if tuple(shape) != need:
             raise ModelFileError(f"{path}: tensor {ck!r} has shape {list(shape)}, its metadata implies {list(need)} "
                                  "(a corrupt or mislabelled file)")
+
+
+def check_gguf_shapes(path: Path | str, args: ModelArgs, have: dict[str, tuple[int, ...]]) -> None:
+    """`_check_shapes` for a GGUF file's tensors (name -> torch-order shape): a file here, or the
+    index a peer sent of its file (a weights cache's, engine/tensor_cache.py)."""
+    _check_shapes(Path(path), args, have, "blk.{i}.{name}.weight", _GGUF_LAYER,
+                  ("token_embd.weight", "output_norm.weight", "output.weight"))
 
 
 MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit on its JSON header

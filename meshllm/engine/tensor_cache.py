@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from meshllm.engine.gguf_file import TensorInfo, dequantize_tensor, tensor_nbytes
-from meshllm.engine.sources import ModelSource
+from meshllm.engine.sources import ModelSource, check_gguf_shapes
 from meshllm.shapes import ModelArgs, checked_args
 
 FORMAT = 1
@@ -105,6 +105,9 @@ def parse_index(model: str, fingerprint: Any, args: Any, tensors: Any) -> dict[s
             raise ValueError(f"the file header's entry must be [{HEADER_TYPE}, [n], n] with n <= {MAX_HEADER_BYTES}, "
                              f"got {entry!r:.80}")
         out[name] = {"type": gtype, "shape": list(shape), "nbytes": want}
+    # every tensor the model needs, with the shape its metadata implies (a peer's index that did not
+    # match its own args failed only at load, after the plan: now it is malformed here)
+    check_gguf_shapes(f"{model} (a peer's index)", a, {n: tuple(e["shape"]) for n, e in out.items() if n != HEADER})
     return {"format": FORMAT, "model": model, "fingerprint": fingerprint, "args": args_to_wire(a), "tensors": out}
 
 
