@@ -213,6 +213,29 @@ def test_malformed_tokenizer_fields_are_a_model_file_error():
                      ("tokenizer.ggml.token_type", [1]), ("tokenizer.ggml.eos_token_id", "x")):
         with pytest.raises(ModelFileError, match="tokenizer fields are malformed"):
             tokenizer_from_gguf(SimpleNamespace(fields={**good, key: bad}))
+    # the file is named, and a missing tokenizer is called that ("tokenizer model None" named neither)
+    without = {k: v for k, v in good.items() if k != "tokenizer.ggml.model"}
+    with pytest.raises(ModelFileError, match=r"^/m/x\.gguf: no tokenizer \(tokenizer\.ggml\.model is missing\)$"):
+        tokenizer_from_gguf(SimpleNamespace(fields=without, path="/m/x.gguf"))
+
+
+def test_a_gguf_without_a_shape_key_names_it(tmp_path):
+    """A GGUF whose metadata lacks llama.block_count said "incomplete or bad Llama metadata: int()
+    argument must be a string ... not 'NoneType'"; it names the key now."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "nokey.gguf"), "llama")
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_feed_forward_length(128)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match=r"nokey\.gguf: Llama metadata without llama\.block_count$"):
+        resolve_model(str(tmp_path / "nokey.gguf"))
 
 
 def test_bad_model_paths(tmp_path):

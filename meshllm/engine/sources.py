@@ -133,6 +133,9 @@ def _gguf_args(reader: GGUFFile, path: Path) -> ModelArgs:
     if arch not in LLAMA_ARCHS:
         raise ModelFileError(f"{path}: architecture {arch!r} is not Llama-family (supported: {', '.join(LLAMA_ARCHS)})")
     g = lambda k, d=None: f.get(f"{arch}.{k}", d)  # noqa: E731
+    need = ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
+    if missing := [f"{arch}.{k}" for k in need if g(k) is None]:  # (it said "int() argument ... NoneType")
+        raise ModelFileError(f"{path}: Llama metadata without {', '.join(missing)}")
     try:
         n_heads = int(g("attention.head_count"))
         vocab = g("vocab_size") or len(f.get("tokenizer.ggml.tokens", []))

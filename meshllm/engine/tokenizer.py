@@ -55,12 +55,13 @@ class Tokenizer:
 def tokenizer_from_gguf(reader) -> Tokenizer:
     """The GGUF header's byte-level BPE. Its fields come from a file, or from a peer (a header
     fetched over the mesh): malformed ones are a ModelFileError, never another exception."""
+    where = getattr(reader, "path", "the GGUF header")  # (a peer's header: the cache's copy of it)
     try:
         return _tokenizer_from_fields(reader.fields.get)
-    except ModelFileError:
-        raise
+    except ModelFileError as e:
+        raise ModelFileError(f"{where}: {e}") from None  # ("tokenizer model None" named no file)
     except Exception as e:  # a field of the wrong type or length; tokenizers' own errors too
-        raise ModelFileError(f"the GGUF header's tokenizer fields are malformed ({type(e).__name__}: "
+        raise ModelFileError(f"{where}: the GGUF header's tokenizer fields are malformed ({type(e).__name__}: "
                              f"{str(e)[:200]})") from None
 
 
@@ -70,7 +71,8 @@ def _tokenizer_from_fields(field) -> Tokenizer:
 
     kind = field("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ModelFileError(f"tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE)")
+        raise ModelFileError(f"tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE)"
+                             if kind is not None else "no tokenizer (tokenizer.ggml.model is missing)")
     tokens = field("tokenizer.ggml.tokens")
     types = field("tokenizer.ggml.token_type", [1] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
