@@ -241,6 +241,12 @@ def test_a_gguf_without_a_shape_key_names_it(tmp_path):
 def test_bad_model_paths(tmp_path):
     with pytest.raises(ModelFileError, match="no such file"):
         resolve_model(str(tmp_path / "nope.gguf"))
+    (tmp_path / "loop.gguf").symlink_to(tmp_path / "loop.gguf")  # it read as "no such file" too
+    with pytest.raises(ModelFileError, match="a symbolic link that leads nowhere .*(symbolic links|loop)"):
+        resolve_model(str(tmp_path / "loop.gguf"))
+    (tmp_path / "gone.gguf").symlink_to(tmp_path / "nope.gguf")
+    with pytest.raises(ModelFileError, match="a symbolic link that leads nowhere"):
+        resolve_model(str(tmp_path / "gone.gguf"))
     with pytest.raises(ModelFileError, match="not a regular file or a folder"):  # was "no such file"
         resolve_model("/dev/zero")
     junk = tmp_path / "junk.gguf"

@@ -99,6 +99,11 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource(p.stem, "gguf", p, args)
     if p.exists():  # a device (/dev/zero), a pipe, a socket
         raise ModelFileError(f"model {spec!r}: not a regular file or a folder")
+    if p.is_symlink():  # a loop, or a target that is gone (both read as "no such file")
+        try:
+            p.stat()
+        except OSError as e:
+            raise ModelFileError(f"model {spec!r}: a symbolic link that leads nowhere ({e.strerror or e})") from None
     known = ", ".join(sorted(transformer_configs))
     raise ModelFileError(f"model {spec!r}: no such file or directory, and not a registry name ({known})")
 
