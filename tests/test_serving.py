@@ -1345,3 +1345,34 @@ def test_drafting_figures_that_are_not_finite_or_are_negative_are_left_out_not_a
         m = GatewayMetrics()
         m.finished("ok", bad)  # not counted, with a warning
         assert m.spec.drafted == 0 and m.spec.blocks == 0
+
+
+def test_a_wait_cancelled_in_the_step_its_token_comes_is_cancelled():
+    """aiohttp cancels a handler once, when its client leaves. asyncio.wait_for (Python < 3.12,
+    CPython gh-86296) dropped that cancellation when a token came in the same step, so a
+    non-streamed request whose client had left ran to max_tokens for nobody, holding its slot, and
+    counted "ok". The gateway's waits (`within`) pass the cancellation on, and time out as before."""
+    import asyncio
+
+    from meshllm.roles.gateway import within
+
+    async def main() -> tuple[bool, list]:
+        q: asyncio.Queue = asyncio.Queue()
+        got: list = []
+
+        async def handler() -> None:
+            got.append(await within(q.get(), 10.0))
+            got.append("ran on")  # what a swallowed cancellation did
+
+        task = asyncio.ensure_future(handler())
+        await asyncio.sleep(0)  # the handler waits for its token
+        q.put_nowait("token")
+        task.cancel()  # the client left, in the same step
+        await asyncio.gather(task, return_exceptions=True)
+        with pytest.raises(asyncio.TimeoutError):
+            await within(q.get(), 0.01)
+        assert await within(asyncio.sleep(0, "now"), 1.0) == "now"
+        return task.cancelled(), got
+
+    cancelled, got = asyncio.run(main())
+    assert cancelled and "ran on" not in got

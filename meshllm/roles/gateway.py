@@ -59,6 +59,23 @@ MAX_PENDING = 4096  # TOKENS held out of order per request (and token ids per TO
 SEQ_COUNTER_MASK = (1 << 32) - 1  # a sequence id: this gateway's random prefix | a counter below it
 
 
+
+async def within(aw, timeout: float):
+    """`await aw`, or asyncio.TimeoutError after `timeout` s. Not asyncio.wait_for: before Python
+    3.12 it drops a cancellation that comes in the step its awaitable completes (CPython
+    gh-86296), and aiohttp cancels a handler once, when its client leaves: a non-streamed request
+    whose tokens kept coming then ran to max_tokens for nobody, holding its slot, counted "ok"."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait((task,), timeout=timeout)
+    except BaseException:  # cancelled: so is what it waited for
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise asyncio.TimeoutError
+    return task.result()
+
 class Gateway(Readiness):
     def __init__(self, transport: Transport, members: Membership, me: PeerInfo, cfg: NodeConfig):
         self.t, self.members, self.me_info, self.cfg = transport, members, me, cfg
@@ -148,7 +165,7 @@ class Gateway(Readiness):
         with self._lock:
             self._waiting.append(fut)
         try:
-            await asyncio.wait_for(fut, RESUME_POLL_S)
+            await within(fut, RESUME_POLL_S)
         except asyncio.TimeoutError:
             with self._lock:
                 if fut in self._waiting:
@@ -289,7 +306,7 @@ class Gateway(Readiness):
         failed attempt is resumed (`_resume`) without the caller noticing, but for the pause."""
         while True:
             try:
-                item = await asyncio.wait_for(s.queue.get(), self.stall_s)
+                item = await within(s.queue.get(), self.stall_s)
             except asyncio.TimeoutError:
                 await self._resume(s, f"no token for {self.stall_s:g} s")
                 continue

@@ -41,7 +41,7 @@ from aiohttp import web
 
 from meshllm.defaults import GATEWAY_DRAIN_S, HTTP_IDLE_S
 from meshllm.roles.api_params import ApiError, Params, json_body, parse_params
-from meshllm.roles.gateway import Gateway
+from meshllm.roles.gateway import Gateway, within
 from meshllm.roles.route_view import RequestError, Stream
 from meshllm.roles.text_stream import TextStream
 
@@ -75,7 +75,7 @@ def _chunk(kind: str, rid: str, model: str, text: str, ids: list[int], finish: s
 
 async def _generate(request: web.Request, gw: Gateway, chat: bool, body_s: float) -> web.StreamResponse:
     try:  # a body trickled in (slowloris) holds a connection and a handler no longer than body_s
-        raw = await asyncio.wait_for(request.read(), body_s)
+        raw = await within(request.read(), body_s)
         body = json_body(raw, request.charset)
     except asyncio.TimeoutError:
         resp = ApiError(408, f"the request body did not arrive within {body_s:g} s", None,
