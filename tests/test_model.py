@@ -291,7 +291,7 @@ torch.save({"sizes": [os.environ[v] for v in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY",
 
 
 def test_the_kernel_cache_size_changes_no_output_and_is_set_before_torch_work(tmp_path):
-    """oneDNN and ideep cached 1024 kernels each (a prefill node grew ~0.9 GB over prompts of many
+    """oneDNN and ideep cached 1024 kernels each (a prefill node kept 311 MB over prompts of 120
     lengths: bench/prefill_memory.py); meshllm.engine sizes both caches before any torch work, and
     a kernel rebuilt after it left the cache gives the same bits: with caches of 2 (a rebuild at
     nearly every layer) the logits equal those of meshllm's size."""
