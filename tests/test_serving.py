@@ -692,9 +692,23 @@ def test_a_bad_integer_field_s_message_gives_its_range_in_whole_numbers():
         with pytest.raises(ApiError) as e:
             _number(body, key, 0, *((1, 1 << 31) if key == "max_tokens" else (-(1 << 63), (1 << 63) - 1)), integer=True)
         assert str(e.value) == msg
-    with pytest.raises(ApiError) as e:
-        _number({"top_p": 2}, "top_p", 1.0, 1e-9, 1)
-    assert str(e.value) == "'top_p' must be a number in [1e-09, 1], got 2"
+
+
+def test_top_p_is_taken_in_0_1_and_its_400_says_so(smollm2_tokenizer):
+    """The README says top_p is in (0, 1]; the 400 said "[1e-09, 1]" and refused 1e-10."""
+    from types import SimpleNamespace
+
+    from meshllm.roles.api_params import ApiError, parse_params
+
+    gw = SimpleNamespace(model_name="m", ctx=None, model=SimpleNamespace(tokenizer=smollm2_tokenizer, max_context=8192,
+                                                               vocab=smollm2_tokenizer.vocab_size))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+    for bad in (2, 0, 0.0, -1e-300):
+        with pytest.raises(ApiError) as e:
+            parse_params({**body, "top_p": bad}, gw, chat=False)
+        assert (e.value.status, str(e.value)) == (400, f"'top_p' must be a number in (0, 1], got {bad!r}")
+    for good in (1e-300, 0.5, 1):
+        assert parse_params({**body, "top_p": good}, gw, chat=False).top_p == good
 
 
 def test_openai_fields_at_their_no_op_values_max_completion_tokens_and_the_usage_chunk(disagg):

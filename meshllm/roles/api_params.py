@@ -81,15 +81,17 @@ class Params:
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, integer: bool = False,
-            within: str = "") -> Any:
-    """body[key] (`default` if absent or null) in [lo, hi], else a 400 naming it (`within`: the
-    object it sits in, e.g. "meshllm.", so that an extension's field is told from a top-level one)."""
+            within: str = "", above_lo: bool = False) -> Any:
+    """body[key] (`default` if absent or null) in [lo, hi] ((lo, hi] with `above_lo`), else a 400
+    naming it (`within`: the object it sits in, e.g. "meshllm.", so that an extension's field is
+    told from a top-level one)."""
     v = body.get(key, default)
     if v is None:
         v = default
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or not lo <= v <= hi:
+    if isinstance(v, bool) or not ok or not lo <= v <= hi or (above_lo and v == lo):
         kind, span = ("an integer", f"[{lo}, {hi}]") if integer else ("a number", f"[{lo:g}, {hi:g}]")
+        span = f"({span[1:]}" if above_lo else span
         raise ApiError(400, f"'{within}{key}' must be {kind} in {span}, got {v!r}", within + key, "invalid_value")
     return v
 
@@ -148,7 +150,7 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
                             f"{pin} (those it has: {decoders})", "meshllm.decode_replica", "invalid_value")
     max_tokens = min(max_tokens, gw.model.max_context - len(ids))
     return Params(ids, max_tokens, float(_number(body, "temperature", 1.0, 0, MAX_TEMPERATURE)),
-                  _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 1e-9, 1)),
+                  _number(body, "top_k", 0, 0, 1 << 31, integer=True), float(_number(body, "top_p", 1.0, 0, 1, above_lo=True)),
                   # no seed: a fresh one, so two such requests are two samples (OpenAI's behaviour)
                   secrets.randbits(63) if body.get("seed") is None else
                   _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, integer=True), tuple(stop), stream,
