@@ -285,7 +285,9 @@ def test_plan_judge_prints_the_plan_simulate_runs():
     sim, rate = obj["simulated"], obj["prediction"]["rate_per_s"]
     m = metrics(simulate(reps, make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED), rate))
     sustains = sim.pop("saturation_req_s")
-    assert sim == {"rate_per_s": rate, "requests": JUDGE_REQUESTS, **{k: m[k] for k in SIMULATED}}
+    assert sim == {"rate_per_s": rate, "requests": JUDGE_REQUESTS, **{k: round(m[k], 3) for k in SIMULATED}}
+    assert all(len(f"{v}".partition(".")[2]) <= 3 for v in sim.values()), sim  # ms to 3 places, as `prediction`
+    assert len(f"{sustains}".partition(".")[2]) <= 6
     assert sustains == pytest.approx(saturation_rate(reps, inp, JUDGE_SEED, JUDGE_SWEEP_REQUESTS), rel=0.1)
     assert Plan.from_json(obj).to_json() == obj  # a coordinator could publish it as it is
     obj["simulated"]["saturation_req_s"] = sustains

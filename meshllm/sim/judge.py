@@ -60,7 +60,7 @@ from dataclasses import replace
 
 from meshllm.partition.grouping import Evaluator, Grouping
 from meshllm.partition.inputs import PlanInputs
-from meshllm.partition.plan import Plan, plan_cluster, planner_evaluator
+from meshllm.partition.plan import Plan, plan_cluster, planner_evaluator, rounded
 from meshllm.sim import baselines, pool, sweep, trials, turns
 from meshllm.sim.metrics import metrics
 from meshllm.sim.replica import from_grouping, from_plan, replicas_key
@@ -134,9 +134,10 @@ def judged_plan(inp: PlanInputs, seed: int = 0, log: bool = False, sweep_request
         return plan
     g = picked[-1]
     m = metrics(sweep.simulate(from_plan(inp, plan), sweep.make_trace(inp, JUDGE_REQUESTS, JUDGE_SEED), rate))
-    return replace(plan, simulated={"rate_per_s": rate, "requests": float(JUDGE_REQUESTS),
-                                    **{k: float(m[k]) for k in SIMULATED},
-                                    "saturation_req_s": trials.saturation(inp, g, from_grouping(inp, g), sweep_requests)})
+    sustains = trials.saturation(inp, g, from_grouping(inp, g), sweep_requests)
+    return replace(plan, simulated={"rate_per_s": rate, "requests": float(JUDGE_REQUESTS),  # rounded as `prediction`
+                                    **{k: round(float(m[k]), 3) for k in SIMULATED},
+                                    "saturation_req_s": rounded(sustains, 6)})
 
 
 def simulated_judge(inp: PlanInputs, candidates: Sequence[Grouping], rate: float,
