@@ -289,6 +289,109 @@ def test_a_request_waiting_for_a_ready_replica_counts_in_flight_and_ends_at_the_
     assert took < READY_WAIT_S and gw.in_flight() == 0, took
 
 
+def test_admission_holds_a_client_to_its_fair_share_while_another_waits():
+    """roles/admission.py: the limit first; then, while a refused client is owed a slot (for
+    WAITING_S after its refusal), each client at most ceil(limit / claimants); a lone client
+    gets every slot, and a client that stops asking is forgotten."""
+    from meshllm.roles.admission import WAITING_S, Admission
+
+    a = Admission(8)
+    assert [a.try_admit("flood", 0.0) for _ in range(8)] == [None] * 8  # alone: every slot
+    assert "its limit" in a.try_admit("polite", 0.0)  # full: refused, and now waiting
+    assert "limit" in a.try_admit("flood", 0.1)
+    a.release("flood")  # a slot frees: the flooder, holding 7 of a share of 4, does not get it
+    why = a.try_admit("flood", 0.2)
+    assert why.startswith("this client holds 7 of this gateway's 7 requests in flight, its fair share of the 8 "
+                          "slots while 1 other client wait"), why
+    assert a.try_admit("polite", 1.0) is None  # the one that waited as Retry-After said gets it
+    for _ in range(3):
+        a.release("flood")
+    assert a.held == {"flood": 4, "polite": 1} and a.total == 5
+    assert a.try_admit("flood", 1.1) is not None  # 4 = its share beside the polite client
+    assert [a.try_admit("polite", 1.2) for _ in range(3)] == [None] * 3
+    assert a.try_admit("polite", 1.3) is not None and a.total == 8  # ceil(8 / 2): each 4
+    for _ in range(4):
+        a.release("polite")
+    assert a.held == {"flood": 4}
+    later = 1.3 + WAITING_S + 0.1  # the polite client left and stopped asking: the flooder may have all
+    assert [a.try_admit("flood", later) for _ in range(4)] == [None] * 4 and not a.refused_at and a.total == 8
+    assert a.try_admit("third", later) is not None and a.total == 8  # the limit holds whatever the shares
+    for _ in range(8):
+        a.release("flood")
+    assert a.held == {} and a.total == 0
+    small = Admission(3, max_waiting=2)  # what is remembered of refused clients is bounded
+    for c in ("x", "y", "z"):
+        assert small.try_admit(c, 0.0) is None
+    for c in ("p", "q", "r"):
+        assert small.try_admit(c, 0.0) is not None
+    assert list(small.refused_at) == ["q", "r"]
+
+
+def test_a_client_that_floods_the_gateway_leaves_the_slot_that_frees_to_the_one_that_waits(smollm2_tokenizer):
+    """Admission was one count for all clients: a client that sent again at once took every slot
+    that freed, and one that honoured Retry-After got none (a review: 80 requests to 0 with 8
+    slots). Two clients on two loopback addresses and a gateway with 2 slots, whose requests wait
+    for a ready replica (fake sockets, no node has loaded its plan): A holds both, B is refused;
+    one of A's leaves, and A's next is refused (its share is 1 while B waits) while B's is taken."""
+    import dataclasses
+    import socket
+
+    from meshllm.mesh.membership import Membership, PeerInfo
+    from meshllm.mesh.sockets import free_port_pair
+    from meshllm.roles.context import PlanContext
+    from meshllm.roles.gateway import Gateway
+    from meshllm.roles.http_api import ApiServer
+    from tests.test_fuzz import GW, NODES, FakeTransport, Net, make_plan, node_cfg
+
+    cfg = dataclasses.replace(node_cfg("gw"), max_concurrent=2)
+    gw = Gateway(FakeTransport(Net(), "gw", GW), Membership("gw"), PeerInfo("gw", GW, "fog", {}, ("gateway",), 1),
+                 cfg)
+    gw.ctx = PlanContext(5, make_plan(), dict(NODES), "gw")  # planned, loaded nowhere: requests wait
+    gw.model.vocab, gw.model.max_context, gw.model.tokenizer = 256, 256, smollm2_tokenizer
+    api = ApiServer(gw, f"127.0.0.1:{free_port_pair()}", drain_s=0.2)
+    api.start()
+    host, port = api.listen.rsplit(":", 1)
+    body = json.dumps({"model": gw.model_name, "prompt": [1, 2, 3], "max_tokens": 4}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    opened: list[socket.socket] = []
+
+    def send(client: str) -> socket.socket:
+        sock = socket.create_connection((host, int(port)), timeout=30, source_address=(client, 0))
+        opened.append(sock)
+        sock.sendall(request)
+        return sock
+
+    def answer(sock: socket.socket) -> tuple[int, dict]:
+        head, _, rest = sock.recv(65536).partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(rest)
+
+    def wait_in_flight(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while gw.in_flight() != n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert gw.in_flight() == n
+
+    a, b = "127.0.0.2", "127.0.0.3"
+    try:
+        a1, _ = send(a), send(a)
+        wait_in_flight(2)
+        code, got = answer(send(b))
+        assert code == 429 and "its limit" in got["error"]["message"], got
+        a1.close()  # one of A's requests ends (its client left): a slot frees
+        wait_in_flight(1)
+        code, got = answer(send(a))  # A asks at once: B, refused a moment ago, is owed that slot
+        assert code == 429 and got["error"]["code"] == "overloaded" and "fair share" in got["error"]["message"], got
+        send(b)
+        wait_in_flight(2)
+        assert gw.admission.held == {a: 1, b: 1}
+    finally:
+        for sock in opened:
+            sock.close()
+        api.close()
+    wait_in_flight(0)
+
+
 def test_a_request_to_a_gateway_with_no_plan_yet_waits_for_one_then_is_a_503(smollm2_tokenizer):
     """A gateway that has just started (or restarted: `--restart`) serves its API a moment before
     the coordinator's plan reaches it. A request then was an HTTP 500 (an AttributeError on the

@@ -36,6 +36,7 @@ from meshllm.mesh.membership import Membership, PeerInfo
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
 from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig
+from meshllm.roles.admission import Admission
 from meshllm.roles.batcher import decode_charge
 from meshllm.roles.context import PlanContext
 from meshllm.roles.coordinator import live_plan_inputs
@@ -92,7 +93,7 @@ class Gateway(Readiness):
         self.local_load = lambda: {}  # this node's own load (the Node wires its RoleHost in)
         self._streams: dict[int, Stream] = {}
         self._refused: dict[str, float] = {}  # node -> when it refused a request of this gateway's plan
-        self._held = 0  # requests the API holds (`holding`): in the mesh, waiting, or between attempts
+        self.admission = Admission(cfg.max_concurrent)  # requests the API holds (`admitted`), per client
         self.closing: str | None = None  # why every request left ends now (the drain's deadline: `shut`)
         self._lock = threading.Lock()
         self._seq_prefix = random.SystemRandom().getrandbits(30) << 32  # this life's requests (no other's)
@@ -428,19 +429,18 @@ class Gateway(Readiness):
         """Requests this gateway holds, from admission to the response's end: in the mesh, waiting
         for KV room or for a ready replica (a re-plan), or between a failed attempt and the next
         (max_concurrent bounds them all; a drain waits for them all)."""
-        with self._lock:
-            return self._held
+        return self.admission.total
 
     @contextlib.contextmanager
-    def holding(self) -> Iterator[None]:
-        """One request held while the block runs (the API's handler, admission to response)."""
-        with self._lock:
-            self._held += 1
+    def admitted(self, client: str) -> Iterator[str | None]:
+        """A slot for one request of `client` (its address) while the block runs (the API's handler,
+        admission to response): the block gets None, or why there is none (a 429; nothing is held)."""
+        why = self.admission.try_admit(client, time.monotonic())
         try:
-            yield
+            yield why
         finally:
-            with self._lock:
-                self._held -= 1
+            if why is None:
+                self.admission.release(client)
 
     def shut(self, why: str) -> None:
         """End every request in flight now (a stopping gateway's drain is over): each one's reader

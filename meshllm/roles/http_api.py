@@ -100,16 +100,15 @@ async def _generate(request: web.Request, gw: Gateway, chat: bool, body_s: float
                              "\\ud800)", None, "invalid_json").response()
     try:  # off the event loop: a long prompt's tokenizing would stall every other request's stream
         p = await asyncio.get_running_loop().run_in_executor(None, parse_params, body, gw, chat)
-        if (n := gw.in_flight()) >= gw.cfg.max_concurrent:  # no await before `holding` counts it: no race
-            resp = ApiError(429, f"this gateway has {n} requests in flight, its limit "
-                                 "(gateway.max_concurrent); retry later, or at another gateway", None,
-                            "overloaded").response()
+    except ApiError as e:
+        return e.response()
+    # held from here to the response's end, whatever it waits for meanwhile (roles/admission.py)
+    with gw.admitted(request.remote or "") as refused:
+        if refused is not None:
+            resp = ApiError(429, f"{refused}; retry later, or at another gateway", None, "overloaded").response()
             resp.headers["Retry-After"] = "1"
             gw.metrics.requests.labels(status="rejected").inc()  # meshllm_requests_total{status="rejected"}
             return resp
-    except ApiError as e:
-        return e.response()
-    with gw.holding():  # counted from here to the response's end, whatever it waits for meanwhile
         try:
             s = await gw.submit(p.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
                                 spec_mode=p.spec_mode, gamma=p.gamma, decode_replica=p.decode_replica,
