@@ -111,7 +111,7 @@ def connectable(ep: str) -> bool:
 def check_endpoint(address: str, offset: int = 0) -> None:
     """Fail as the real transport's send/subscribe would on this address (not a ProtocolError: a
     handler that lets a bad address through to the sockets has a bug)."""
-    ep = endpoint(address, offset)  # ValueError on a bad port, as in sockets.Requester
+    ep = endpoint(address, offset)  # ValueError on a bad port, as in inbox.Requester
     if not connectable(ep):
         raise zmq.ZMQError(zmq.EINVAL, f"invalid endpoint {ep!r}")
 

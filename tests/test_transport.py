@@ -15,12 +15,13 @@ import zmq
 
 from meshllm.config import LinkSpec
 from meshllm.device import device_from_mapping
+from meshllm.mesh.inbox import RemoteError
 from meshllm.mesh.ingress import LinkShaper, RateLimit
 from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import PeerState
 from meshllm.mesh.node import Node, query_status
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, make
-from meshllm.mesh.sockets import RemoteError, _ephemeral_start, endpoint, free_port_pair
+from meshllm.mesh.sockets import _ephemeral_start, endpoint, free_port_pair
 from meshllm.mesh.transport import Transport, topic
 from meshllm.node_config import NodeConfig
 from tests.conftest import wait_for

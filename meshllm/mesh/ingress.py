@@ -1,7 +1,7 @@
 """What happens to a message as it arrives, before its handler runs: the emulated link's delay and
 partitions (`LinkShaper`), the per-peer rate limit (`RateLimit`, `RateLimiter`), the accounting
 and rate-limited logging of rejected input (`Rejections`), and `guard`, which keeps a failing
-handler from killing its thread. No sockets here: sockets.Inbox applies these to what the I/O
+handler from killing its thread. No sockets here: inbox.Inbox applies these to what the I/O
 thread reads.
 
 Link shaping (emulation only): with links configured, a message from a node in zone A to this

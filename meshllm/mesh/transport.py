@@ -45,11 +45,12 @@ from collections.abc import Callable
 
 import zmq
 
+from meshllm.mesh.inbox import Inbox, Requester
 from meshllm.mesh.ingress import LinkShaper, RateLimit, RateLimiter, Rejections, guard
 from meshllm.mesh.keys import Admission, NodeKeys
 from meshllm.mesh.loop import IOLoop, Worker
 from meshllm.mesh.protocol import Message, MsgType, ProtocolError, encode, make
-from meshllm.mesh.sockets import Inbox, PeerSockets, Requester, endpoint, make_socket, send_frames
+from meshllm.mesh.sockets import PeerSockets, endpoint, make_socket, send_frames
 
 log = logging.getLogger("meshllm.mesh.transport")
 

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from meshllm.defaults import DECODE_TARGETS
+from meshllm.mesh.inbox import RemoteError
 from meshllm.mesh.protocol import MsgType, make
-from meshllm.mesh.sockets import RemoteError
 from meshllm.roles.batcher import decode_charge
 from meshllm.roles.route_view import RequestError, Stream
 

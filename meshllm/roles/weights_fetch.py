@@ -50,10 +50,10 @@ from meshllm.defaults import served_name
 from meshllm.engine.sources import ModelSource, gguf_shard_names, resolve_model
 from meshllm.engine.tensor_cache import HEADER, TensorCache, safe_dir_name
 from meshllm.errors import ModelFileError
+from meshllm.mesh.inbox import RemoteError
 from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, Peer
 from meshllm.mesh.protocol import ProtocolError
-from meshllm.mesh.sockets import RemoteError
 from meshllm.mesh.transport import Transport
 from meshllm.node_config import NodeConfig
 from meshllm.roles.weights_pull import PeerFailed, WeightsFetcher
