@@ -8,6 +8,7 @@ ships KV to a 3-stage decode replica splitting the layers differently.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import re
@@ -390,6 +391,54 @@ def test_a_client_that_floods_the_gateway_leaves_the_slot_that_frees_to_the_one_
             sock.close()
         api.close()
     wait_in_flight(0)
+
+
+def test_a_request_pinned_to_a_decode_replica_the_plan_lacks_fails_at_once(smollm2_tokenizer):
+    """A request pinned to a decode replica (`meshllm.decode_replica`) whose node died was resumed
+    on the new plan, which had no such replica, and waited RESUME_WAIT_S (60 s) for it before its
+    503; a new request pinned to a replica the plan lacks waited READY_WAIT_S. Both fail at once
+    now, code replica_not_in_plan; a pin to a replica of the plan that is not ready yet still
+    waits for it. (A gateway on fake sockets whose plan no node has loaded.)"""
+    import dataclasses
+
+    from meshllm.mesh.membership import Membership, PeerInfo
+    from meshllm.roles.context import PlanContext
+    from meshllm.roles.gateway import READY_WAIT_S, RESUME_WAIT_S, Gateway
+    from meshllm.roles.route_view import PIN_GONE, RequestError, Stream
+    from tests.test_fuzz import GW, NODES, FakeTransport, Net, make_plan, node_cfg
+
+    cfg = dataclasses.replace(node_cfg("gw"), time_scale=0.1)
+    gw = Gateway(FakeTransport(Net(), "gw", GW), Membership("gw"), PeerInfo("gw", GW, "fog", {}, ("gateway",), 1),
+                 cfg)
+    gw.ctx = PlanContext(5, make_plan(), dict(NODES), "gw")  # decode targets 1, 2 (mixed) and 3; 0 prefills
+    gw.model.vocab, gw.model.max_context, gw.model.tokenizer = 256, 256, smollm2_tokenizer
+
+    async def submit(pin: int) -> tuple[float, RequestError]:
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            await gw.submit([1, 2, 3], 4, 0.0, 0, 1.0, 0, decode_replica=pin)
+        return time.monotonic() - t0, e.value
+
+    async def resume(pin: int) -> tuple[float, RequestError]:
+        s = Stream(0, asyncio.get_running_loop(), asyncio.Queue(), set(), -1, -1, 3, 4, prompt=[1, 2, 3],
+                   settings={"sampling": {}, "mode": "off", "gamma": 4, "adaptive": False, "pin": pin},
+                   emitted=[7], next_index=1)
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            await gw._resume(s, "node dg of its replica died")
+        return time.monotonic() - t0, e.value
+
+    for pin in (9, 0):  # none, and a prefill replica
+        took, err = asyncio.run(submit(pin))
+        assert err.code == PIN_GONE and f"decode replica {pin} is not a decode replica of plan v5 (its decode " \
+            "replicas: [1, 2, 3])" in str(err) and took < READY_WAIT_S * cfg.time_scale / 2, (took, err)
+    took, err = asyncio.run(resume(9))
+    assert err.code == PIN_GONE and str(err).startswith("node dg of its replica died; no replica could take the "
+                                                        "request again: decode replica 9 is not"), err
+    assert took < RESUME_WAIT_S * cfg.time_scale / 4, took
+    took, err = asyncio.run(submit(3))  # in the plan, not ready (loaded nowhere): it waits, then a 503
+    assert err.code == "unavailable" and took >= READY_WAIT_S * cfg.time_scale * 0.9, (took, err)
+    gw.close()
 
 
 def test_a_request_to_a_gateway_with_no_plan_yet_waits_for_one_then_is_a_503(smollm2_tokenizer):

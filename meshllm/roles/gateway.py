@@ -44,7 +44,7 @@ from meshllm.roles.kv_book import KvBook, KvDenied
 from meshllm.roles.metrics import GatewayMetrics, summed
 from meshllm.roles.model_info import ModelInfo
 from meshllm.roles.readiness import Readiness
-from meshllm.roles.route_view import RequestError, RouterView, Stream, kv_fit
+from meshllm.roles.route_view import PIN_GONE, RequestError, RouterView, Stream, kv_fit
 from meshllm.sim.replica import from_plan
 
 log = logging.getLogger("meshllm.gateway")
@@ -201,6 +201,8 @@ class Gateway(Readiness):
                     await self.kv.wait_for_room(s, again=True)
                     deadline = time.monotonic() + READY_WAIT_S * self.time_scale
                 except RequestError as e:  # (no plan yet, too: a gateway that has just started gets one soon)
+                    if e.code == PIN_GONE:  # pinned to a replica this plan lacks: no wait brings it back
+                        raise
                     if time.monotonic() > deadline:
                         raise RequestError(self.unservable() or str(e)) from None
                     await self._until_news()
@@ -220,6 +222,11 @@ class Gateway(Readiness):
         ctx, st = self.ctx, s.settings
         if ctx is None:
             raise RequestError("this gateway has no plan yet (the mesh is forming, or this node has just started)")
+        pin = st["pin"]
+        if pin is not None and not any(r.id == pin and r.role in DECODE_TARGETS for r in ctx.plan.replicas):
+            raise RequestError(f"decode replica {pin} is not a decode replica of plan v{ctx.version} (its decode "
+                               f"replicas: {[r.id for r in ctx.plan.replicas if r.role in DECODE_TARGETS]})",
+                               PIN_GONE)  # no wait brings it back (a resumed attempt's plan lost it)
         drafter = self.pick_drafter() if st["mode"] != "off" else ""
         ready = set(self.ready_replicas())
         s.kv_charge = decode_charge(len(ids), left, bool(drafter), self.model.max_context)
@@ -283,10 +290,10 @@ class Gateway(Readiness):
                          s.decode_rid, time.monotonic() - t0)
                 return
             except RequestError as e:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or e.code == PIN_GONE:  # (a pin the new plan lacks: at once)
                     self.metrics.finished("error")  # this request left the books with its last attempt
                     raise RequestError(f"{why}; no replica could take the request again: "
-                                       f"{self.unservable() or e}") from None
+                                       f"{self.unservable() or e}", e.code) from None
                 await self._until_news()
 
     def pick_drafter(self) -> str:

@@ -20,6 +20,9 @@ from meshllm.sim.router import ReplicaLoad, Router
 ROUTERS_KEPT = 64  # routers (one per set of ready replicas) a RouterView keeps until the next plan
 
 
+PIN_GONE = "replica_not_in_plan"  # RequestError code: a request pinned to a replica the plan lacks
+
+
 class RequestError(Exception):
     """A request the mesh cannot serve now (no replica ready, mesh re-planned, stalled); `code`:
     the API error's code ("shutting_down": this gateway is stopping, another one can take it)."""
