@@ -168,12 +168,12 @@ def serve_until_interrupted(cluster: EmulatedCluster) -> None:
             for nid in sorted(cluster.dead() - reported):
                 reported.add(nid)
                 order.append(nid)
-                log.warning("node %s exited (code %s); the mesh goes on without it%s", nid,
-                            cluster.procs[nid].returncode, f" (its API at http://{cluster.gateways[nid]} is gone)"
-                            if nid in cluster.gateways else "")
+                log.warning("node %s %s; the mesh goes on without it%s", nid, cluster.how_exited(nid),
+                            f" (its API at http://{cluster.gateways[nid]} is gone)" if nid in cluster.gateways else "")
             if set(cluster.gateways) <= reported:
                 last = max(cluster.gateways, key=lambda nid: order.index(nid))
-                raise RuntimeError(f"the last gateway node, {last}, exited: {cluster.log_tail(last)}")
+                raise RuntimeError(f"the last gateway node, {last}, {cluster.how_exited(last)}; its log ends:\n"
+                                   f"{cluster.log_tail(last)}")
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("meshllm: stopping the emulated mesh", file=sys.stderr, flush=True)

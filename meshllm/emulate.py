@@ -228,8 +228,22 @@ class EmulatedCluster:
         return query_status(self.target(node_id), timeout_s=timeout_s, keys=self.keys)
 
     def log_tail(self, node_id: str, n_chars: int = 1500) -> str:
+        """The end of a node's log: at most `n_chars`, from the start of a line (a cut one is left
+        out, unless it is all there is)."""
         p = self.workdir / f"{node_id}.log"
-        return p.read_text(errors="replace")[-n_chars:] if p.is_file() else ""
+        text = p.read_text(errors="replace").rstrip("\n") if p.is_file() else ""
+        if len(text) > n_chars:
+            text = text[-n_chars:]
+            text = text.partition("\n")[2] or text
+        return text
+
+    def how_exited(self, node_id: str) -> str:
+        """"exited with code N", or "was killed by SIGKILL" for a process a signal ended."""
+        code = self.procs[node_id].returncode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
 
     def wait_formed(self, timeout_s: float = FORMATION_TIMEOUT_S) -> dict[str, dict]:
         """Block until every node sees every other alive; returns each node's status."""
@@ -312,7 +326,7 @@ class EmulatedCluster:
         raise_if_interrupted()
         for nid, proc in self.procs.items():
             if proc.poll() is not None:
-                why = f"node {nid} exited with code {proc.returncode}: {self.log_tail(nid)}"
+                why = f"node {nid} {self.how_exited(nid)}; its log ends:\n{self.log_tail(nid)}"
                 # exit 2 is the node's own bad input (a model or tokenizer file it cannot read): the run's too
                 raise InputError(why) if proc.returncode == 2 else RuntimeError(why)
 

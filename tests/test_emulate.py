@@ -312,11 +312,15 @@ def test_serve_says_where_its_api_token_is_and_names_the_last_gateway_to_die(tmp
                 return json.loads(r.read())["nodes"][node]["load"]["pid"]
 
         os.killpg(pid(served.url, "g1"), signal.SIGKILL)
-        assert wait_for(lambda: "node g1 exited" in served.log.read_text(), 30)
+        assert wait_for(lambda: "node g1 was killed by SIGKILL" in served.log.read_text(), 30)
         os.killpg(pid(other, "g2"), signal.SIGKILL)
         served.proc.wait(timeout=60)
         assert served.proc.returncode == 1
-        assert "the last gateway node, g2, exited" in served.log.read_text(), served.log.read_text()[-2000:]
+        # what ended it, then the end of its log from a line's start (it began mid-word: "s a new one: ...")
+        log = served.log.read_text()
+        m = re.search(r"the last gateway node, g2, was killed by SIGKILL; its log ends:\n(.*)", log, re.S)
+        assert m, log[-2000:]
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} meshllm", m.group(1)), m.group(1)[:300]
     finally:
         served.stop()
 
