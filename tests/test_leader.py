@@ -252,6 +252,27 @@ def test_a_sequence_larger_than_the_room_runs_alone_and_a_prefill_replica_reserv
     assert leader.queue == [] and leader.batch.kv_held == 64 + 64
 
 
+def test_a_prefill_replica_counts_the_prompts_it_hands_off() -> None:
+    """`--status` and /v1/mesh showed a prefill leader that had handed off dozens of prompts as
+    `finished: 0`: only a request that ends on the replica counted. Handoffs count now; a request
+    that asked for one token ends on the prefill replica, and counts as finished there."""
+    plan = Plan("tiny", 4, "fp32", (Replica(0, Role.PREFILL, (PlanStage("a", (0, 2)), PlanStage("b", (2, 4))),
+                                            1.0, 1.0, 1.0), Replica(1, Role.DECODE, (PlanStage("c", (0, 4)),),
+                                                                    1.0, 1.0, 1.0)), (), (), 0.0, 1.0)
+    ctx = PlanContext(1, plan, {**NODES, "c": "127.0.0.1:7007"}, "a")
+    sent: list = []
+    leader = Leader(Stage(ctx, load_transformer("tiny", 0, 2), lambda a, m: sent.append(m)),
+                    lambda a, m: sent.append(m), max_context=256)
+    for sid, max_tokens in ((1, 200), (2, 1)):
+        s = seq(sid, max_tokens=max_tokens)
+        s.decode_rid = 1  # the decode replica decodes it
+        leader.batch.admit(s)
+    leader.step()
+    leader.on_results(results(1, [[1, [9], [1.0]], [2, [9], [1.0]]]))
+    load = leader.load()
+    assert (load["handed_off"], load["finished"], load["aborted"]) == (1, 1, 0), load
+
+
 def test_without_a_known_room_nothing_waits_for_kv() -> None:
     leader, _ = two_stage_leader()
     for sid in range(1, 6):

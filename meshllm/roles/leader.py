@@ -71,7 +71,8 @@ class Leader:
                              prompt_aging(stage.replica.prefill_tok_s))
         self.in_flight: dict[int, InFlight] = {}
         self._batch_ids = itertools.count(1)
-        self.stats = {"micro_batches": 0, "rows": 0, "finished": 0, "aborted": 0}
+        # finished: requests that ended here; handed_off: prompts this replica prefilled for another to decode
+        self.stats = {"micro_batches": 0, "rows": 0, "finished": 0, "handed_off": 0, "aborted": 0}
         # decode replicas: (prefill ms, handoff ms) of recent sequences; handoff = from the prefill
         # replica having the first token to this replica holding all the KV and the token (one host's
         # monotonic clock: meaningful in emulation and benchmarks)
@@ -175,6 +176,7 @@ class Leader:
         s.out.append(token)
         finished = finish_reason(s, token, self.max_context)
         self.outbox.tokens(s, [token], finished)
+        self.stats["finished" if finished is not None else "handed_off"] += 1  # (one token asked: it ends here)
         if self.on_prefilled is not None:
             self.on_prefilled(self.ctx, s, finished is not None)
 
