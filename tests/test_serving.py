@@ -291,9 +291,10 @@ def test_a_request_waiting_for_a_ready_replica_counts_in_flight_and_ends_at_the_
 
 
 def test_admission_holds_a_client_to_its_fair_share_while_another_waits():
-    """roles/admission.py: the limit first; then, while a refused client is owed a slot (for
-    WAITING_S after its refusal), each client at most ceil(limit / claimants); a lone client
-    gets every slot, and a client that stops asking is forgotten."""
+    """roles/admission.py: the limit first; then a client at its fair share, ceil(limit /
+    claimants), gets no slot that a waiting client (refused within WAITING_S) is owed; a lone
+    client gets every slot, no slot idles while no one waits, and a client that stops asking is
+    forgotten."""
     from meshllm.roles.admission import WAITING_S, Admission
 
     a = Admission(8)
@@ -302,24 +303,25 @@ def test_admission_holds_a_client_to_its_fair_share_while_another_waits():
     assert "limit" in a.try_admit("flood", 0.1)
     a.release("flood")  # a slot frees: the flooder, holding 7 of a share of 4, does not get it
     why = a.try_admit("flood", 0.2)
-    assert why.startswith("this client holds 7 of this gateway's 7 requests in flight, its fair share of the 8 "
-                          "slots while 1 other client wait"), why
+    assert why == ("this client holds 7 of this gateway's 7 requests in flight, its fair share (4 of 8) while "
+                   "1 other client waits for a slot"), why
     assert a.try_admit("polite", 1.0) is None  # the one that waited as Retry-After said gets it
     for _ in range(3):
         a.release("flood")
     assert a.held == {"flood": 4, "polite": 1} and a.total == 5
-    assert a.try_admit("flood", 1.1) is not None  # 4 = its share beside the polite client
-    assert [a.try_admit("polite", 1.2) for _ in range(3)] == [None] * 3
-    assert a.try_admit("polite", 1.3) is not None and a.total == 8  # ceil(8 / 2): each 4
-    for _ in range(4):
-        a.release("polite")
-    assert a.held == {"flood": 4}
-    later = 1.3 + WAITING_S + 0.1  # the polite client left and stopped asking: the flooder may have all
-    assert [a.try_admit("flood", later) for _ in range(4)] == [None] * 4 and not a.refused_at and a.total == 8
-    assert a.try_admit("third", later) is not None and a.total == 8  # the limit holds whatever the shares
+    assert a.try_admit("flood", 1.1) is None  # at its share, but no one waits: the slot does not idle
+    assert [a.try_admit(c, 1.2) for c in ("x", "y")] == [None, None] and a.total == 8
+    assert "limit" in a.try_admit("z", 1.3)  # z waits, owed ceil(8 / 5) = 2
+    a.release("x")
+    assert "fair share (2 of 8) while 1 other client waits" in a.try_admit("flood", 1.4)  # over its share: no
+    assert a.try_admit("y", 1.4) is None and a.total == 8  # under its share (1 of 2): it may take it
+    for c in ("flood",) * 5 + ("polite", "y", "y"):
+        a.release(c)
+    assert a.held == {} and a.total == 0
+    later = 1.5 + WAITING_S + 0.1  # no one asked for WAITING_S: every waiting client is forgotten
+    assert [a.try_admit("flood", later) for _ in range(8)] == [None] * 8 and list(a.refused_at) == []
     for _ in range(8):
         a.release("flood")
-    assert a.held == {} and a.total == 0
     small = Admission(3, max_waiting=2)  # what is remembered of refused clients is bounded
     for c in ("x", "y", "z"):
         assert small.try_admit(c, 0.0) is None
