@@ -244,3 +244,61 @@ def test_fuzz_random_headers(head: dict, mtype: MsgType) -> None:
         decode([p.PREAMBLE.pack(p.MAGIC, p.VERSION, int(mtype), 0) + msgpack.packb(head)])
     except ProtocolError:
         pass
+
+
+# -- the checks of network fields, one by one (a fuzzer shows a handler survives; these show what is refused)
+GOOD_SPAN = [7, 0, 3, int(p.SpanKind.PREFILL_LAST), 0, 0.7, 40, 0.9, 11]
+
+
+@pytest.mark.parametrize("field, bad", [
+    (0, -1), (0, 1 << 63), (0, 1.0), (1, -1), (2, 0), (2, -2), (3, 4), (3, -1), (4, -1), (5, -0.5),
+    (5, float("nan")), (5, "0"), (6, -1), (6, 2.0), (7, 0.0), (7, -0.1), (7, 1.5), (7, float("nan")),
+    (8, 1.5), (8, None), (2, True)])
+def test_a_span_field_out_of_range_is_a_protocol_error(field: int, bad) -> None:
+    """A span's fields (seq, start, n, kind, index, temperature, top_k, top_p, seed) are held to
+    their ranges: a negative top_k or a top_p of 0 reached the last stage's sampling (a
+    RuntimeError, or NaN probabilities) where they should be dropped as a malformed frame."""
+    assert p.WireSpan.from_wire(GOOD_SPAN).to_wire() == GOOD_SPAN
+    span = list(GOOD_SPAN)
+    span[field] = bad
+    with pytest.raises(ProtocolError, match="bad span"):
+        p.WireSpan.from_wire(span)
+
+
+def test_a_span_of_another_length_is_a_protocol_error() -> None:
+    for span in (GOOD_SPAN[:8], GOOD_SPAN + [0], tuple(GOOD_SPAN[:3]), "span", None):
+        with pytest.raises(ProtocolError, match="span must be a list of 9 fields"):
+            p.WireSpan.from_wire(span)
+
+
+@pytest.mark.parametrize("change", [
+    {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": True}, {"top_k": -1}, {"top_k": 1.5},
+    {"top_p": 0.0}, {"top_p": 1.01}, {"top_p": float("nan")}, {"seed": 1.5}, {"seed": None}, {"extra": 1}])
+def test_a_sampling_map_out_of_range_or_with_other_keys_is_a_protocol_error(change: dict) -> None:
+    from meshllm.mesh.fields import check_sampling
+
+    good = sampling_map(0.7, 40, 0.9, 11)
+    assert check_sampling(good) == (0.7, 40, 0.9, 11) and check_sampling(sampling_map(0, 0, 1.0, -5))[3] == -5
+    with pytest.raises(ProtocolError):
+        check_sampling({**good, **change})
+    missing = dict(good)
+    missing.pop("seed")
+    with pytest.raises(ProtocolError, match="exactly"):
+        check_sampling(missing)
+
+
+def test_list_caps_and_port_ranges_hold_at_their_edges() -> None:
+    """An off-by-one in any cap (prompt ids, drafts, stop ids) or port check went unnoticed."""
+    from meshllm.mesh.fields import NODE_PORT_MAX, check_int_list, is_address
+
+    assert check_int_list([1] * 64, "draft", max_len=64) == [1] * 64
+    with pytest.raises(ProtocolError, match="at most 64"):
+        check_int_list([1] * 65, "draft", max_len=64)
+    assert check_int_list([0, 9], "ids", 0, 9) == [0, 9]
+    for bad in ([-1], [10], [1.0], [True]):
+        with pytest.raises(ProtocolError):
+            check_int_list(bad, "ids", 0, 9)
+    assert NODE_PORT_MAX == 65534  # PUB is PORT + 1
+    assert is_address("127.0.0.1:1") and is_address(f"127.0.0.1:{NODE_PORT_MAX}") and is_address("[::1]:7000")
+    for bad in ("127.0.0.1:0", "127.0.0.1:65535", "127.0.0.1:99999", "127.0.0.1", ":7000", 7000, "a b:1"):
+        assert not is_address(bad), bad

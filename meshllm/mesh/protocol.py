@@ -197,7 +197,7 @@ class WireSpan:
         seq, start, n, kind, index, temp, top_k, top_p, seed = x
         if not (is_int(seq, 0, MAX_SEQ_ID) and is_int(start, 0) and is_int(n, 1) and is_int(index, 0)
                 and is_int(top_k, 0) and is_int(seed) and kind in _KINDS and is_num(temp, 0.0)
-                and is_num(top_p, 0.0, 1.0)):
+                and is_num(top_p, 0.0, 1.0) and top_p > 0):  # (top_p 0 would leave no token to sample)
             raise ProtocolError(f"bad span {x!r:.120}")
         return WireSpan(seq, start, n, SpanKind(kind), index, float(temp), top_k, float(top_p), seed)
 
