@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from meshllm.engine.sampling import (
@@ -101,3 +102,45 @@ def test_token_generator_depends_only_on_seed_and_index():
     assert torch.equal(draw(7, 3), draw(7, 3))
     assert not torch.equal(draw(7, 3), draw(7, 4)) and not torch.equal(draw(7, 3), draw(8, 3))
     assert not torch.equal(draw(0, 0), draw(1, 0))
+
+
+def test_the_identity_rule_tells_a_short_or_long_output_from_the_reference():
+    """`same_up_to_tie` is the oracle of every end-to-end identity test: a mesh output that stops
+    early or runs on, equal as far as it goes, must not pass as identical."""
+    from meshllm.engine.sampling import same_up_to_tie
+
+    want, margins_ = [5, 6, 7], [1.0, 1.0, 1.0]
+    assert same_up_to_tie([5, 6, 7], want, margins_) == (True, "identical")
+    assert same_up_to_tie([5, 6], want, margins_) == (False, "lengths differ: 2 vs 3")
+    assert same_up_to_tie([5, 6, 7, 8], want, margins_) == (False, "lengths differ: 4 vs 3")
+    assert same_up_to_tie([], want, margins_)[0] is False
+    assert same_up_to_tie([5, 9], want, [1.0, 5e-4, 1.0])[0]  # a divergence at a numerical tie
+    assert not same_up_to_tie([5, 9], want, [1.0, 2e-3, 1.0])[0]
+
+
+def test_top_k_keeps_exactly_k_tokens_and_top_p_the_smallest_prefix_reaching_it():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
+    for k in range(1, 6):
+        pr = probs(logits, SamplingParams(1.0, k, 1.0))
+        assert (pr > 0).sum().item() == k and torch.isclose(pr.sum(), torch.tensor(1.0)), (k, pr)
+        assert (pr[0, :k] > 0).all()  # the k largest
+    one = probs(logits, SamplingParams(1.0, 1, 1.0))
+    assert one[0, 0].item() == 1.0
+    soft = logits.softmax(-1)[0]
+    for n in range(1, 6):  # top_p just above the mass of the first n: those n and no more
+        pr = probs(logits, SamplingParams(1.0, 0, float(soft[:n].sum()) + 1e-4 if n < 6 else 1.0))
+        assert (pr > 0).sum().item() == min(6, n + 1), (n, pr)
+    assert (probs(logits, SamplingParams(1.0, 0, 1e-9)) > 0).sum().item() == 1  # the top token, never none
+
+
+def test_the_prefix_hash_counts_token_0_and_a_count_of_minus_one_is_refused():
+    """Token 0 is a real token: a prefix with it hashes apart from one without. And a negative
+    figure from another node is refused, -1 as much as -3."""
+    from meshllm.engine.speculative import _count, extend_hash
+
+    assert extend_hash(0, [0]) != 0 and extend_hash(0, [0, 5]) != extend_hash(0, [5])
+    assert extend_hash(extend_hash(0, [3]), [0, 0]) == extend_hash(0, [3, 0, 0]) != extend_hash(0, [3, 0])
+    assert _count(0) == 0 and _count(7.0) == 7
+    for bad in (-1, -3, float("inf")):
+        with pytest.raises(ValueError):
+            _count(bad)
