@@ -823,6 +823,39 @@ def test_a_resumed_stream_sends_the_text_the_first_one_held_back(smollm2_tokeniz
             assert "".join(sent[:k]) + rest == whole, (stop, k)
 
 
+def test_a_long_stream_of_multi_byte_characters_is_never_fixed_mid_character(smollm2_tokenizer):
+    """The fixing of a long stream's text (see below) must not cut a character: "🍏a🍎" x 300
+    (~2100 tokens, the fruit split over byte tokens) pushed in blocks of 1, 2, 3, 5 and 7 gives
+    the whole decode, with no U+FFFD (a mutation that fixed text at any split went unseen)."""
+    from meshllm.roles.text_stream import TextStream
+
+    tok = smollm2_tokenizer
+    text = "🍏a🍎" * 300
+    ids = tok.encode(text)
+    assert len(ids) > 1000 and tok.decode(ids) == text
+    for n in (1, 2, 3, 5, 7):
+        ts = TextStream(tok, ())
+        out = "".join(ts.push(ids[i:i + n], i + n >= len(ids)) for i in range(0, len(ids), n))
+        assert out == text and "\ufffd" not in out and ts.fixed > 0, n
+
+
+def test_a_stream_ends_with_the_tail_it_held_back_and_two_stops_in_one_push_cut_at_the_first(smollm2_tokenizer):
+    """What a stream holds back because it may become a stop string is sent at its end; where two
+    stop strings complete in one push (a verified draft block), the text ends before the first;
+    end-of-sequence tokens give no text."""
+    from meshllm.roles.text_stream import TextStream
+
+    tok = smollm2_tokenizer
+    ids = tok.encode("Hello world.\n")
+    ts = TextStream(tok, ("\n\n",))
+    assert ts.push(ids, False) == "Hello world." and ts.push([], True) == "\n"  # held, then sent at the end
+    ts = TextStream(tok, ("gamma", "beta"))
+    assert ts.push(tok.encode(" alpha beta gamma delta"), False) == " alpha " and ts.stopped
+    ts = TextStream(tok, ())
+    eos = sorted(tok.eos_ids)
+    assert ts.push(tok.encode("Paris.") + eos[:1], True) == "Paris."
+
+
 def test_a_long_stream_s_text_is_the_whole_decode_in_any_blocks(smollm2_tokenizer):
     """Each push decoded every token so far (8192 tokens one at a time: 8.6 s of the event loop's
     CPU); now the text before the last TEXT_TAIL.. tokens is fixed once a whole decode confirms
@@ -876,6 +909,61 @@ def test_a_bad_integer_field_s_message_gives_its_range_in_whole_numbers():
         with pytest.raises(ApiError) as e:
             _number(body, key, 0, *((1, 1 << 31) if key == "max_tokens" else (-(1 << 63), (1 << 63) - 1)), integer=True)
         assert str(e.value) == msg
+
+
+def _small_gateway(tokenizer, max_context: int = 64):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model_name="m", ctx=None, model=SimpleNamespace(tokenizer=tokenizer, max_context=max_context,
+                                                                           vocab=tokenizer.vocab_size))
+
+
+@pytest.mark.parametrize("change, chat, param, code", [
+    ({"stop": ""}, False, "stop", "invalid_value"),  # "" is found at 0: every response would be empty
+    ({"stop": ["a", "b", "c", "d", "e"]}, False, "stop", "invalid_value"),
+    ({"stop": ["a", ""]}, False, "stop", "invalid_value"),
+    ({"max_tokens": True}, False, "max_tokens", "invalid_value"),
+    ({"temperature": True}, False, "temperature", "invalid_value"),
+    ({"stream": 1}, False, "stream", "invalid_value"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, False, "stream_options", "invalid_value"),
+    ({"stream_options": {"include_usage": True}}, False, "stream_options", "invalid_value"),
+    ({"meshllm": {"adaptive": 1}}, False, "meshllm.adaptive", "invalid_value"),
+    ({"meshllm": {"speculation": "on"}}, False, "meshllm.speculation", "invalid_value"),
+    ({"meshllm": {"resume_token_ids": [-1]}}, False, "meshllm.resume_token_ids", "invalid_value"),
+    ({"meshllm": {"resume_token_ids": [5, 6]}, "max_tokens": 2}, False, "meshllm.resume_token_ids", "invalid_value"),
+    ({"prompt": [True, False]}, False, "prompt", "invalid_value"),
+    ({"prompt": [-1, 5]}, False, "prompt", "invalid_value"),
+    ({"prompt": ["a", "b"]}, False, "prompt", "invalid_value"),
+    ({"prompt": ""}, False, "prompt", "invalid_value"),  # zero tokens
+    ({"prompt": [1] * 64}, False, "prompt", "context_length_exceeded"),  # exactly the context: no room left
+    ({"max_tokens": 4, "max_completion_tokens": 5}, False, "max_completion_tokens", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}] * 65}, True, "messages", "context_length_exceeded"),
+])
+def test_each_request_check_refuses_its_case(smollm2_tokenizer, change: dict, chat: bool, param: str, code: str):
+    """The request checks one by one, in process (a mutation review found most of them tested
+    only through a mesh, or not at all): each bad field is a 400 naming it."""
+    from meshllm.roles.api_params import ApiError, parse_params
+
+    body = {"model": "m", **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}),
+            "max_tokens": 4, **change}
+    with pytest.raises(ApiError) as e:
+        parse_params(body, _small_gateway(smollm2_tokenizer), chat=chat)
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code), str(e.value)
+
+
+def test_what_a_request_may_carry_is_taken_and_max_tokens_is_held_to_the_context_left(smollm2_tokenizer):
+    from meshllm.roles.api_params import parse_params
+
+    gw = _small_gateway(smollm2_tokenizer)
+    got = parse_params({"model": "m", "prompt": [1] * 63, "max_tokens": 100}, gw, chat=False)
+    assert got.max_tokens == 1  # the context's last position
+    got = parse_params({"model": "m", "prompt": [1] * 10, "max_tokens": 5, "max_completion_tokens": 5,
+                        "stop": ["a", "b", "c", "d"], "stream": True, "stream_options": {"include_usage": True},
+                        "meshllm": {"resume_token_ids": [7, 8], "adaptive": False, "speculation": "sync"}},
+                       gw, chat=False)
+    assert (got.max_tokens, got.stop, got.stream, got.include_usage, got.resume, got.adaptive, got.spec_mode) == \
+        (5, ("a", "b", "c", "d"), True, True, (7, 8), False, "sync")
+    assert parse_params({"model": "m", "prompt": ["hi"]}, gw, chat=False).prompt_ids == smollm2_tokenizer.encode("hi")
 
 
 def test_top_p_is_taken_in_0_1_and_its_400_says_so(smollm2_tokenizer):

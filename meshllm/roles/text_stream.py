@@ -46,16 +46,19 @@ class TextStream:
         """The text of the first n tokens. Decoding all of them on every push cost O(n) each, on
         the event loop (an 8k-token stream: ~14 s of CPU); so the text of all but the last
         TEXT_TAIL..TEXT_TAIL + TEXT_STRIDE tokens is fixed, once a whole decode shows the text
-        splits there (whole characters before, the same text on both sides), and only the tokens
-        after it are decoded again."""
+        splits there (whole characters before, the same text on both sides; or up to 3 tokens
+        earlier, where the split would cut a character), and only the tokens after it are decoded
+        again."""
         if n < self.fixed:
             return self._decode(self.ids[:n])
         if n < self.retry:
             return self.fixed_text + self._decode(self.ids[self.fixed:n])
-        text, at = self._decode(self.ids[:n]), n - TEXT_TAIL
-        head = self._decode(self.ids[:at])
-        if not head.endswith("\ufffd") and head + self._decode(self.ids[at:n]) == text:
-            self.fixed, self.fixed_text = at, head
+        text = self._decode(self.ids[:n])
+        for at in range(n - TEXT_TAIL, n - TEXT_TAIL - 4, -1):  # a character spans at most 4 byte tokens
+            head = self._decode(self.ids[:at])
+            if not head.endswith("\ufffd") and head + self._decode(self.ids[at:n]) == text:
+                self.fixed, self.fixed_text = at, head
+                break
         self.retry = n + TEXT_STRIDE
         return text
 
