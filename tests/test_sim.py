@@ -62,6 +62,27 @@ def test_lone_request_has_no_wait(demo):
     assert sum(n for _, n in req.gaps) == 9  # 10 tokens, the first from the prefill
 
 
+def test_a_request_s_wait_is_its_queue_its_port_waits_and_its_slot_wait(demo):
+    """Under load (300 requests at 30 req/s on a 2-stage prefill and a 2-stage decode replica),
+    every request's wait is the sum of its parts: prefill queue, ports (activations between
+    stages and KV) and decode slots, each of them met by many requests. Dropping a part from the
+    wait (a mutation review: the slot wait, the activations' port wait) under-reported waits
+    exactly where the system is saturated."""
+    _, inp = demo
+    pre = replica(inp, 0, "prefill", ["fog-1", "fog-2"], (15, 15))
+    dec = replica(inp, 1, "decode", ["fog-3", "fog-4"], (15, 15))
+    rng, t, reqs = random.Random(3), 0.0, []
+    for i in range(300):
+        t += rng.expovariate(30.0)
+        reqs.append(Request(i, t, rng.randint(20, 400), rng.randint(2, 200)))
+    out = Simulator([pre, dec], reqs).run()
+    assert sum(r.port_wait_s > 0 for r in out) > 100 and sum(r.slot_wait_s > 0 for r in out) > 100
+    assert sum(r.prefill_start > r.arrival for r in out) > 50
+    for r in out:
+        parts = (r.prefill_start - r.arrival) + r.port_wait_s + r.slot_wait_s
+        assert r.wait_s == pytest.approx(parts, rel=1e-9, abs=1e-9), r
+
+
 def test_same_port_direction_makes_the_second_transfer_wait(demo):
     _, inp = demo
     pre = replica(inp, 0, "prefill", ["fog-1"], (30,))
