@@ -327,6 +327,22 @@ def test_admission_gives_a_freed_slot_to_the_client_that_waited():
         a.release("flood")
 
 
+def test_admission_forgets_the_clients_silent_longest_first():
+    """A client refused again is remembered from its last refusal: at the cap of waiting clients
+    the one silent longest is forgotten, not one that is still asking; and a client silent for
+    WAITING_S is forgotten at once after it."""
+    from meshllm.roles.admission import WAITING_S, Admission
+
+    a = Admission(1, max_waiting=2)
+    assert a.try_admit("holder", 0.0) is None
+    for c, t in (("p", 0.1), ("q", 0.2), ("p", 0.3), ("r", 0.4)):  # p asks again: q is the one silent longest
+        assert a.try_admit(c, t) is not None
+    assert list(a.refused_at) == ["p", "r"] and set(a.since) == {"p", "r"} and a.since["p"] == 0.1
+    assert a.try_admit("r", 0.3 + WAITING_S) is not None and list(a.refused_at) == ["p", "r"]  # p: not yet
+    assert a.try_admit("r", 0.3 + WAITING_S + 0.01) is not None and list(a.refused_at) == ["r"]
+    assert set(a.since) == {"r"}
+
+
 def test_admission_serves_a_client_that_honours_retry_after_beside_one_that_retries_at_once():
     """With as many clients as slots, each client's share is one slot, and a client that sent
     again the moment its request ended got every slot back before one that waited 1 s as told (a
@@ -854,6 +870,28 @@ def test_a_stream_ends_with_the_tail_it_held_back_and_two_stops_in_one_push_cut_
     ts = TextStream(tok, ())
     eos = sorted(tok.eos_ids)
     assert ts.push(tok.encode("Paris.") + eos[:1], True) == "Paris."
+
+
+def test_a_long_stream_decodes_each_token_a_bounded_number_of_times(smollm2_tokenizer):
+    """The point of fixing a long stream's text: 4000 tokens pushed one at a time decode each
+    token a bounded number of times (a whole decode on every push: ~2000 times each)."""
+    from meshllm.roles.text_stream import TEXT_STRIDE, TEXT_TAIL, TextStream
+
+    class Counting:
+        def __init__(self, tok):
+            self.tok, self.eos_ids, self.decoded = tok, tok.eos_ids, 0
+
+        def decode(self, ids):
+            self.decoded += len(ids)
+            return self.tok.decode(ids)
+
+    spy = Counting(smollm2_tokenizer)
+    ids = smollm2_tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 400)[:4000]
+    ts = TextStream(spy, ())
+    out = "".join(ts.push([t], k == len(ids) - 1) for k, t in enumerate(ids))
+    assert out == smollm2_tokenizer.decode(ids)
+    per_token = spy.decoded / len(ids)
+    assert per_token < 4 * (TEXT_TAIL + TEXT_STRIDE), per_token
 
 
 def test_a_long_stream_s_text_is_the_whole_decode_in_any_blocks(smollm2_tokenizer):
