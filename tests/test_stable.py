@@ -74,3 +74,21 @@ def test_the_mesh_has_healed_when_a_twin_holds_a_node_s_place():
     assert short_of({"fog-2", "fog-3"}, {"fog-3"}, kinds) == {"fog-2"}
     assert short_of({"fog-2", "fog-4"}, {"fog-2"}, kinds) == {"fog-4"}
     assert short_of({"edge-1"}, set(), kinds) == {"edge-1"}, "a node of no known kind is its own"
+
+
+def test_a_node_of_no_known_kind_stays_and_new_replicas_take_the_smallest_free_ids():
+    """A node missing from `kind` (its profile not heard yet) is never swapped, and does not stop
+    its twins' swaps; a replica the plan in force does not have takes the smallest id left (a
+    mutation review: neither was tested)."""
+    def rep(rid, role, *nodes):
+        return Replica(rid, role, tuple(Stage(n, (4 * i, 4 * i + 4)) for i, n in enumerate(nodes)), 1.0, 1.0, 1.0)
+
+    current = Plan("m", 8, "fp32", (rep(3, Role.MIXED, "a", "b"), rep(5, Role.DECODE, "c", "d")), (), ("x",), 0.0, 1.0)
+    # the planner put the twins c and x the other way round, and adds a replica on e (no kind known)
+    new = Plan("m", 8, "fp32", (rep(0, Role.MIXED, "a", "b"), rep(1, Role.DECODE, "x", "d"),
+                                rep(2, Role.DECODE, "e", "f")), (), ("c",), 0.0, 1.0)
+    kinds = {"a": "pi", "b": "pi", "c": "orin", "d": "orin", "x": "orin", "f": "orin"}
+    got = keep_running(new, current, kinds)
+    assert [(r.id, r.role, [s.node for s in r.stages]) for r in got.replicas] == \
+        [(0, Role.DECODE, ["e", "f"]), (3, Role.MIXED, ["a", "b"]), (5, Role.DECODE, ["c", "d"])], got.replicas
+    assert got.unused == ("x",)
