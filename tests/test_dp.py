@@ -121,6 +121,16 @@ def test_threshold_search_equals_dp_on_random_tables():
             assert sum(b[1]) == n_layers and all(table[i, c - 1] <= b[0] for i, c in enumerate(b[1]))
 
 
+def test_a_link_slower_than_every_stage_is_the_split_s_bottleneck():
+    """Both splitters report the slowest link where it is slower than every stage (the random
+    tables above draw links that never are: a mutation dropping them went unseen)."""
+    table = np.cumsum(np.full((3, 9), 0.1), axis=1)
+    for links in ([5.0, 0.2], [0.2, 7.5]):
+        for split in (min_bottleneck_split, threshold_split):
+            got = split(table, links)
+            assert got is not None and got[0] == max(links) and sum(got[1]) == 9, (split.__name__, links, got)
+
+
 def test_long_replica_uses_heuristic_order_and_fits():
     mc = model_costs(ModelArgs(dim=512, n_layers=40, n_heads=8, n_kv_heads=8, vocab_size=1000, hidden_dim=1024))
     wp = Workpoint("decode", 8, 300, 100)

@@ -3,6 +3,7 @@ formulas themselves, and the planner's fast approximation against the exact M/M/
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from dataclasses import replace
@@ -120,3 +121,10 @@ def test_fast_approximation_tracks_erlang_c():
         for rho in (0.3, 0.5, 0.7, 0.9):
             exact, approx = mmc_wait(rho * c, 1.0, c), mgc_wait_approx(rho * c, 1.0, c, 1.0)
             assert abs(approx - exact) <= 0.02 + 0.1 * exact, (c, rho, exact, approx)
+
+
+def test_a_pool_of_no_servers_waits_for_ever():
+    from meshllm.partition.queueing import mgc_wait_approx
+
+    assert mgc_wait_approx(1.0, 0.1, 0, 1.0) == math.inf and mgc_wait_approx(1.0, 0.1, -1, 1.0) == math.inf
+    assert mgc_wait_approx(1.0, 0.1, 2, 1.0) < 0.01
