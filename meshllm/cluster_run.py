@@ -172,7 +172,7 @@ def serve_until_interrupted(cluster: EmulatedCluster) -> None:
                             f" (its API at http://{cluster.gateways[nid]} is gone)" if nid in cluster.gateways else "")
             if set(cluster.gateways) <= reported:
                 last = max(cluster.gateways, key=lambda nid: order.index(nid))
-                raise RuntimeError(f"the last gateway node, {last}, {cluster.how_exited(last)}; its log ends:\n"
+                raise RuntimeError(f"the last gateway node, {last}, {cluster.how_exited(last)}; its log ends: "
                                    f"{cluster.log_tail(last)}")
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -229,7 +229,8 @@ class EmulatedCluster:
 
     def log_tail(self, node_id: str, n_chars: int = 1500) -> str:
         """The end of a node's log: at most `n_chars`, from the start of a line (a cut one is left
-        out, unless it is all there is)."""
+        out, unless it is all there is). A node's bad-input exit logs one line: a message with
+        its tail after ": " stays one line then."""
         p = self.workdir / f"{node_id}.log"
         text = p.read_text(errors="replace").rstrip("\n") if p.is_file() else ""
         if len(text) > n_chars:
@@ -326,7 +327,7 @@ class EmulatedCluster:
         raise_if_interrupted()
         for nid, proc in self.procs.items():
             if proc.poll() is not None:
-                why = f"node {nid} {self.how_exited(nid)}; its log ends:\n{self.log_tail(nid)}"
+                why = f"node {nid} {self.how_exited(nid)}; its log ends: {self.log_tail(nid)}"
                 # exit 2 is the node's own bad input (a model or tokenizer file it cannot read): the run's too
                 raise InputError(why) if proc.returncode == 2 else RuntimeError(why)
 
