@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from meshllm.defaults import DECODE_TARGETS, MAX_REQUEST_TOKENS
+from meshllm.defaults import MAX_REQUEST_TOKENS
 from meshllm.mesh.fields import MAX_TEMPERATURE
 
 if TYPE_CHECKING:
@@ -144,8 +144,7 @@ def parse_params(body: Any, gw: Gateway, chat: bool) -> Params:
     ext = {} if body.get("meshllm") is None else body["meshllm"]
     mode, gamma, pin, adaptive = _extension(ext)
     ctx = gw.ctx
-    if pin is not None and ctx is not None and (not ctx.has_replica(pin) or ctx.replica(pin).role not in DECODE_TARGETS):
-        decoders = [r.id for r in ctx.plan.replicas if r.role in DECODE_TARGETS]
+    if pin is not None and ctx is not None and pin not in (decoders := ctx.decoders()):
         raise ApiError(400, f"meshllm.decode_replica {pin}: plan v{ctx.version} has no decode or mixed replica "
                             f"{pin} (those it has: {decoders})", "meshllm.decode_replica", "invalid_value")
     max_tokens = min(max_tokens, gw.model.max_context - len(ids))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from meshllm.defaults import DECODE_TARGETS
 from meshllm.device import DeviceProfile
 from meshllm.partition.cost import ModelCosts
 from meshllm.partition.dp import kv_room_tokens
@@ -32,6 +33,10 @@ class PlanContext:
 
     def has_replica(self, rid: int) -> bool:
         return any(r.id == rid for r in self.plan.replicas)
+
+    def decoders(self) -> list[int]:
+        """The ids of the replicas that decode (decode or mixed): those a request may be pinned to."""
+        return [r.id for r in self.plan.replicas if r.role in DECODE_TARGETS]
 
     @property
     def mine(self) -> tuple[Replica, int] | None:

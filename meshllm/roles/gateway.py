@@ -223,10 +223,9 @@ class Gateway(Readiness):
         if ctx is None:
             raise RequestError("this gateway has no plan yet (the mesh is forming, or this node has just started)")
         pin = st["pin"]
-        if pin is not None and not any(r.id == pin and r.role in DECODE_TARGETS for r in ctx.plan.replicas):
+        if pin is not None and pin not in (decoders := ctx.decoders()):
             raise RequestError(f"decode replica {pin} is not a decode replica of plan v{ctx.version} (its decode "
-                               f"replicas: {[r.id for r in ctx.plan.replicas if r.role in DECODE_TARGETS]})",
-                               PIN_GONE)  # no wait brings it back (a resumed attempt's plan lost it)
+                               f"replicas: {decoders})", PIN_GONE)  # no wait brings it back (a resumed attempt's plan lost it)
         drafter = self.pick_drafter() if st["mode"] != "off" else ""
         ready = set(self.ready_replicas())
         s.kv_charge = decode_charge(len(ids), left, bool(drafter), self.model.max_context)
