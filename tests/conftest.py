@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -38,11 +39,43 @@ def temp_files_under_pytest(tmp_path_factory: pytest.TempPathFactory):
     tempfile.tempdir = None
 
 
+# run (as `python -S -c`) in a process the tests start, before it becomes the command: SIGTERM when
+# pytest's process exits, however it exits; then exec the command (the death signal survives exec)
+_DIE_WITH_PYTEST = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
+    "if os.getppid() != int(sys.argv[1]):\n"  # pytest was gone before the prctl: no signal would come
+    "    os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def spawn(cmd: list[str], **popen) -> subprocess.Popen:
+    """subprocess.Popen(cmd, **popen) for a process that must not outlive the test run. A pytest killed
+    from outside (`timeout`, SIGTERM, -9) runs no fixture teardown, and a `--serve` launcher or a node
+    whose parent dies keeps serving, as a server should: they did, for hours. So, on Linux, the process
+    gets SIGTERM when pytest's process exits (PR_SET_PDEATHSIG, set in the child before it execs the
+    command: its pid is the command's). The signal is bound to the thread that forks, so only a spawn
+    from pytest's main thread gets it; a spawn from another thread is a plain Popen."""
+    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
+        cmd = [sys.executable, "-S", "-c", _DIE_WITH_PYTEST, str(os.getpid()), *map(str, cmd)]
+    return subprocess.Popen(cmd, **popen)
+
+
 def run_cli(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python launch.py ARGS` as a user would; returns the completed process."""
+    """Run `python launch.py ARGS` as a user would (a spawn: it ends if pytest dies); returns the
+    completed process. Past `timeout` it is killed and subprocess.TimeoutExpired raised, as by
+    subprocess.run."""
     e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=e)
+    cmd = [sys.executable, str(REPO / "launch.py"), *args]
+    with spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=e) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def wait_for(pred: Callable[[], bool], timeout_s: float = 15.0, every_s: float = 0.02) -> bool:

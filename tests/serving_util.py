@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from meshllm.engine import sampling
-from tests.conftest import REPO
+from tests.conftest import REPO, spawn
 
 SERVE_TIMEOUT_S = 300  # node processes import torch and load layers on a 2-core machine
 
@@ -43,9 +43,9 @@ class Served:
 
     def __init__(self, cluster: Path, log: Path):
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--cluster", str(cluster), "--serve"],
-                                     cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self.proc = spawn([sys.executable, str(REPO / "launch.py"), "--cluster", str(cluster), "--serve"],
+                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         self.url = self._wait_url()
 
     def node_logs(self) -> str:

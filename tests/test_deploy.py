@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from meshllm.mesh.sockets import free_port_pair
-from tests.conftest import REPO, stop_processes
+from tests.conftest import REPO, spawn, stop_processes
 from tests.serving_util import reference, same_up_to_tie
 
 pytestmark = pytest.mark.slow
@@ -33,10 +33,10 @@ def start(tmp: Path, nid: str, seeds: list[str], **extra) -> tuple[subprocess.Po
     cfg = {"id": nid, "device": DEVICE, "zone": "lan", "listen": address, "seeds": seeds, "mdns": False,
            "model": "smollm2-135m", "speculation": {"mode": "off"}, "plan_settle_s": 1.0, **extra}
     (tmp / f"{nid}.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--node-config", str(tmp / f"{nid}.yaml")],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{nid}.log", "wb"),
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                            start_new_session=True)
+    proc = spawn([sys.executable, str(REPO / "launch.py"), "--node-config", str(tmp / f"{nid}.yaml")],
+                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{nid}.log", "wb"),
+                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                 start_new_session=True)
     return proc, address
 
 

@@ -24,7 +24,7 @@ from meshllm.defaults import EMULATED_BUSY_POLL_MS
 from meshllm.emulate import EmulatedCluster, node_file
 from meshllm.node_config import parse_node
 from meshllm.roles.pacer import Pacer
-from tests.conftest import REPO, run_cli, wait_for
+from tests.conftest import REPO, run_cli, spawn, wait_for
 
 DEV = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}
 
@@ -163,12 +163,34 @@ def test_cluster_reports_the_mesh_and_leaves_no_process(tmp_path: Path) -> None:
     assert list(tmp.iterdir()) == []  # a finished run removes its node files and logs
 
 
+def test_a_process_the_tests_spawn_ends_when_pytest_is_killed() -> None:
+    """A pytest killed from outside (-9 here; `timeout`'s SIGTERM alike) runs no teardown: the `--serve`
+    clusters and nodes its fixtures started kept serving for hours. What conftest.spawn starts gets
+    SIGTERM when the process that spawned it dies. A middle process stands for pytest."""
+    code = ("import sys, time\nfrom tests.conftest import spawn\n"
+            "p = spawn([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            "print(p.pid, flush=True)\ntime.sleep(120)\n")
+    middle = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(middle.stdout.readline())
+        # the child is the command itself (same pid), once its death signal is set and it has exec'd
+        assert wait_for(lambda: "time.sleep(120)" in " ".join(psutil.Process(child).cmdline()), 30.0)
+        middle.kill()
+        middle.wait()
+        assert gone([child]), "a spawned process outlived the pytest that started it"
+    finally:
+        middle.kill()
+        middle.wait()
+        with contextlib.suppress(ProcessLookupError, NameError):
+            os.kill(child, signal.SIGKILL)
+
+
 def spawn_cluster(path: Path, ignore_sigint: bool = False) -> tuple[subprocess.Popen, list[int]]:
     """Start `--cluster` and return once its node processes exist (named n0..n5, before the mesh forms). With
     `ignore_sigint` it starts as a shell script's background job does: SIGINT ignored."""
-    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--cluster", str(path), "--json"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
+    proc = spawn([sys.executable, str(REPO / "launch.py"), "--cluster", str(path), "--json"],
+                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
     deadline = time.monotonic() + 60
     kids: list[int] = []
     nodes: set[str] = set()
@@ -438,9 +460,9 @@ def test_bad_cluster_yaml_exits_2_with_one_line(tmp_path: Path, data: dict, wher
 
 @pytest.mark.slow
 def test_formation_timeout_is_a_runtime_error_without_orphans(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--cluster", str(cluster_yaml(tmp_path, 6)),
-                             "--json", "--timeout", "0.01"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = spawn([sys.executable, str(REPO / "launch.py"), "--cluster", str(cluster_yaml(tmp_path, 6)),
+                  "--json", "--timeout", "0.01"], cwd=REPO, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True)
     kids: list[int] = []
     while proc.poll() is None:  # collect the node pids while they live
         kids = sorted(set(kids) | set(children_of(proc.pid)))

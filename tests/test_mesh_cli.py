@@ -23,7 +23,7 @@ import yaml
 from meshllm.defaults import FAILURE_TIMEOUT_S
 from meshllm.mesh.node import query_status
 from meshllm.mesh.sockets import endpoint, free_port_pair
-from tests.conftest import REPO, run_cli, wait_for
+from tests.conftest import REPO, run_cli, spawn, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +51,8 @@ class Mesh:
         path.write_text(yaml.safe_dump(cfg))
         log = open(self.tmp / f"{nid}-{len(self.procs)}.log", "w")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--node-config", str(path)], cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = spawn([sys.executable, str(REPO / "launch.py"), "--node-config", str(path)], cwd=REPO,
+                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.procs[f"{nid}@{address}"] = proc
         self.addrs.setdefault(nid, address)
@@ -217,9 +217,9 @@ def test_a_node_stopped_while_it_loads_its_layers_exits_0(tmp_path: Path) -> Non
     code = ("import sys; import meshllm.mesh.loop as loop; loop.CLOSE_WAIT_S = 0.05\n"
             "from meshllm.launch import main; sys.exit(main(sys.argv[1:]))")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", code, "--node-config", str(path)], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)
+        proc = spawn([sys.executable, "-c", code, "--node-config", str(path)], cwd=REPO, stdout=out,
+                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                     start_new_session=True)
     try:
         assert wait_for(lambda: "plan v1 from" in log.read_text(), 90.0), log.read_text()[-2000:]
         proc.send_signal(signal.SIGINT)

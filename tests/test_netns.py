@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, spawn
 from tests.serving_util import reference, same_up_to_tie
 
 pytestmark = pytest.mark.slow
@@ -184,7 +184,7 @@ class Lab:
     def start(self, name: str, links: list[dict]) -> None:
         path = self.node_file(name, links)
         log = open(self.tmp / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen(
+        self.procs[name] = spawn(
             ["ip", "netns", "exec", self.ns(name), sys.executable, str(REPO / "launch.py"), "--node-config",
              str(path)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log,
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, start_new_session=True)

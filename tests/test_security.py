@@ -33,7 +33,7 @@ from meshllm.mesh.protocol import MsgType, encode, make
 from meshllm.mesh.sockets import client_socket, endpoint, free_port_pair
 from meshllm.mesh.transport import TOPIC_MESH, Transport, topic
 from meshllm.node_config import NodeConfig, load_node
-from tests.conftest import REPO, run_cli, wait_for
+from tests.conftest import REPO, run_cli, spawn, wait_for
 
 DEVICE = {"memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 50, "network_mbps": 1000}
 DEV = device_from_mapping("inline", DEVICE, "test")
@@ -635,9 +635,9 @@ def test_cli_keygen_and_status_of_a_curve_mesh(tmp_path: Path) -> None:
                    "authorized_keys": str(auth)}
             path = tmp_path / f"{nid}.yaml"
             path.write_text(yaml.safe_dump(cfg))
-            procs.append(subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--node-config", str(path)],
-                                          cwd=REPO, stdout=open(tmp_path / f"{nid}.log", "w"), stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(spawn([sys.executable, str(REPO / "launch.py"), "--node-config", str(path)],
+                               cwd=REPO, stdout=open(tmp_path / f"{nid}.log", "w"), stderr=subprocess.STDOUT,
+                               start_new_session=True))
         admin = NodeKeys.load("admin", str(tmp_path / "admin.key"), str(auth))
 
         def peers() -> list[str]:

@@ -38,7 +38,7 @@ from meshllm.roles import weights_fetch as wf
 from meshllm.roles.weights_fetch import MeshWeights
 from meshllm.roles.weights_pull import FlowControl
 from meshllm.roles.weights_serve import MAX_CHUNK_BYTES
-from tests.conftest import REPO, run_cli, stop_processes, write_gguf_model
+from tests.conftest import REPO, run_cli, spawn, stop_processes, write_gguf_model
 
 DEVICE = {"name": "box", "memory_gb": 8, "compute_tflops": 1, "memory_bandwidth_gbps": 60, "network_mbps": 1000}
 QTYPES = {"attn_q": "Q8_0", "attn_k": "Q4_0", "ffn_": "Q8_0", "token_embd": "Q8_0"}
@@ -441,10 +441,10 @@ def _start(tmp: Path, nid: str, seeds: list[str], address: str, **extra) -> subp
            "seeds": seeds, "mdns": False, "model": "smollm2-135m", "weights_dtype": "fp32",
            "speculation": {"mode": "off"}, "plan_settle_s": 1.0, **extra}
     (tmp / f"{nid}.yaml").write_text(yaml.safe_dump(cfg))
-    return subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--node-config", str(tmp / f"{nid}.yaml")],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{nid}.log", "ab"),
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                            start_new_session=True)
+    return spawn([sys.executable, str(REPO / "launch.py"), "--node-config", str(tmp / f"{nid}.yaml")],
+                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{nid}.log", "ab"),
+                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                 start_new_session=True)
 
 
 def _status(address: str) -> dict:
