@@ -93,6 +93,17 @@ def test_valid_cluster_defaults():
     ({"workload": {"arrival_rate_per_s": "2e3"}}, "workload.arrival_rate_per_s", "write 2.0e+3)"),
     ({"workload": {"arrival_rate_per_s": "1.0e6"}}, "workload.arrival_rate_per_s", "write 1.0e+6)"),
     ({"workload": {"arrival_rate_per_s": "20"}}, "workload.arrival_rate_per_s", "write 20 without quotes"),
+    # each field's own check, which another field's failing did not pin
+    ({"nodes__0__roles": []}, "nodes[0].roles", "must be a non-empty list"),
+    ({"security": {"curve": "yes"}}, "security.curve", "must be true or false"),
+    ({"links__0__zones": ["edge", "fog", "fog"]}, "links[0].zones", "must be a list of two zone names"),
+    ({"links__0__zones": ["", "fog"]}, "links[0].zones", "zone names are non-empty strings"),
+    ({"speculation": {"adaptive": "yes"}}, "speculation.adaptive", "must be true or false"),
+    ({"speculation": {"max_verify_batch": 2.5}}, "speculation.max_verify_batch", "must be an integer"),
+    ({"speculation": {"gamma": 17}}, "speculation.gamma", "must be at most 16"),
+    ({"speculation": {"gamma": 0}}, "speculation.gamma", "must be an integer >= 1"),
+    ({"workload": {"prompts": ["hi", 3]}}, "workload.prompts", "must be a list of strings"),
+    ({"workload": {"requests": True}}, "workload.requests", "must be an integer"),
 ])
 def test_cluster_errors_name_field(changes, field, problem):
     with pytest.raises(ConfigError) as e:
@@ -363,3 +374,88 @@ def test_yaml_too_deep_a_nul_byte_and_a_huge_max_tokens_are_one_line_config_erro
         with pytest.raises(ConfigError, match=why) as e:
             load_cluster(p)
         assert "\n" not in str(e.value)
+
+
+def test_cluster_sections_carry_their_values_and_bounds_are_inclusive():
+    """The security flags land in their own fields, a length without `dist` is lognormal, the
+    bounds themselves (gamma 16, a rate of MIN_RATE) are taken, and the planner's inputs count
+    the prompts and leave out a draft that is `none`."""
+    from meshllm.config import plan_inputs
+    from meshllm.defaults import MIN_RATE
+
+    c = parse_cluster(_with(security={"curve": True}, speculation={"gamma": 16},
+                            workload={"prompts": ["a", "b"], "arrival_rate_per_s": MIN_RATE,
+                                      "input_tokens": {"mean": 64}}), "c.yaml")
+    assert (c.security.curve, c.security.api_token) == (True, False)
+    assert c.speculation.gamma == 16 and c.workload.arrival_rate_per_s == MIN_RATE
+    assert c.workload.input_tokens.dist == "lognormal"
+    inp = plan_inputs(c)
+    assert inp.n_prompts == 2 and inp.draft_quant == "w4a16"
+    assert plan_inputs(parse_cluster(_with(draft={"quant": "none"}), "c.yaml")).draft_quant is None
+
+
+def test_host_port_bounds_and_host_names(tmp_path):
+    """A node's port is 1..65534 (its PUB socket takes PORT + 1), an HTTP listener's 1..65535 and
+    may be a bracketed IPv6 address; a host label neither starts nor ends with '-'."""
+    from meshllm.yaml_fields import split_hostport
+
+    assert split_hostport("127.0.0.1:65534", "n.yaml", "listen") == ("127.0.0.1", 65534)
+    assert split_hostport("127.0.0.1:65535", "n.yaml", "gateway.listen", 65535) == ("127.0.0.1", 65535)
+    assert split_hostport("[::1]:8000", "n.yaml", "gateway.listen", 65535) == ("::1", 8000)
+    assert split_hostport("node_1.local:1", "n.yaml", "listen") == ("node_1.local", 1)
+    for bad, why in [("127.0.0.1:0", "port in 1..65534"), ("127.0.0.1:65535", "port in 1..65534"),
+                     ("-fog:7700", "is not an IPv4 address"), ("fog-:7700", "is not an IPv4 address"),
+                     ("a.-b:7700", "is not an IPv4 address"), ("[::1]:7700", "ZeroMQ sockets are IPv4 only")]:
+        with pytest.raises(ConfigError, match=why):
+            split_hostport(bad, "n.yaml", "listen")
+    with pytest.raises(ConfigError, match="port in 1..65535, got"):
+        split_hostport("127.0.0.1:0", "n.yaml", "gateway.listen", 65535)
+
+
+def test_a_file_over_the_size_limit_is_refused_unread(tmp_path):
+    """A YAML (or key) file larger than MAX_YAML_BYTES is refused by its size, before it is read."""
+    from meshllm.yaml_fields import MAX_YAML_BYTES
+
+    p = tmp_path / "c.yaml"
+    with open(p, "wb") as f:
+        f.truncate(MAX_YAML_BYTES + 1)  # sparse: no data written
+    with pytest.raises(ConfigError, match=rf"{MAX_YAML_BYTES + 1} bytes: too large for a YAML file \(at most 16 MiB\)"):
+        load_cluster(p)
+
+
+def test_more_node_file_fields_are_checked(tmp_path):
+    """Each node-file check refuses its own bad value, at the bounds too: a failure timeout equal
+    to the heartbeat, a drain past MAX_DRAIN_S, a 15-character or two-word token, a seed `@HOST:PORT`,
+    a burst below 1, an empty expected node id, a bad advertise address, a plan_judge that is not a
+    bool, a negative settle time, a workload too long for the model's context, a bare `gateway:`, an
+    empty weights_cache and a draft group size the model does not split into."""
+    p = tmp_path / "n.yaml"
+    base = {"id": "fog-1", "device": DEV, "listen": "127.0.0.1:7700"}
+    short, spaced, good = tmp_path / "short", tmp_path / "spaced", tmp_path / "good"
+    for f, text in [(short, "x" * 15), (spaced, "x" * 10 + " " + "y" * 10), (good, "x" * 16)]:
+        f.write_text(text + "\n")
+        f.chmod(0o600)
+    gw = {"listen": "127.0.0.1:8000"}
+    for bad, field in [({"failure_timeout_s": 2, "heartbeat_interval_s": 2}, "failure_timeout_s: must be larger"),
+                       ({"gateway": {**gw, "drain_s": 3601}}, "gateway.drain_s: must be at most 3600"),
+                       ({"gateway": {**gw, "api_token": str(short)}}, "gateway.api_token: .*at least 16"),
+                       ({"gateway": {**gw, "api_token": str(spaced)}}, "gateway.api_token: .*one word"),
+                       ({"listen": "0.0.0.0:7700", "gateway": {"listen": "127.0.0.1:7700"}}, "gateway.listen: "),
+                       ({"seeds": ["@127.0.0.1:7800"]}, r"seeds\[0\]: expected ID@HOST:PORT"),
+                       ({"rate_limit": {"burst": 0.5}}, "rate_limit.burst"),
+                       ({"expect_nodes": ["a", ""]}, "expect_nodes: must be a list of node ids"),
+                       ({"advertise": "nowhere"}, "advertise: expected HOST:PORT"),
+                       ({"plan_judge": "yes"}, "plan_judge: must be true or false"),
+                       ({"plan_settle_s": -1}, "plan_settle_s: must be a finite number >= 0"),
+                       ({"workload": {"input_tokens": {"mean": 100000}}}, "workload.input_tokens: mean 100000"),
+                       ({"gateway": None}, "gateway: is empty"), ({"weights_cache": ""}, "weights_cache: must be a"),
+                       ({"draft": {"quant": "w4a16", "group_size": 128}}, "draft.group_size: 128 does not divide")]:
+        p.write_text(yaml.safe_dump({**base, **bad}))
+        with pytest.raises(ConfigError, match=f"^{p}: {field}"):
+            load_node(p)
+    p.write_text(yaml.safe_dump({**base, "busy_poll_ms": 1000, "gateway": {**gw, "api_token": str(good)}}))
+    n = load_node(p)
+    assert n.busy_poll_ms == 1000 and n.api_token == "x" * 16
+    p.write_text(yaml.safe_dump({**base, "listen": "*:7700"}))
+    with pytest.raises(ConfigError, match="advertise: required when listen binds all interfaces"):
+        assert load_node(p).advertise_address

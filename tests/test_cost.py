@@ -6,6 +6,7 @@ import pytest
 
 from meshllm.device import DeviceProfile
 from meshllm.partition.cost import (
+    BANDWIDTH_EFFICIENCY,
     COMPUTE_EFFICIENCY,
     decode_time_s,
     link_time_s,
@@ -161,3 +162,52 @@ def test_a_step_of_one_chunk_size_costs_bit_for_bit_what_the_numpy_columns_give(
         xs = [rng.random() * 10 ** rng.randint(-6, 3) for _ in range(n)]
         assert numpy_sum(xs) == float(np.array(xs).reshape(n, 1).sum(axis=0)[0])
 
+
+def test_model_costs_figures_and_stage_weights_are_exact():
+    """llama-3-8b at fp16, to the byte and FLOP: a layer's two RMSNorm vectors, the final norm
+    with the head, QK^T + AV at 4 FLOPs per position and model dim, and the embedding on the
+    first stage only, the head on the last only."""
+    mc = model_costs(model_args("llama-3-8b"), "fp16")
+    layer_params = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert mc.layer_flops_per_token == 2 * layer_params
+    assert mc.layer_bytes == 2 * layer_params + 2 * 4096 * 2
+    assert mc.attn_flops_per_token_ctx == 4 * 4096
+    assert mc.embed_bytes == 128256 * 4096 * 2 and mc.head_bytes == mc.embed_bytes + 4096 * 2
+    assert mc.head_flops_per_token == 2 * 128256 * 4096
+    assert mc.stage_weight_bytes(3, True, False) == 3 * mc.layer_bytes + mc.embed_bytes
+    assert mc.stage_weight_bytes(3, False, True) == 3 * mc.layer_bytes + mc.head_bytes
+    assert mc.stage_weight_bytes(32, True, True) == mc.weight_bytes
+
+
+def test_the_lm_head_runs_on_the_last_stage_and_a_request_s_flops_add_up():
+    """Prefill on the last stage adds the head once (the first output token) and reads its
+    weights; a ragged batch adds it per logit row on the last stage only; a request's FLOPs are its prefill and n_out - 1
+    decode steps at their mean context n_in + n_out / 2."""
+    from meshllm.partition.cost import decode_work, prefill_work, request_flops
+
+    mc = model_costs(model_args("llama-3-8b"), "fp16")
+    head = mc.head_flops_per_token
+    assert prefill_work(mc, 4, 100, last=True)[0] - prefill_work(mc, 4, 100)[0] == pytest.approx(head)
+    assert prefill_work(mc, 4, 100, last=True)[1] - prefill_work(mc, 4, 100)[1] == pytest.approx(mc.head_bytes)
+    slow = DeviceProfile("s", 16, 0.001, 1e6, 1000)  # compute-bound: seconds are FLOPs / FLOP/s
+    mid = stage_batch_s(mc, slow, 4, [(1, 300)] * 4, last=False, logit_rows=4)
+    assert mid == pytest.approx(stage_batch_s(mc, slow, 4, [(1, 300)] * 4), rel=1e-12)
+    last = stage_batch_s(mc, slow, 4, [(1, 300)] * 4, last=True, logit_rows=4)
+    assert last - mid == pytest.approx(4 * head / (slow.compute_tflops * 1e12 * COMPUTE_EFFICIENCY), rel=1e-9)
+    fast = DeviceProfile("f", 16, 1e6, 1.0, 1000)  # memory-bound: seconds are bytes / bytes/s
+    first = stage_batch_s(mc, fast, 4, [(1, 300)], first=True) - stage_batch_s(mc, fast, 4, [(1, 300)])
+    assert first == pytest.approx(mc.embed_bytes / (1e9 * BANDWIDTH_EFFICIENCY), rel=1e-9)  # the embedding
+    L = mc.n_layers
+    assert request_flops(mc, 100, 1) == pytest.approx(prefill_work(mc, L, 100, True)[0])
+    want = prefill_work(mc, L, 100, True)[0] + decode_work(mc, L, 10, 105.5, True)[0]
+    assert request_flops(mc, 100, 11) == pytest.approx(want, rel=1e-12)
+
+
+def test_a_pipeline_s_occupancy_is_its_slowest_stage_or_link():
+    """A link slower than every stage sets how often a new item may enter; the latency is
+    every stage and link in turn."""
+    from meshllm.partition.cost import pipeline_s
+
+    assert pipeline_s([1.0, 2.0], [5.0]) == (5.0, 8.0)
+    assert pipeline_s([1.0, 2.0], [0.5]) == (2.0, 3.5)
+    assert pipeline_s([3.0], []) == (3.0, 3.0)

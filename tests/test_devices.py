@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from meshllm.device import DEVICES_DIR, known_devices, load_device
 from meshllm.errors import ConfigError
@@ -69,3 +70,39 @@ def test_bad_profile_names_the_field(tmp_path, body, field):
     with pytest.raises(ConfigError) as e:
         load_device("bad", devices_dir=tmp_path)
     assert field in str(e.value) and "bad.yaml" in str(e.value)
+
+
+def test_profile_bounds_names_and_probe(tmp_path, monkeypatch):
+    """The RANGES bounds themselves are taken (and just past them refused), zero and a bool are
+    not positive numbers, a profile is named by its `name:`, a profile name is a plain file name,
+    memory_bytes is decimal GB, and the probe's compute is 16 FLOP/cycle/core at the max clock."""
+    import os
+    from types import SimpleNamespace
+
+    import psutil
+
+    from meshllm.device import DeviceProfile, device_from_mapping, probe_this_machine
+    from meshllm.errors import ConfigError
+
+    good = {"memory_gb": 1e-3, "compute_tflops": 1, "memory_bandwidth_gbps": 10, "network_mbps": 1e7}
+    d = device_from_mapping("x", good, "t")
+    assert (d.memory_gb, d.network_mbps, d.name) == (1e-3, 1e7, "x")
+    for k, v, why in [("network_mbps", 1.5e7, r"in \[0.001, 1e\+07\]"), ("memory_gb", 0, "positive finite number"),
+                      ("compute_tflops", True, "positive finite number")]:
+        with pytest.raises(ConfigError, match=f"device.{k}: must be .*{why}"):
+            device_from_mapping("x", {**good, k: v}, "t")
+    assert load_device({**good, "name": "box"}).name == "box"
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({**good, "name": "Pretty Box"}))
+    assert load_device("p", devices_dir=tmp_path).name == "Pretty Box"
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "q.yaml").write_text(yaml.safe_dump(good))
+    (tmp_path / ".hidden.yaml").write_text(yaml.safe_dump(good))
+    for name in ("sub/q", ".hidden"):
+        with pytest.raises(ConfigError, match="unknown device"):
+            load_device(name, devices_dir=tmp_path)
+    assert DeviceProfile("m", 8, 1, 1, 1).memory_bytes == 8e9
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(psutil, "cpu_freq", lambda: SimpleNamespace(max=3000.0, current=1000.0))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=4.0e9))
+    auto = probe_this_machine()
+    assert (auto.compute_tflops, auto.memory_gb) == (2 * 3.0 * 16 / 1000, 4.0)
