@@ -298,3 +298,58 @@ def test_at_a_rate_the_link_capped_roles_are_still_offered_where_they_wait_less(
     assert picked == port_pick and score == (1.0, -costs[1])
     score, picked = ev.rated(genes, 0.3, 2.0)  # a floor the port pick does not hold
     assert picked == every_mixed and score == (2.0, -costs[0])
+
+
+def test_better_is_lexicographic_with_a_float_noise_tolerance():
+    """Capacity first (a lower one never wins on cost), then -cost; differences of float noise
+    (~1e-12 relative) are no improvement in either."""
+    from meshllm.partition.genetic import better
+
+    assert better((2.0, -5.0), (1.0, 0.0)) and not better((1.0, 0.0), (2.0, -5.0))
+    assert not better((0.5, 10.0), (1.0, 0.0))  # a lower capacity loses, however cheap
+    assert better((1.0, -1.0), (1.0, -2.0)) and not better((1.0, -2.0), (1.0, -1.0))
+    assert not better((1.0 + 1e-12, 0.0), (1.0, 0.0))
+    assert not better((1.0, -1.0 + 1e-12), (1.0, -1.0))
+
+
+def test_seeded_seeds_the_global_rng_and_restores_it():
+    """deap draws from the global `random`: `seeded` seeds it, whatever its state before, and puts
+    the caller's state back afterwards."""
+    from meshllm.partition.genetic import seeded
+
+    random.seed(123)
+    a = seeded(5, lambda rng: (random.random(), rng.random()))
+    after = random.random()
+    random.seed(456)
+    state = random.getstate()
+    assert seeded(5, lambda rng: (random.random(), rng.random())) == a
+    assert random.getstate() == state
+    random.seed(123)
+    assert random.random() == after  # the seeded run did not advance the caller's RNG
+
+
+def test_run_ga_keeps_its_elite_and_returns_the_population_best_first():
+    """One chromosome scores 1, all others 0: elitism keeps it through every generation, and the
+    population comes back sorted by fitness, best first."""
+    from meshllm.partition.genetic import Memo, run_ga
+
+    target = [0, 1, 2, 3, 4, 5, 6, 7]
+    score = Memo(lambda genes: (1.0 if list(genes) == target else 0.0, -float(sum(g == NONE for g in genes))))
+    rng = random.Random(0)
+    pop = [list(target)] + [[rng.randrange(-1, 4) for _ in range(8)] for _ in range(19)]
+    random.seed(0)
+    out = run_ga(score, pop, 8, 40, 40, False, "test")
+    assert out[0] == target and len(out) == 20
+    fits = [score(g) for g in out]
+    assert fits == sorted(fits, reverse=True)
+
+
+def test_neighbours_move_single_genes_and_swap_pairs():
+    """The local search's moves: each gene to another replica, a fresh one or none, then swaps of two
+    genes in different replicas."""
+    from meshllm.partition.genetic import neighbours
+
+    moves = list(neighbours([0, 1, NONE]))
+    assert ((0, 1),) in moves and ((0, 2),) in moves and ((0, NONE),) in moves and ((2, 0),) in moves
+    assert ((0, 0),) not in moves
+    assert ((0, 1), (1, 0)) in moves and ((1, NONE), (2, 1)) in moves and len(moves) == 3 * 3 + 3
