@@ -13,7 +13,7 @@ Run `python launch.py --help` (or the `meshllm` console script). Modes:
     --simulate CLUSTER.yaml     discrete-event simulation with baselines (--json, --rate R)
     --reference                 single-process reference generation (the oracle)
     --status [ID@]HOST:PORT     ask a running node for its view of the mesh (a mesh with CURVE:
-                                ID@, $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS)
+                                ID@, $MESHLLM_NODE_KEY and $MESHLLM_AUTHORIZED_KEYS, or $MESHLLM_CLUSTER_KEY)
     --keygen FILE               write a new CURVE secret key (mode 0600), print its public key
 
 Exit codes: 0 success, 2 bad input (one line naming file/field/problem), 1 runtime failure.
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--simulate", metavar="CLUSTER.yaml", help="discrete-event simulation with baselines")
     mode.add_argument("--reference", action="store_true", help="single-process reference generation")
     mode.add_argument("--status", metavar="[ID@]HOST:PORT", help="ask a running node for its view of the mesh "
-                      "(with CURVE: ID@HOST:PORT and $MESHLLM_NODE_KEY, $MESHLLM_AUTHORIZED_KEYS)")
+                      "(with CURVE: ID@HOST:PORT and $MESHLLM_NODE_KEY, $MESHLLM_AUTHORIZED_KEYS; or $MESHLLM_CLUSTER_KEY)")
     mode.add_argument("--keygen", metavar="FILE", help="write a new node key (CURVE secret key, mode 0600) to FILE "
                       "and print its public key for the authorized_keys file")
     p.add_argument("--model", default=None, help="registry name, .gguf file or HF safetensors dir")
