@@ -99,6 +99,7 @@ def test_ga_is_deterministic_for_a_seed():
     a = evolve(evaluator(random.Random(3), 12, "llama-3-8b"), seed=5, log=False)
     b = evolve(evaluator(random.Random(3), 12, "llama-3-8b"), seed=5, log=False)
     assert a.groups == b.groups and a.roles == b.roles and a.fitness == b.fitness
+    random.seed(99)  # a state that a seeded run does not end in (the runs above may all end in one)
     state = random.getstate()
     evolve(evaluator(random.Random(3), 12, "llama-3-8b"), seed=5, log=False)
     assert random.getstate() == state  # the global RNG is restored
@@ -353,3 +354,15 @@ def test_neighbours_move_single_genes_and_swap_pairs():
     assert ((0, 1),) in moves and ((0, 2),) in moves and ((0, NONE),) in moves and ((2, 0),) in moves
     assert ((0, 0),) not in moves
     assert ((0, 1), (1, 0)) in moves and ((1, NONE), (2, 1)) in moves and len(moves) == 3 * 3 + 3
+
+
+def test_without_a_rate_the_plan_is_made_for_a_share_of_its_own_capacity():
+    """`evolve_plan(rate=0)` (no workload rate): the latency phase plans for NO_RATE_LOAD x the
+    best capacity found, and says so in `Search.rate`; a given rate is planned for as it is."""
+    from meshllm.partition.genetic import NO_RATE_LOAD
+
+    ev = evaluator(random.Random(4), 8, "llama-3-8b")
+    none = evolve_plan(ev, 0.0, seed=1, log=False)
+    assert none.capacity > 0 and none.rate == pytest.approx(NO_RATE_LOAD * none.capacity, rel=1e-12)
+    assert none.best.prediction.rate_per_s == pytest.approx(none.rate, rel=1e-12)
+    assert evolve_plan(ev, 0.25 * none.capacity, seed=1, log=False).rate == 0.25 * none.capacity
