@@ -366,3 +366,25 @@ def test_without_a_rate_the_plan_is_made_for_a_share_of_its_own_capacity():
     assert none.capacity > 0 and none.rate == pytest.approx(NO_RATE_LOAD * none.capacity, rel=1e-12)
     assert none.best.prediction.rate_per_s == pytest.approx(none.rate, rel=1e-12)
     assert evolve_plan(ev, 0.25 * none.capacity, seed=1, log=False).rate == 0.25 * none.capacity
+
+
+def test_a_left_out_device_that_adds_capacity_but_raises_the_predicted_cost_stays_out():
+    """fill_singles places a left-out device only where the predicted cost at the rate rises by at
+    most FILL_COST_SLACK. At 0.43 req/s the Mac mini joins the Orin NX's replica (more capacity,
+    the same cost); the RTX 3060 would add 6 % more capacity in the Orin Nano's but nearly triple
+    the predicted cost, so it stays out (placed anyway, the cost goes from 11.2 s to 30.9 s)."""
+    from meshllm.partition.genetic import FILL_COST_SLACK, fill_singles, predicted_cost
+    from meshllm.partition.grouping import Evaluator
+
+    devs = [("jetson-agx-orin-64gb", "fog"), ("desktop-rtx-4090", "fog"), ("jetson-orin-nano-8gb", "fog"),
+            ("mac-mini-m2", "edge"), ("jetson-orin-nx-16gb", "fog"), ("desktop-rtx-3060-12gb", "fog")]
+    members = [Member(f"n{i}", load_device(d), z) for i, (d, z) in enumerate(devs)]
+    ev = Evaluator(model_costs(model_args("llama-3-8b")), members, NET, Mix(128, 512), [None] * 6, (0.43, 0.43))
+    genes, rate = [0, 1, 3, NONE, 2, NONE], 0.43
+    got = fill_singles(ev, genes, rate)
+    assert got == [0, 1, 3, 2, 2, NONE]
+    assert ev.fitness(got) > ev.fitness(genes)
+    assert predicted_cost(ev, got, rate) <= predicted_cost(ev, genes, rate) * (1 + FILL_COST_SLACK)
+    placed = got[:5] + [got[2]]  # the RTX 3060 into the Orin Nano's replica
+    assert ev.fitness(placed) > ev.fitness(got) * 1.05
+    assert predicted_cost(ev, placed, rate) > 2 * predicted_cost(ev, got, rate)
