@@ -17,6 +17,11 @@ class ModelFileError(InputError):
     """A model path is missing, not a model file, or not a Llama-family model."""
 
 
+class LoadCancelled(Exception):
+    """A load of weights stopped between two tensors because its `stop()` said so (a node's
+    newer plan came while it loaded its part of an older one)."""
+
+
 def number_hint(v: object) -> str:
     """For a config number that YAML read as text: why, and the spelling YAML 1.1 reads as a number
     (its floats need a dot and a signed exponent: `1e30`, `1.0e30` and `1.0e6` are all strings,

@@ -112,8 +112,8 @@ def spy_on_loading(monkeypatch) -> tuple[list, list]:
     reads, slices = [], []
     file_state, get_rows = weights._file_state, weights.FileRows.__getitem__
 
-    def spy_state(src, start, end, embed, head, skip=()):
-        sd = file_state(src, start, end, embed, head, skip)
+    def spy_state(src, start, end, embed, head, skip=(), stop=None):
+        sd = file_state(src, start, end, embed, head, skip, stop)
         reads.append((end - start, sorted(k for k in sd if not k.startswith("layers."))))
         return sd
 

@@ -465,6 +465,50 @@ def test_a_stage_whose_range_moved_keeps_the_layers_it_held_and_loads_only_the_r
     assert torch.equal(logits_of(shard.model, ids), logits_of(whole, ids))
 
 
+def test_a_load_asked_to_stop_stops_before_its_next_tensor_and_holds_nothing(tmp_path) -> None:
+    """A node whose newer plan comes while it loads its part of an older one read the rest of that
+    part to its end (minutes for a large shard on a slow disk). A load asks its `stop` before each
+    tensor (GGUF and HF files, the draft a layer at a time) and stops at once: LoadCancelled.
+    The shard holder then holds nothing (not the range it was asked for, nor the one it held
+    before), and the next load is whole."""
+    from types import SimpleNamespace
+
+    from meshllm.engine.weights import load_quantized
+    from meshllm.errors import LoadCancelled
+    from meshllm.roles.shard import ShardHolder
+
+    def after(n: int):
+        asked = []
+
+        def stop() -> bool:
+            asked.append(1)
+            return len(asked) > n
+        return stop, asked
+    hf = write_hf_model(load_transformer("tiny"), tmp_path / "hf")
+    for spec, load in [("smollm2-135m", lambda st: load_transformer("smollm2-135m", 0, 30, stop=st)),
+                       (str(hf), lambda st: load_transformer(str(hf), stop=st)),
+                       ("smollm2-135m", lambda st: load_quantized("smollm2-135m", "w4a16", 64, stop=st))]:
+        stop, asked = after(5)
+        with pytest.raises(LoadCancelled):
+            load(stop)
+        assert len(asked) == 6, spec  # asked before each read: the sixth said stop, nothing more was read
+
+    class FileSource:
+        def source(self, a: int, b: int | None):
+            return "smollm2-135m"
+
+    shard = ShardHolder("n1", SimpleNamespace(model="smollm2-135m"), FileSource())
+    shard.load((0, 10))
+    for layers in [(20, 30), (5, 15)]:  # loaded whole; loaded around the layers held
+        stop, _ = after(3)
+        with pytest.raises(LoadCancelled):
+            shard.load(layers, stop)
+        assert shard.model is None and shard.key is None, layers
+        got = shard.load(layers)
+        assert (got.start, got.end) == layers and shard.key == ("smollm2-135m", layers)
+        shard.load((0, 10))
+
+
 def test_the_content_id_tells_a_file_with_other_weights_of_the_same_shape(tmp_path):
     """A copy of the embedded GGUF has its content id; one with a single norm tensor edited (a
     fine-tune's look-alike: same shape, same metadata, same header) has another. The id is what

@@ -12,6 +12,7 @@ state dict.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -33,7 +34,7 @@ from meshllm.engine.sources import (  # noqa: F401  (re-exported: weights.py is 
     resolve_model,
     resolve_model_args,
 )
-from meshllm.errors import ModelFileError
+from meshllm.errors import LoadCancelled, ModelFileError
 
 
 # -- GGUF ------------------------------------------------------------------------------------
@@ -47,14 +48,21 @@ def tensor_reader(src: ModelSource):
     return gguf_reader(src.path)
 
 
+def _stopped(stop: Callable[[], bool] | None) -> None:
+    """Between two tensors of a load: LoadCancelled if `stop()` says so."""
+    if stop is not None and stop():
+        raise LoadCancelled("the load was stopped")
+
+
 def _gguf_state(src: ModelSource, start: int, end: int, embed: bool, head: bool,
-                skip: dict | tuple = ()) -> dict[str, torch.Tensor]:
+                skip: dict | tuple = (), stop: Callable[[], bool] | None = None) -> dict[str, torch.Tensor]:
     reader = tensor_reader(src)
     have = reader.tensors
     sd = {}
     for ours, name in gguf_shard_names(src.args, start, end, embed, head).items():
         if ours in skip:
             continue
+        _stopped(stop)
         if name not in have:
             raise ModelFileError(f"{src.path}: tensor {name!r} missing")
         sd[ours] = torch.from_numpy(reader.dequantize(name))
@@ -97,13 +105,14 @@ def _hf_names(src: ModelSource, handles: dict, start: int, end: int, embed: bool
 
 
 def _hf_state(src: ModelSource, start: int, end: int, embed: bool, head: bool,
-              skip: dict | tuple = ()) -> dict[str, torch.Tensor]:
+              skip: dict | tuple = (), stop: Callable[[], bool] | None = None) -> dict[str, torch.Tensor]:
     a = src.args
     handles = _hf_handles(src)
     sd = {}
     for ours, key in _hf_names(src, handles, start, end, embed, head).items():
         if ours in skip:
             continue
+        _stopped(stop)
         t = handles[key].get_tensor(key).float()
         if ours.endswith("attention.wq.weight"):
             t = hf_to_interleaved(t, a.n_heads)
@@ -136,17 +145,19 @@ def _random_state(model: Transformer, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def load_transformer(spec: str | ModelSource, start: int = 0, end: int | None = None,
                      dtype: torch.dtype = torch.float32, embed: bool | None = None,
-                     head: bool | None = None, pack: bool = True) -> Transformer:
+                     head: bool | None = None, pack: bool = True,
+                     stop: Callable[[], bool] | None = None) -> Transformer:
     """Build the shard [start, end) of a model and load only its weights. `pack=False` leaves the
     linears unpacked for a model about to be quantized (packing them for oneDNN is wasted there:
-    it was ~0.85 s of a drafter's ~2.7 s start)."""
+    it was ~0.85 s of a drafter's ~2.7 s start). `stop`, asked before each tensor is read: when it
+    says so, LoadCancelled (what was read is freed)."""
     src = resolve_model(spec) if isinstance(spec, str) else spec
     with torch.device("meta"):
         model = Transformer(src.args, start, end, embed, head)
     if src.kind == "random":
         sd = _random_state(model)
     else:
-        sd = _file_state(src, model.start, model.end, model.has_embed, model.has_head)
+        sd = _file_state(src, model.start, model.end, model.has_embed, model.has_head, stop=stop)
     model.load_state_dict(fuse_state_dict(sd), strict=False, assign=True)
     _check_loaded(src, model)
     model = model.to(dtype).eval()
@@ -158,13 +169,13 @@ def load_transformer(spec: str | ModelSource, start: int = 0, end: int | None = 
 
 
 def _file_state(src: ModelSource, start: int, end: int, embed: bool, head: bool,
-                skip: dict | tuple = ()) -> dict[str, torch.Tensor]:
+                skip: dict | tuple = (), stop: Callable[[], bool] | None = None) -> dict[str, torch.Tensor]:
     """The fp32 tensors of layers [start, end) (named from 0, as a shard of them names them), and
     of the embedding / final norm and head if asked, read from a model file or the tensor cache
     (the tensors named in `skip`, our names, left out)."""
     if src.kind == "hf":
-        return _hf_state(src, start, end, embed, head, skip)
-    return _gguf_state(src, start, end, embed, head, skip)  # "gguf" or "cache"
+        return _hf_state(src, start, end, embed, head, skip, stop)
+    return _gguf_state(src, start, end, embed, head, skip, stop)  # "gguf" or "cache"
 
 
 def _check_loaded(src: ModelSource, model: Transformer) -> None:
@@ -196,14 +207,15 @@ class FileRows:
         return torch.from_numpy(self.reader.dequantize(self.name, (a, b)))
 
 
-def load_quantized(spec: str | ModelSource, quant: str, group_size: int) -> Transformer:
+def load_quantized(spec: str | ModelSource, quant: str, group_size: int,
+                   stop: Callable[[], bool] | None = None) -> Transformer:
     """The whole model as a W4A16 / W8A16 draft (engine/quant.py), quantized as it loads: each
     layer read in fp32, quantized and its fp32 copy freed before the next; the embedding and
     LM head (the largest tensors) a block of rows at a time. A drafter's peak
     memory is the draft plus one fp32 layer, not the whole fp32 target (4 bytes a weight: ~32 GB
     for llama-3-8b, whose W4A16 draft the planner places on an 8 GB device). Bit for bit the draft
     `quantize_model` makes of `load_transformer(spec, pack=False)`. A random test model is drawn
-    whole (it is small)."""
+    whole (it is small). `stop`: as load_transformer's, asked before each layer."""
     from meshllm.engine.quant import ACT_DTYPE, by_rows, quantize_model, quantize_weight
 
     src = resolve_model(spec) if isinstance(spec, str) else spec
@@ -225,6 +237,7 @@ def load_quantized(spec: str | ModelSource, quant: str, group_size: int) -> Tran
     model.output = quantize_weight(rows["output.weight"], quant, group_size)
     in_rows = {k: r.name for k, r in rows.items()}  # read a block of rows at a time: left out below
     for start, end in [(0, 0)] + [(i, i + 1) for i in range(n)] + [(n, n)]:
+        _stopped(stop)
         sd = {_renumber(k, start): v.float()
               for k, v in _file_state(src, start, end, start == end == 0, start == end == n, skip=in_rows).items()}
         model.load_state_dict(fuse_state_dict(sd), strict=False, assign=True)

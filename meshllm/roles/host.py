@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshllm.defaults import DECODE_TARGETS, STAGE_ROLES, Role
-from meshllm.errors import InputError, ModelFileError
+from meshllm.errors import InputError, LoadCancelled, ModelFileError
 from meshllm.mesh.loop import Worker
 from meshllm.mesh.membership import Membership, PeerState
 from meshllm.mesh.protocol import (
@@ -148,6 +148,9 @@ class RoleHost:
             return
         try:
             self.apply(ctx)
+        except LoadCancelled:
+            log.info("%s: plan v%d came while it loaded its part of plan v%d: that load stopped", self.me,
+                     self.offered, ctx.version)
         except Exception as e:
             self.plan_error = {"plan_version": ctx.version, "error": f"{type(e).__name__}: {e}"}
             log.exception("%s: could not take its part of plan v%d", self.me, ctx.version)
@@ -179,11 +182,16 @@ class RoleHost:
             elif self.me in ctx.plan.drafters and self.cfg.speculation.mode != "off":
                 self._build_drafter()
             else:
-                self.shard.warm_spare(ctx.version)
+                self.shard.warm_spare(ctx.version, self._superseded(ctx))
         self.ready_version = ctx.version
         self.figures.refresh(force=True)
         for fn in self.listeners:
             fn(ctx)
+
+    def _superseded(self, ctx: PlanContext) -> Callable[[], bool]:
+        """Asked by a load of weights for `ctx` before each tensor: has a newer plan come (the I/O
+        thread's `offer` counts it)? Its apply, queued on this thread, then comes next."""
+        return lambda: self.offered > ctx.version
 
     def _carry_over(self, old: PlanContext, ctx: PlanContext) -> None:
         """Keep this replica serving under the new plan version."""
@@ -225,7 +233,7 @@ class RoleHost:
         from meshllm.roles.verifier import Verifier
 
         layers = replica.stages[index].layers
-        model = self.shard.load(layers)
+        model = self.shard.load(layers, self._superseded(ctx))
         pacer = self.pacer_factory(layers, self.cfg.weights_dtype) if self.pacer_factory else None
         self.stage = Stage(ctx, model, self.send, pacer)
         if index == 0:
@@ -272,7 +280,7 @@ class RoleHost:
         from meshllm.roles.branches import BRANCH_KV_SHARE
         from meshllm.roles.drafter import Drafter
 
-        model = self.shard.draft()
+        model = self.shard.draft(self._superseded(self.ctx))
         pacer = self.pacer_factory((0, model.args.n_layers), DRAFT_DTYPE[self.cfg.draft.quant]) \
             if self.pacer_factory else None
         self.drafter = Drafter(self.me, model, self.send, self._publish_draft, pacer, self.cfg.time_scale,

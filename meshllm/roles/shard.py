@@ -6,6 +6,11 @@ stage whose range shrank: no file read); when it overlaps it, the overlap is kep
 layers around it are loaded (a re-plan that moves a stage boundary by a few layers reads those
 few); otherwise the old shard is freed first and the range is loaded. Layers are loaded from
 the model file, or fetched from a peer that has them (roles/weights_fetch.py).
+
+A load asks its `stop` before each tensor it reads (the host's: has a newer plan come?): a node
+that a plan gives a part and the next plan another, while it still reads the first (minutes for a
+large shard on a slow disk), stops at once (LoadCancelled) and holds nothing, instead of
+reading the rest of a part that is no longer its. A fetch from a peer is not stopped.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ class ShardHolder:
         self.model = None  # the Transformer shard held
         self.weights_mb = 0.0
 
-    def load(self, layers: tuple[int, int | None]):
+    def load(self, layers: tuple[int, int | None], stop=None):
         """The target's layers [a, b): the shard held already, carved out of a larger shard held,
-        the layers held that it keeps with the rest loaded around them, or loaded from the model."""
+        the layers held that it keeps with the rest loaded around them, or loaded from the model.
+        `stop()` true before a tensor is read: LoadCancelled, and nothing is held."""
         key = (self.model_spec, tuple(layers))
         if key == self.key:
             return self.model
@@ -45,18 +51,19 @@ class ShardHolder:
             self.model = held.sub_shard(a, b)  # the rest of `held` is freed with it
             how = "carved from the layers held"
         elif held is not None and b is not None and (kept := self._overlap(held, a, b)) is not None:
-            self.model = held = None  # what is not kept is freed before the rest is loaded
+            self.model = held = self.key = None  # what is not kept is freed before the rest is loaded
             release_freed_memory()
-            parts = [load_transformer(self.weights.source(a, kept.start), a, kept.start)] if a < kept.start else []
+            parts = [load_transformer(self.weights.source(a, kept.start), a, kept.start, stop=stop)] \
+                if a < kept.start else []
             parts.append(kept)
             if kept.end < b:
-                parts.append(load_transformer(self.weights.source(kept.end, b), kept.end, b))
+                parts.append(load_transformer(self.weights.source(kept.end, b), kept.end, b, stop=stop))
             self.model = Transformer.joined(parts)
             how = f"loaded around layers [{kept.start}, {kept.end}) kept"
             del parts, kept
         else:
-            self.model = None  # free the old shard before loading the new one
-            self.model = load_transformer(self.weights.source(a, b), a, b)  # fetched from a peer if not here
+            self.model = self.key = None  # free the old shard before loading the new one
+            self.model = load_transformer(self.weights.source(a, b), a, b, stop=stop)  # fetched from a peer if not here
             how = "loaded"
         del held
         release_freed_memory()
@@ -79,10 +86,10 @@ class ShardHolder:
             return None
         return held.sub_shard(lo, hi)
 
-    def draft(self):
+    def draft(self, stop=None):
         """The W4A16 (or W8A16) draft of the whole target at the cluster's group size: quantized as
         it loads, a layer at a time (weights.load_quantized: the node never holds the fp32 target),
-        or from the whole target when this node holds it already (a warm spare)."""
+        or from the whole target when this node holds it already (a warm spare). `stop`: as load's."""
         spec = self.cfg.draft
         if self.key == ("draft", spec):
             return self.model
@@ -94,9 +101,9 @@ class ShardHolder:
         full, self.model, self.key = (self.model if held else None), None, None
         if spec.quant in DRAFT_QUANTS:
             self.model = quantize_model(full, spec.quant, spec.group_size) if full is not None else \
-                load_quantized(self.weights.source(0, None), spec.quant, spec.group_size)
+                load_quantized(self.weights.source(0, None), spec.quant, spec.group_size, stop=stop)
         else:  # fp32, or "random": same shape, weights of no use (the verifier rejects ~everything)
-            self.model = full if full is not None else self.load((0, None))
+            self.model = full if full is not None else self.load((0, None), stop)
             if spec.quant == "random":
                 from meshllm.engine.weights import randomize_weights
 
@@ -108,7 +115,7 @@ class ShardHolder:
                  time.perf_counter() - t0, rss_mb())
         return self.model
 
-    def warm_spare(self, version: int) -> None:
+    def warm_spare(self, version: int, stop=None) -> None:
         """A node the plan leaves without a role loads the whole target when its memory allows,
         so that a re-plan that gives it a stage after a failure does not wait for the model file
         (the shard is carved out of it: see `load`)."""
@@ -121,7 +128,7 @@ class ShardHolder:
 
         need = model_costs(resolve_args(self.model_spec), "fp32").weight_bytes
         if self.cfg.device.memory_bytes >= need * 1.2 and self.key is None:
-            self.load((0, None))
+            self.load((0, None), stop)
             log.info("%s: holding the whole model as a warm spare for plan v%d", self.me, version)
 
 
