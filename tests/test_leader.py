@@ -514,3 +514,127 @@ def test_drafting_figures_go_with_every_tokens_message_after_a_verified_block():
     out.flush()
     assert [m.fields.get("spec", {}).get("blocks") for m in sent] == [None, 1, None, 2]
     assert sent[1]["spec"]["drafted"] == 4 and sent[1]["spec"]["accepted"] == 3
+
+
+def test_a_kv_grant_counts_what_is_held_and_promised_once_each() -> None:
+    """KvGrants.grant: a second ask for a sequence replaces its first (not counted twice); a
+    queued sequence that holds a grant is counted by its grant, not again as committed; a
+    request larger than the room is granted alone only while nothing is held as well as
+    nothing promised; a grant lapses exactly at its TTL."""
+    from meshllm.roles.batcher import KvGrants
+
+    g = KvGrants(300, ttl_s=10.0)
+    assert g.grant(1, 200, now=0.0) and g.grant(1, 200, now=0.0) and g.granted == {1: (200, 10.0)}
+    g.settle((), 0, [(1, 200)])  # 1 came and waits in the queue with its grant
+    assert g.committed == 0 and g.grant(2, 100, now=0.0)  # 200 promised + 100 = 300
+    g.clear()
+    g.settle((), 200, [])  # 200 held by running sequences, nothing promised
+    assert not g.grant(3, 400, now=0.0)  # larger than the room: not while something is held
+    g.settle((), 0, [])
+    assert g.grant(3, 400, now=0.0) and not g.grant(4, 8, now=9.99)
+    assert g.grant(4, 8, now=10.0)  # 3 never came: its room lapsed at its TTL
+
+
+def test_a_leader_promises_at_most_max_grants_rooms_at_once(monkeypatch) -> None:
+    """MAX_GRANTS bounds the rooms promised at once (network input: bounded memory), whatever room
+    is left."""
+    from meshllm.roles import batcher
+    from meshllm.roles.batcher import KvGrants
+
+    monkeypatch.setattr(batcher, "MAX_GRANTS", 2)
+    g = KvGrants(10**6)
+    assert g.grant(1, 1, now=0.0) and g.grant(2, 1, now=0.0) and not g.grant(3, 1, now=0.0)
+    assert g.grant(2, 5, now=0.0)  # asking again for one already granted is no new grant
+
+
+def test_decode_rows_spread_over_the_stages_within_the_token_budget(monkeypatch) -> None:
+    """Batcher.build: ready sequences' decode rows are spread over the pipeline's micro-batches,
+    ceil(ready / stages) a batch, and no batch carries more rows than TOKEN_BUDGET; a sequence
+    whose KV a stage has not acknowledged is not ready."""
+    from meshllm.roles import batcher
+    from meshllm.roles.batcher import Batcher
+
+    def ready_seq(sid: int) -> Seq:
+        s = seq(sid)
+        s.out, s.fed = [9], 3
+        return s
+
+    seqs: dict = {}
+    b = Batcher(seqs, [], n_stages=2)
+    for sid in (1, 2, 3):
+        b.admit(ready_seq(sid))
+    b.admit(ready_seq(4))
+    seqs[4].missing_kv = {"b"}
+    fl, ids = b.build(None)
+    assert [sp.seq for sp in fl.spans] == [1, 2] and ids == [9, 9]  # 3 ready over 2 stages: 2, then 1
+    fl, _ = b.build(None)
+    assert [sp.seq for sp in fl.spans] == [3] and b.build(None)[0].spans == []  # 4 waits for its KV
+    monkeypatch.setattr(batcher, "TOKEN_BUDGET", 2)
+    b = Batcher({}, [], n_stages=1)
+    for sid in (1, 2, 3):
+        b.admit(ready_seq(sid))
+    fl, ids = b.build(None)
+    assert [sp.seq for sp in fl.spans] == [1, 2] and len(ids) == 2
+
+
+def test_a_prompt_chunk_is_the_last_only_when_it_ends_the_prompt(monkeypatch) -> None:
+    """Chunked prefill: a chunk that leaves prompt tokens is PREFILL; the one that reaches the
+    prompt's end is PREFILL_LAST (its logits give the first token)."""
+    from meshllm.roles import batcher
+    from meshllm.roles.batcher import Batcher
+
+    monkeypatch.setattr(batcher, "TOKEN_BUDGET", 4)
+    b = Batcher({}, [], n_stages=1)
+    b.admit(seq(1, prompt_len=5))
+    fl, ids = b.build(None)
+    assert [(sp.n, sp.kind) for sp in fl.spans] == [(4, SpanKind.PREFILL)] and not b.seqs[1].busy
+    fl, ids = b.build(None)
+    assert [(sp.n, sp.kind) for sp in fl.spans] == [(1, SpanKind.PREFILL_LAST)] and b.seqs[1].busy
+
+
+def test_the_prompt_with_fewest_tokens_left_gets_the_budget_first() -> None:
+    """Prompt chunks go fewest prompt tokens *left* first: a long prompt nearly prefilled comes
+    before a shorter one not started (at equal waits)."""
+    from meshllm.roles.batcher import Batcher
+
+    b = Batcher({}, [], n_stages=1)
+    long, short = seq(1, prompt_len=100), seq(2, prompt_len=50)
+    long.fed = 90
+    short.arrived = long.arrived
+    for s in (long, short):
+        b.seqs[s.id] = s
+    assert [s.id for s in b._prompts(long.arrived)] == [1, 2]
+
+
+def test_at_most_max_active_seqs_run_and_their_queueing_time_and_kv_peak_are_kept(monkeypatch) -> None:
+    """_start_queued: no more than MAX_ACTIVE_SEQS sequences run at once (the rest wait in the
+    queue); a started sequence's time in the queue is added to its queued_s (reported to its
+    gateway); kv_peak keeps the most KV ever held, not what is held now."""
+    from meshllm.roles import batcher
+    from meshllm.roles.batcher import Batcher
+
+    monkeypatch.setattr(batcher, "MAX_ACTIVE_SEQS", 2)
+    b = Batcher({}, [], n_stages=1, kv_room=10_000)
+    for sid in (1, 2, 3):
+        b.admit(seq(sid))
+    b.seqs[1].arrived -= 5.0
+    b.build(None)
+    assert b.queue == [3] and b.seqs[1].queued_s >= 5.0 and b.kv_held == b.kv_peak == 128
+    del b.seqs[1], b.seqs[2]
+    b.build(None)
+    assert b.queue == [] and b.kv_held == 64 and b.kv_peak == 128
+
+
+def test_a_sequence_s_kv_charge_covers_its_whole_longest_context() -> None:
+    """kv_charge / decode_charge, on the slot ladder: a handed-off prompt holds its prompt and the
+    first token (64 prompt tokens need the 128 slot); a drafted sequence, a verify block of
+    MAX_GAMMA + 1 past prompt + max_tokens; and never more than the model's context."""
+    from meshllm.config import MAX_GAMMA
+    from meshllm.roles.batcher import decode_charge, kv_charge
+
+    handed = seq(1, prompt_len=64)
+    handed.decode_rid = 9
+    assert kv_charge(handed, 0, 256) == slot_capacity(65) == 128
+    assert decode_charge(64 - MAX_GAMMA - 1 - 10, 10, True, 1 << 30) == 64
+    assert decode_charge(64 - MAX_GAMMA - 10, 10, True, 1 << 30) == 128
+    assert decode_charge(100, 1000, False, 256) == 256

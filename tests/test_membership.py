@@ -472,3 +472,75 @@ def test_a_planner_that_fails_unexpectedly_leaves_the_coordinator_planning() -> 
         c._changed_at -= 60
         c._tick()
         assert got == [1] and c.last_error is None
+
+
+def test_a_heartbeat_interval_must_be_shorter_than_the_failure_timeout() -> None:
+    """A heartbeat interval equal to the failure timeout would take a peer for dead between two of
+    its own heartbeats: it is refused, as a longer one is."""
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        Membership("a", heartbeat_interval_s=1.0, failure_timeout_s=1.0)
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        Membership("a", heartbeat_interval_s=0.0, failure_timeout_s=1.0)
+
+
+def test_suspicion_comes_no_later_than_the_failure_timeout() -> None:
+    """With a heartbeat interval over half the failure timeout, a peer is suspect after the
+    failure timeout at most (the agent discounts a stall of this node that long: MeshAgent._tick),
+    not after two intervals, which would come after it is already dead."""
+    m = Membership("a", heartbeat_interval_s=1.5, failure_timeout_s=2.0)
+    assert m.suspect_after_s == 2.0
+    m.observe(info(), 0.0, first_hand=True)
+    assert m.tick(1.9) == [] and [t.new for t in m.tick(2.0)] == [PeerState.DEAD]
+
+
+def test_a_suspect_peer_is_live_and_a_peer_that_left_is_gone() -> None:
+    """live(): alive and suspect peers (a suspect one may still answer); addresses_gone(): the
+    addresses of the dead and of those that left (LEAVE), which the transport stops dialling."""
+    m = table()
+    for pid, port in (("b", 7702), ("c", 7703), ("d", 7704), ("e", 7705)):
+        m.observe(info(pid, address=f"127.0.0.1:{port}"), 0.0, first_hand=True)
+    for pid in ("b", "c"):
+        m.heartbeat(pid, 1, 1.0)
+    m.heartbeat("b", 1, 2.0)
+    m.leave("c", 1, 2.0)
+    assert {t.peer: t.new for t in m.tick(2.1)} == {"d": PeerState.SUSPECT, "e": PeerState.SUSPECT}
+    m.gone("e", "127.0.0.1:7705")
+    assert [p.info.id for p in m.live()] == ["b", "d"] and m.get("d").state is PeerState.SUSPECT
+    assert m.addresses_gone() == {"127.0.0.1:7703", "127.0.0.1:7705"}
+
+
+def test_a_peer_seen_gone_stays_dead_at_the_next_tick() -> None:
+    """A peer whose process is gone is dead at once, though it was heard a moment ago: failure
+    detection's next tick does not take its recent silence for life and revive it."""
+    m = table()
+    m.observe(info(), 0.0, first_hand=True)
+    m.gone("b", "127.0.0.1:7702")
+    assert m.tick(0.1) == [] and m.tick(1.5) == [] and m.get("b").state is PeerState.DEAD and m.live() == []
+
+
+def test_the_plan_a_peer_has_seen_does_not_replace_the_load_its_heartbeat_brought() -> None:
+    """note_plan_seen keeps a HELLO's plan_seen only until the peer's first heartbeat: a later
+    HELLO or PEERS does not overwrite the whole load that heartbeat carries."""
+    m = table()
+    m.observe(info(), 0.0, first_hand=True)
+    m.note_plan_seen("b", 1, 4)
+    assert m.get("b").load == {"plan_seen": 4}
+    m.heartbeat("b", 1, 0.5, {"plan_version": 5, "queue": 2})
+    m.note_plan_seen("b", 1, 3)
+    assert m.get("b").load == {"plan_version": 5, "queue": 2}
+    m.note_plan_seen("b", 2, 9)  # another life of it: not this one's
+    assert m.get("b").load == {"plan_version": 5, "queue": 2}
+
+
+def test_a_dead_peer_that_says_hello_from_a_new_address_is_found_there() -> None:
+    """First-hand news of the same life of a peer replaces what is known of it: a peer taken for
+    dead that greets this node from another address (its host's address changed) is alive there,
+    while gossip of that address changes nothing."""
+    m = table()
+    m.observe(info(), 0.0, first_hand=True)
+    m.tick(3.0)
+    assert m.observe(info(address="127.0.0.1:8802"), 3.1, first_hand=False) is None
+    assert m.get("b").info.address == "127.0.0.1:7702"
+    tr = m.observe(info(address="127.0.0.1:8802"), 3.2, first_hand=True)
+    assert tr is not None and (tr.old, tr.new) == (PeerState.DEAD, PeerState.ALIVE)
+    assert m.get("b").info.address == "127.0.0.1:8802" and m.addresses_gone() == set()

@@ -340,3 +340,29 @@ def defined(router: Router, src: SimReplica, loads, now: float, n_out: float = 2
             rx += router.pending_rx_s(rep, loads[rep.id], src)
             best = min(best, rest + (1 + router.w) * rx + router.w * slot_wait)
     return best
+
+
+def test_a_tie_goes_to_the_lower_replica_id_and_kv_does_not_ship_within_a_device(inp):
+    """Ties go to the lower replica id (pick_decode as pick_prefill); a prefill stage and a decode
+    stage on the same device hold their KV there: no flow between them."""
+    by_id = {m.id: m for m in inp.members}
+    twins = [rep(inp, 0, "prefill", "fog-1"), SimReplica(1, "decode", (by_id["fog-3"],), (30,), inp),
+             SimReplica(2, "decode", (by_id["fog-3"],), (30,), inp)]
+    assert pick_decode(0, twins, loads_for(twins), 100, 10, 0.0) == 1
+    router = Router(twins, PortBook(inp.net))
+    assert router.kv_flows(twins[0], rep(inp, 3, "decode", "fog-1"), 100) == []
+    assert router.kv_flows(twins[0], twins[1], 100)
+
+
+def test_a_request_waits_for_a_decode_slot_only_beyond_the_batch_and_a_mixed_replica_s_prompts_hold_slots(inp):
+    """decode_cost: a request that finds max_batch - 1 sequences there takes the last slot at once;
+    one that finds the batch full waits for a slot; on a mixed replica the prompts queued for
+    prefill will hold slots too."""
+    for role in ("decode", "mixed"):
+        r = rep(inp, 1, role, "fog-3")
+        router = Router([rep(inp, 0, "prefill", "fog-1"), r], PortBook(inp.net))
+        b = r.max_batch()
+        assert router.decode_cost(r, ReplicaLoad(max_batch=b, active=b - 1, tokens_left=10.0), 10)[1] == 0.0
+        assert router.decode_cost(r, ReplicaLoad(max_batch=b, active=b, tokens_left=10.0), 10)[1] > 0.0
+    queued = ReplicaLoad(max_batch=b, active=b - 1, prefill_queued=1, tokens_left=10.0)
+    assert router.decode_cost(r, queued, 10)[1] > 0.0  # (r: the mixed one)

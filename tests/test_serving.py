@@ -343,6 +343,57 @@ def test_admission_forgets_the_clients_silent_longest_first():
     assert set(a.since) == {"r"}
 
 
+def test_admission_puts_a_waiting_client_holding_fewer_ahead_of_one_that_waited_longer():
+    """The waiting clients are ordered by the requests they hold first, and only then by how long
+    they have waited: a client holding none is owed a freed slot before one holding two that was
+    refused earlier (either of them may ask first)."""
+    from meshllm.roles.admission import Admission
+
+    for first in ("big", "small"):
+        a = Admission(3)
+        assert [a.try_admit(c, 0.0) for c in ("big", "big", "other")] == [None] * 3
+        assert "limit" in a.try_admit("big", 0.1)  # big waits from 0.1, holding 2
+        assert "limit" in a.try_admit("small", 0.2)  # small waits from 0.2, holding 0
+        a.release("other")
+        if first == "big":
+            assert "owed to a client" in a.try_admit("big", 0.3)
+        assert a.try_admit("small", 0.4) is None and a.held == {"big": 2, "small": 1}
+
+
+def test_admission_lets_a_client_take_a_slot_while_more_are_free_than_clients_ahead_of_it():
+    """Only as many free slots as clients waiting ahead are owed: with two free and one client
+    waiting ahead, the asker takes one and the waiting client still finds the other."""
+    from meshllm.roles.admission import Admission
+
+    a = Admission(3)
+    assert [a.try_admit("x", 0.0) for _ in range(3)] == [None] * 3
+    assert "limit" in a.try_admit("w", 0.1)  # w waits, holding none
+    a.release("x")
+    a.release("x")
+    assert a.try_admit("x", 0.2) is None  # 2 free, 1 owed to w
+    assert "owed to a client" in a.try_admit("x", 0.3)  # 1 free, owed to w
+    assert a.try_admit("w", 0.4) is None and a.held == {"x": 2, "w": 1} and list(a.since) == ["x"]  # x now waits
+
+
+def test_admission_forgets_a_client_once_admitted_so_it_takes_no_waiting_client_s_place():
+    """A client admitted is no longer waiting: at the cap of waiting clients it is not counted,
+    so a client refused after it does not push out one still waiting (which keeps its turn)."""
+    from meshllm.roles.admission import Admission
+
+    a = Admission(2, max_waiting=2)
+    assert [a.try_admit(c, 0.0) for c in ("a", "b")] == [None, None]
+    for c, t in (("c", 0.1), ("d", 0.2), ("c", 0.25)):
+        assert "limit" in a.try_admit(c, t)
+    a.release("a")
+    assert a.try_admit("c", 0.3) is None  # c waited first
+    assert list(a.refused_at) == ["d"] and set(a.since) == {"d"}
+    assert "limit" in a.try_admit("e", 0.4)
+    assert list(a.refused_at) == ["d", "e"]  # d still waits, ahead of e
+    a.release("b")
+    assert "owed to a client" in a.try_admit("e", 0.5)
+    assert a.try_admit("d", 0.6) is None
+
+
 def test_admission_serves_a_client_that_honours_retry_after_beside_one_that_retries_at_once():
     """With as many clients as slots, each client's share is one slot, and a client that sent
     again the moment its request ended got every slot back before one that waited 1 s as told (a
@@ -546,6 +597,53 @@ def test_a_peer_gateway_s_claims_count_only_when_well_formed_live_and_of_this_pl
                                                                                       SimpleNamespace(id=2)])),
                          members=SimpleNamespace(peers=lambda: peers))
     assert KvBook(gw).others() == {1: 540, 2: 7}
+
+
+def test_the_kv_room_left_counts_every_gateway_s_claims_and_a_request_goes_while_a_ready_replica_holds_it():
+    """KvBook.left: each decode replica's room (its leader's figure: this node's own load or its
+    node's heartbeat; a non-integer room is no figure) less this gateway's and the other gateways'
+    claims, 0 while a leader's refusal holds. room_for: a request goes while a ready decode
+    replica has room left for its longest context, or holds nothing at all (it runs alone), or
+    no decode replica is ready; else it waits."""
+    import threading
+    import time as _time
+    from types import SimpleNamespace as NS
+
+    from meshllm.defaults import Role
+    from meshllm.roles.kv_book import MAX_CLAIM, KvBook
+
+    replicas = [NS(id=1, role=Role.DECODE, stages=[NS(node="me")]), NS(id=2, role=Role.DECODE, stages=[NS(node="d2")]),
+                NS(id=3, role=Role.PREFILL, stages=[NS(node="p")]), NS(id=4, role=Role.DECODE, stages=[NS(node="d4")])]
+    nodes = {"d2": NS(load={"leader": {"replica": 2, "kv_room": 256}}), "d4": NS(load={"leader": {"replica": 4, "kv_room": True}})}
+    claims = [[1, 128], [2, 64]]
+    peer_gw = NS(state=NS(value="alive"), load={"gateway": {"plan_version": 3, "kv_claims": claims}})
+    ready = {1, 2, 3}
+    gw = NS(ctx=NS(version=3, plan=NS(replicas=replicas)), me="me", members=NS(get=nodes.get, peers=lambda: [peer_gw]),
+            local_load=lambda: {"leader": {"replica": 1, "kv_room": 512}}, _lock=threading.Lock(),
+            _streams={7: NS(kv_charge=128, decode_rid=1), 8: NS(kv_charge=0, decode_rid=2)},
+            ready_replicas=lambda: sorted(ready), model=NS(max_context=1 << 20), closing=None)
+    book = KvBook(gw)
+    try:
+        assert book.rooms() == {1: 512, 2: 256} and book.claims() == {1: 128}
+        assert book.left() == {1: 256, 2: 192}
+        req = NS(prompt=[0] * 100, emitted=[], n_out=100)  # 200 positions: the 256 slot
+        assert book.room_for(req)  # replica 1 has 256 left
+        ready.discard(1)
+        assert not book.room_for(req)  # 2 has 192 left and holds claims: it waits
+        big = NS(prompt=[0] * 200, emitted=[0] * 10, n_out=210)  # 410 positions: larger than 2's whole room
+        assert not book.room_for(big)
+        claims[:] = [[1, 128]]
+        assert book.room_for(big)  # 2 holds nothing: it may run there alone
+        claims[:] = [[2, 64]]
+        book.full[2] = _time.monotonic() + 60  # 2's leader refused room: full for now
+        assert book.left() == {1: 384, 2: 0} and not book.room_for(req)
+        ready.clear()
+        ready.add(3)
+        assert book.room_for(req)  # no decode replica ready: no limit known to wait for
+        claims[:] = [[2, MAX_CLAIM]]
+        assert book.others() == {2: MAX_CLAIM}
+    finally:
+        book.ask_pool.shutdown(wait=False)
 
 
 def test_sampling_is_the_references(pipes, smollm2, smollm2_tokenizer):
