@@ -1387,34 +1387,44 @@ def test_a_node_whose_model_file_is_not_the_coordinator_s_refuses_its_part() -> 
 
 def test_a_plan_that_comes_while_a_node_loads_its_part_of_an_older_one_stops_that_load(tmp_path, caplog) -> None:
     """A node read the rest of its part of plan v1 (minutes for a large shard on a slow disk)
-    although plan v2 had come meanwhile, and only then took v2. Its load asks before each tensor
-    whether a newer plan has come: v1's stops at its first tensor, says so, sets no plan_error, and
-    v2, next on the compute thread, loads and serves."""
+    although plan v2, which gave it another part, had come meanwhile, and only then took v2. Its
+    load asks before each tensor whether a newer plan gives it another part: v1's stops at its
+    first tensor, says so, sets no plan_error, and v2, next on the compute thread, applies. A newer
+    plan that gives it the same part (another replica changed) lets the load finish: v2 then
+    finds those layers held and reads nothing."""
     from tests.conftest import write_gguf_model
 
     path = write_gguf_model(load_transformer("tiny"), tmp_path / "tiny.gguf")
-    net = Net()
-    net.live = False
-    h = RoleHost(FakeTransport(net, "dg", NODES["dg"]), dataclasses.replace(node_cfg("dg"), model=str(path)))
-    queued: list[Callable[[], None]] = []
-    h.worker = SimpleNamespace(submit=queued.append, close=lambda: None)  # the compute thread, run by hand
-    plan, addresses, lives = make_plan().to_json(), dict(NODES), {n: 1 for n in NODES}
-    file_source, sources = h.weights.source, []
+    same = make_plan()
+    other = dataclasses.replace(same, replicas=same.replicas[:3])  # no part for dg: a warm spare
+    addresses, lives = dict(NODES), {n: 1 for n in NODES}
+    for v2, stops in [(other, True), (same, False)]:
+        net = Net()
+        net.live = False
+        h = RoleHost(FakeTransport(net, "dg", NODES["dg"]), dataclasses.replace(node_cfg("dg"), model=str(path)))
+        queued: list[Callable[[], None]] = []
+        h.worker = SimpleNamespace(submit=queued.append, close=lambda: None)  # the compute thread, run by hand
+        file_source, sources = h.weights.source, []
 
-    def source(a: int, b: int | None):  # v2 comes (on the I/O thread) as v1's load starts
-        sources.append((a, b))
-        if len(sources) == 1:
-            h.offer(2, plan, addresses, "pa", lives)
-        return file_source(a, b)
-    h.weights.source = source
-    h.offer(1, plan, addresses, "pa", lives)
-    assert len(queued) == 1
-    with caplog.at_level(logging.INFO, logger="meshllm.host"):
-        queued.pop(0)()  # v1's apply: its load stops
-    assert "plan v2 came while it loaded its part of plan v1: that load stopped" in caplog.text
-    assert h.ready_version == 0 and h.plan_error is None and h.shard.model is None and h.stage is None
-    assert len(queued) == 1
-    queued.pop(0)()  # v2's apply
-    assert h.ready_version == 2 and h.plan_error is None and h.stage is not None
-    assert sources == [(0, 4), (0, 4)] and (h.shard.model.start, h.shard.model.end) == (0, 4)
-    h.close()
+        def source(a: int, b: int | None, h=h, sources=sources, file_source=file_source, v2=v2):
+            sources.append((a, b))  # v2 comes (on the I/O thread) as v1's load starts
+            if len(sources) == 1:
+                h.offer(2, v2.to_json(), addresses, "pa", lives)
+            return file_source(a, b)
+        h.weights.source = source
+        h.offer(1, same.to_json(), addresses, "pa", lives)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="meshllm.host"):
+            queued.pop(0)()  # v1's apply
+        said = "plan v2 came while it loaded its part of plan v1: that load stopped" in caplog.text
+        assert said == stops and h.plan_error is None and len(queued) == 1
+        if stops:
+            assert h.ready_version == 0 and h.shard.model is None and h.stage is None
+        else:
+            assert h.ready_version == 1 and (h.shard.model.start, h.shard.model.end) == (0, 4)
+        queued.pop(0)()  # v2's apply
+        assert h.ready_version == 2 and h.plan_error is None
+        assert (h.stage is None) == stops
+        # v2's warm spare is the whole model, read anew; the same part is read once
+        assert sources == ([(0, 4), (0, None)] if stops else [(0, 4)]), sources
+        h.close()

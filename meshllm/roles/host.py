@@ -73,6 +73,7 @@ class RoleHost:
         self.balancer = None  # decode replicas' leaders: capacity and session moves (roles/decode.py)
         self.ctx: PlanContext | None = None
         self.offered = 0  # newest plan version received (applied or being applied)
+        self.newest: PlanContext | None = None  # ... and that plan
         self.max_seen = 0  # newest plan version seen from anyone (a new coordinator starts above it)
         self.coordinator_of: Callable[[], str] | None = None  # who this node obeys (set by the Node)
         self.ready_version = 0  # plan version whose stage is loaded and serving
@@ -128,8 +129,8 @@ class RoleHost:
         if not isinstance(incarnations, dict) or not all(
                 isinstance(v, int) and not isinstance(v, bool) for v in incarnations.values()):
             raise ProtocolError(f"PLAN v{version}: incarnations must map node ids to integers")
-        self.offered = version
         ctx = PlanContext(version, plan, addresses, self.me, {str(k): v for k, v in incarnations.items()})
+        self.newest, self.offered = ctx, version  # (in this order: a load that sees the version sees its plan)
         log.info("%s: plan v%d from %s: %s", self.me, version, coordinator, describe(ctx, self.me))
         refuse = None
         if model_id and self.model_id and model_id != self.model_id:  # (a node with no file takes the peers')
@@ -190,8 +191,18 @@ class RoleHost:
 
     def _superseded(self, ctx: PlanContext) -> Callable[[], bool]:
         """Asked by a load of weights for `ctx` before each tensor: has a newer plan come (the I/O
-        thread's `offer` counts it)? Its apply, queued on this thread, then comes next."""
-        return lambda: self.offered > ctx.version
+        thread's `offer` takes it) that gives this node another part? Its apply, queued on this
+        thread, then comes next. A newer plan that gives it the same part (another replica
+        changed) lets the load go on: the newer plan then finds those weights held."""
+        part = self._part(ctx)
+        return lambda: self.offered > ctx.version and self._part(self.newest) != part
+
+    def _part(self, ctx: PlanContext) -> tuple:
+        """The weights `ctx` has this node hold: its stage's layers, the draft, or a warm spare."""
+        mine = ctx.mine
+        if mine is not None:
+            return ("layers", tuple(mine[0].stages[mine[1]].layers))
+        return ("draft",) if self.me in ctx.plan.drafters and self.cfg.speculation.mode != "off" else ("spare",)
 
     def _carry_over(self, old: PlanContext, ctx: PlanContext) -> None:
         """Keep this replica serving under the new plan version."""

@@ -7,10 +7,11 @@ layers around it are loaded (a re-plan that moves a stage boundary by a few laye
 few); otherwise the old shard is freed first and the range is loaded. Layers are loaded from
 the model file, or fetched from a peer that has them (roles/weights_fetch.py).
 
-A load asks its `stop` before each tensor it reads (the host's: has a newer plan come?): a node
-that a plan gives a part and the next plan another, while it still reads the first (minutes for a
-large shard on a slow disk), stops at once (LoadCancelled) and holds nothing, instead of
-reading the rest of a part that is no longer its. A fetch from a peer is not stopped.
+A load asks its `stop` before each tensor it reads (the host's: has a newer plan given this node
+another part?): a node that a plan gives a part and the next plan another, while it still reads
+the first (minutes for a large shard on a slow disk), stops at once (LoadCancelled) and holds
+nothing, instead of reading the rest of a part that is no longer its. A fetch from a peer is not
+stopped.
 """
 
 from __future__ import annotations
