@@ -366,3 +366,29 @@ def test_a_request_waits_for_a_decode_slot_only_beyond_the_batch_and_a_mixed_rep
         assert router.decode_cost(r, ReplicaLoad(max_batch=b, active=b, tokens_left=10.0), 10)[1] > 0.0
     queued = ReplicaLoad(max_batch=b, active=b - 1, prefill_queued=1, tokens_left=10.0)
     assert router.decode_cost(r, queued, 10)[1] > 0.0  # (r: the mixed one)
+
+
+def test_a_prompt_s_kv_waits_for_its_port_only_past_its_prefill_and_that_wait_counts_twice(inp):
+    """tx_wait_s: the KV of a prompt ready at `at` waits for what is booked on its port (and the
+    KV of the prompts ahead of it) only beyond `at`. In a prefill replica's score that wait comes
+    in the shipping time and again, weighted, in the waiting term: a busy port raises the score by
+    exactly (1 + w) x the wait."""
+    from meshllm.partition.cost import transfer_s
+
+    reps = [rep(inp, 0, "prefill", "fog-1"), rep(inp, 1, "decode", "fog-2")]
+    ports = PortBook(inp.net)
+    router = Router(reps, ports)
+    loads = loads_for(reps)
+    member, kv = reps[0].members[0], 30 * inp.mc.kv_bytes_per_token
+    idle = router.prefill_score(reps[0], loads, 100, 32, 2.0, ships=False)
+    ports.free[(member.id, "tx")] = 10.0  # its port is busy until t = 10
+    assert router.tx_wait_s(member, kv, loads[0], 2.0, 5.0) == pytest.approx(5.0, rel=1e-12)  # 8 s booked, 3 hidden
+    assert router.tx_wait_s(member, kv, loads[0], 2.0, 12.0) == 0.0
+    _, lat = reps[0].prefill_s(100)
+    wait = 10.0 - (2.0 + lat)  # the prompt is ready at now + its prefill latency
+    assert wait > 0
+    busy = router.prefill_score(reps[0], loads, 100, 32, 2.0, ships=False)
+    assert busy - idle == pytest.approx((1 + router.w) * wait, rel=1e-9)
+    loads[0].kv_unshipped_tokens = 1000  # the KV of prompts ahead, not on the port yet
+    ahead = transfer_s(kv * 1000, member.device.network_mbps)
+    assert router.tx_wait_s(member, kv, loads[0], 2.0, 5.0) == pytest.approx(5.0 + ahead, rel=1e-12)
