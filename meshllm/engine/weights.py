@@ -215,7 +215,7 @@ def load_quantized(spec: str | ModelSource, quant: str, group_size: int,
     memory is the draft plus one fp32 layer, not the whole fp32 target (4 bytes a weight: ~32 GB
     for llama-3-8b, whose W4A16 draft the planner places on an 8 GB device). Bit for bit the draft
     `quantize_model` makes of `load_transformer(spec, pack=False)`. A random test model is drawn
-    whole (it is small). `stop`: as load_transformer's, asked before each layer."""
+    whole (it is small). `stop`: as load_transformer's."""
     from meshllm.engine.quant import ACT_DTYPE, by_rows, quantize_model, quantize_weight
 
     src = resolve_model(spec) if isinstance(spec, str) else spec
@@ -237,9 +237,8 @@ def load_quantized(spec: str | ModelSource, quant: str, group_size: int,
     model.output = quantize_weight(rows["output.weight"], quant, group_size)
     in_rows = {k: r.name for k, r in rows.items()}  # read a block of rows at a time: left out below
     for start, end in [(0, 0)] + [(i, i + 1) for i in range(n)] + [(n, n)]:
-        _stopped(stop)
-        sd = {_renumber(k, start): v.float()
-              for k, v in _file_state(src, start, end, start == end == 0, start == end == n, skip=in_rows).items()}
+        sd = {_renumber(k, start): v.float() for k, v in
+              _file_state(src, start, end, start == end == 0, start == end == n, skip=in_rows, stop=stop).items()}
         model.load_state_dict(fuse_state_dict(sd), strict=False, assign=True)
         del sd
         quantize_model(model, quant, group_size)  # the piece just loaded; the rest is still meta

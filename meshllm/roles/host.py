@@ -180,7 +180,7 @@ class RoleHost:
             self._listen_drafts(None)
             if mine is not None:
                 self._build_stage(ctx, *mine)
-            elif self.me in ctx.plan.drafters and self.cfg.speculation.mode != "off":
+            elif self._part(ctx) == ("draft",):
                 self._build_drafter()
             else:
                 self.shard.warm_spare(ctx.version, self._superseded(ctx))
